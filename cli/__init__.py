@@ -1,0 +1,1 @@
+"""The `surgery` command line: parse, call the library, render."""

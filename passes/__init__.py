@@ -1,0 +1,1 @@
+"""One module per pass; importing this package registers them all by name."""

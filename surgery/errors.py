@@ -1,0 +1,47 @@
+"""Errors a user can act on: each names the problem and the fix, so the CLI can print one
+paragraph instead of a traceback from deep inside torch."""
+
+
+class SurgeryError(Exception):
+    """Base class: `problem` says what is wrong, `fix` what to do about it."""
+
+    def __init__(self, problem: str, fix: str = ""):
+        self.problem = problem
+        self.fix = fix
+        super().__init__(f"{problem} {fix}".strip())
+
+
+class ModelLoadError(SurgeryError):
+    """The model source could not be read (path, GGUF, config, missing package)."""
+
+
+class CaptureError(SurgeryError):
+    """torch.export could not trace the model, or the graph cannot take an input."""
+
+
+class NoAttentionError(SurgeryError):
+    """The graph holds no attention that this toolkit can find."""
+
+
+class SiteError(SurgeryError):
+    """An attention site was found but one of its parts could not be resolved."""
+
+
+class PassConfigError(SurgeryError):
+    """A pass was given a config it cannot honour (bad layer, bad ratio, unknown key)."""
+
+
+class PassOrderError(SurgeryError):
+    """Passes were composed in an order whose requirements are not met."""
+
+
+class PassFailedError(SurgeryError):
+    """A pass raised while running; the message names it and what ran before."""
+
+
+class CheckpointError(SurgeryError):
+    """A saved hybrid is missing, corrupt, or does not match its recipe."""
+
+
+class CalibrationError(SurgeryError):
+    """Calibration data or statistics are unusable (empty text, NaN statistics)."""

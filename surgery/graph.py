@@ -1,0 +1,64 @@
+"""The object every pass reads and rewrites: a captured GraphModule plus what we know about it."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass
+class Graph:
+    """A captured causal LM.
+
+    gm        torch.fx GraphModule from torch.export (parameter names = the model's state_dict names)
+    config    the teacher's transformers config (rebuilds the architecture at load time)
+    source    how the teacher was obtained: {"kind": "gguf"|"dir"|"module"|"config", "path": ..., ...}
+    tokenizer the teacher's tokenizer, or None
+    sites     the attention sites found at capture time, in execution order (layer i = sites[i])
+    meta      decisions written by passes, keyed by pass name (the recipe records them)
+    history   [(pass name, config dict)] of the passes applied, in order
+    """
+
+    gm: torch.fx.GraphModule
+    config: Any
+    source: dict
+    tokenizer: Any = None
+    sites: list = field(default_factory=list)
+    meta: dict = field(default_factory=dict)
+    history: list = field(default_factory=list)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.sites)
+
+    @property
+    def layer_kinds(self) -> list[str]:
+        """'attention' or 'gdn' per layer, as the passes left it."""
+        replaced = set(self.meta.get("replace", {}).get("layers", []))
+        return ["gdn" if i in replaced else "attention" for i in range(self.num_layers)]
+
+    @property
+    def device(self) -> torch.device:
+        for p in self.gm.parameters():
+            return p.device
+        return torch.device("cpu")
+
+    @property
+    def dtype(self) -> torch.dtype:
+        for p in self.gm.parameters():
+            if p.is_floating_point():
+                return p.dtype
+        return torch.float32
+
+    @property
+    def max_length(self) -> int:
+        return int(self.meta.get("capture", {}).get("max_length", 2048))
+
+    def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Run the graph on token ids [B, T] and return logits [B, T, V]."""
+        from .capture import run_graph
+
+        return run_graph(self, input_ids)
+
+    __call__ = logits
