@@ -17,7 +17,9 @@ class Graph:
     tokenizer the teacher's tokenizer, or None
     sites     the attention sites found at capture time, in execution order (layer i = sites[i])
     meta      decisions written by passes, keyed by pass name (the recipe records them)
-    history   [(pass name, config dict)] of the passes applied, in order
+    history   [{"pass": name, "config": dict}] of the passes applied, in order
+    teacher   the untouched teacher GraphModule once a pass has rewritten gm (it shares parameter
+              tensors with gm); calibration reads the teacher's attention from it
     """
 
     gm: torch.fx.GraphModule
@@ -27,6 +29,11 @@ class Graph:
     sites: list = field(default_factory=list)
     meta: dict = field(default_factory=dict)
     history: list = field(default_factory=list)
+    teacher: torch.fx.GraphModule | None = None
+
+    @property
+    def teacher_gm(self) -> torch.fx.GraphModule:
+        return self.teacher if self.teacher is not None else self.gm
 
     @property
     def num_layers(self) -> int:

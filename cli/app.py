@@ -1,0 +1,225 @@
+"""`surgery ...`: parse, call the library, render. Nothing here a Python user could not reach."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from surgery.errors import SurgeryError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="Convert softmax attention to Gated DeltaNet, Taylor-Calibrated.")
+out = Console()
+err = Console(stderr=True)
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+ModelOpt = typer.Option(DEFAULT_MODEL, "--model", "-m", help="Model directory, .gguf file, saved hybrid, or short name.")
+DebugOpt = typer.Option(False, "--debug", help="Show full tracebacks.")
+DeviceOpt = typer.Option(None, "--device", help="cpu, cuda, cuda:1 ... (default: cuda when available).")
+DtypeOpt = typer.Option(None, "--dtype", help="float32, bfloat16, float16 (default: float32 on CPU, bfloat16 on CUDA).")
+
+
+def _fail(exc: SurgeryError) -> None:
+    err.print(f"[bold red]Error:[/] {exc.problem}")
+    if exc.fix:
+        err.print(f"[bold]Fix:[/] {exc.fix}")
+    raise typer.Exit(2)
+
+
+def _guard(debug: bool):
+    """Context: SurgeryError -> one paragraph and exit 2 (tracebacks only with --debug)."""
+
+    class Guard:
+        def __enter__(self):
+            return self
+
+        def __exit__(self, kind, value, tb):
+            if value is None or debug or isinstance(value, (typer.Exit, KeyboardInterrupt)):
+                return False
+            if isinstance(value, SurgeryError):
+                _fail(value)
+            return False
+
+    return Guard()
+
+
+def _placement(device: Optional[str], dtype: Optional[str]):
+    import torch
+
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if dtype is None:
+        dt = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    else:
+        if not isinstance(getattr(torch, dtype, None), torch.dtype):
+            raise SurgeryError(f"Unknown dtype '{dtype}'.", "Use float32, bfloat16 or float16.")
+        dt = getattr(torch, dtype)
+    return dev, dt
+
+
+def open_model(source: str, device=None, dtype=None, debug: bool = False):
+    """A saved hybrid (DIR with recipe.json) or any teacher source -> Graph."""
+    from surgery import capture, load
+
+    if Path(source).is_dir() and (Path(source) / "recipe.json").exists():
+        return load(source, device=device, dtype=dtype)
+    return capture(source, device=device, dtype=dtype, debug=debug)
+
+
+@app.command()
+def inspect(model: str = ModelOpt, as_json: bool = typer.Option(False, "--json", help="Print JSON."), debug: bool = DebugOpt,
+            device: Optional[str] = DeviceOpt, dtype: Optional[str] = DtypeOpt):
+    """Show the attention sites found in the model's graph."""
+    with _guard(debug):
+        dev, dt = _placement(device or "cpu", dtype)
+        graph = open_model(model, dev, dt, debug)
+        rows = [s.summary() | {"now": k} for s, k in zip(graph.sites, graph.layer_kinds)]
+        if as_json:
+            print(json.dumps({"model": model, "architecture": type(graph.config).__name__, "layers": len(rows), "sites": rows}, indent=1))
+            return
+        table = Table(title=f"{model}: {len(rows)} attention layers ({graph.config.model_type})")
+        cols = ("layer", "path", "now", "kind", "heads", "kv_heads", "head_dim", "fused_qkv", "qkv_bias", "rope", "qk_norm", "softcap", "scale")
+        for col in cols:
+            table.add_column(col)
+        for r in rows:
+            table.add_row(*[f"{r[c]:.4g}" if isinstance(r[c], float) else str(r[c]) for c in cols])
+        out.print(table)
+
+
+@app.command()
+def diff(a: str = typer.Argument(..., help="Model or saved hybrid (before)."), b: str = typer.Argument(..., help="Model or saved hybrid (after)."),
+         as_json: bool = typer.Option(False, "--json"), debug: bool = DebugOpt):
+    """Per-layer differences between two models (e.g. a teacher and its saved hybrid)."""
+    from surgery import diff as graph_diff
+
+    with _guard(debug):
+        ga, gb = open_model(a, debug=debug), open_model(b, debug=debug)
+        result = graph_diff(ga, gb)
+        if as_json:
+            print(json.dumps(result, indent=1))
+            return
+        render_diff(result, f"{a} -> {b}")
+
+
+def render_diff(result: dict, title: str) -> None:
+    table = Table(title=title)
+    for col in ("layer", "before", "after", "summary"):
+        table.add_column(col, overflow="fold")
+    for e in result["layers"]:
+        table.add_row(str(e["layer"]), e["before"], e["after"], e["summary"])
+    out.print(table)
+    if result["unchanged_layers"]:
+        out.print(f"unchanged: {', '.join(str(k) for k in result['unchanged_layers'])}")
+
+
+def _parse_options(items: List[str]) -> dict:
+    configs: dict = {}
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        name, dot, option = key.partition(".")
+        if not sep or not dot:
+            raise SurgeryError(f"Option '{item}' is not of the form pass.key=value.", "Write e.g. --set align.steps=100.")
+        configs.setdefault(name, {})[option] = value
+    return configs
+
+
+@app.command()
+def apply(
+    model: str = ModelOpt,
+    passes: str = typer.Option("select,replace,calibrate,align", "--passes", "-p", help="Comma-separated pass names, in order."),
+    out_dir: Path = typer.Option(..., "--out", "-o", help="Directory for the hybrid (written atomically)."),
+    force: bool = typer.Option(False, "--force", help="Replace an existing --out."),
+    keep_ratio: Optional[float] = typer.Option(None, "--keep-ratio", help="Fraction of attention layers kept (uniform selection)."),
+    layers: Optional[str] = typer.Option(None, "--layers", help="Layers to convert, e.g. 1,3,5 (overrides --keep-ratio)."),
+    calibration: Optional[List[Path]] = typer.Option(None, "--calibration", help="Calibration text file(s); default: the built-in sample."),
+    options: Optional[List[str]] = typer.Option(None, "--set", help="Pass option pass.key=value (repeatable), e.g. align.steps=100."),
+    device: Optional[str] = DeviceOpt, dtype: Optional[str] = DtypeOpt, debug: bool = DebugOpt,
+):
+    """Run passes on a model and save the hybrid."""
+    from surgery import PassManager, capture, diff as graph_diff, save
+
+    with _guard(debug):
+        names = [p.strip() for p in passes.split(",") if p.strip()]
+        configs = _parse_options(options)
+        if "select" in names:
+            sel = configs.setdefault("select", {})
+            if layers:
+                sel.update(policy="convert", layers=layers)
+            elif keep_ratio is not None:
+                sel.update(policy="uniform", keep_ratio=keep_ratio)
+        for name in ("calibrate", "align"):
+            if name in names and calibration:
+                configs.setdefault(name, {})["calibration"] = [str(p) for p in calibration]
+        manager = PassManager(names, configs)
+        manager.validate()
+        if out_dir.exists() and not force:
+            raise SurgeryError(f"'{out_dir}' already exists.", "Choose another --out, or pass --force to replace it.")
+        dev, dt = _placement(device, dtype)
+        err.print(f"loading and capturing {model} on {dev} ({str(dt).removeprefix('torch.')})")
+        graph = capture(model, device=dev, dtype=dt, debug=debug)
+        err.print(f"found {graph.num_layers} attention layers")
+        if any(p.name in ("calibrate", "align") for p in manager.passes) and not calibration:
+            err.print("no --calibration given: using the built-in calibration sample")
+
+        def report(name, result):
+            brief = {k: v for k, v in result.info.items() if isinstance(v, (int, float, str)) or (isinstance(v, list) and len(v) <= 32)}
+            err.print(f"[green]✓[/] {name}: {json.dumps(brief)[:300]}")
+
+        before = None
+        if any(p.structural for p in manager.passes):
+            from surgery.graph import Graph
+
+            before = Graph(gm=graph.gm, config=graph.config, source=graph.source, sites=graph.sites, meta=dict(graph.meta))
+        manager(graph, progress=report)
+        if before is not None:
+            render_diff(graph_diff(before, graph, compare_values=False), f"{model} -> hybrid")
+        save(graph, out_dir, force=force)
+        err.print(f"saved to {out_dir}")
+
+
+@app.command("eval")
+def evaluate(model: str = ModelOpt, text: Path = typer.Option(..., "--text", "-t", help="Text file to score."),
+             as_json: bool = typer.Option(False, "--json"), chunk: int = typer.Option(2048, "--chunk"),
+             batch_size: int = typer.Option(1, "--batch-size"), device: Optional[str] = DeviceOpt, dtype: Optional[str] = DtypeOpt,
+             debug: bool = DebugOpt):
+    """Perplexity of a teacher or a saved hybrid on a text file (WikiText-2 protocol)."""
+    from rich.progress import Progress
+
+    from surgery.evaluate import perplexity, read_text, tokenize
+
+    with _guard(debug):
+        dev, dt = _placement(device, dtype)
+        graph = open_model(model, dev, dt, debug)
+        ids = tokenize(graph.tokenizer, read_text(text))
+        with Progress(console=err, transient=True, disable=as_json or not sys.stderr.isatty()) as bar:
+            task = bar.add_task("evaluating", total=None)
+            result = perplexity(graph, ids, chunk=chunk, batch_size=batch_size, progress=lambda i, n: bar.update(task, completed=i, total=n))
+        result |= {"model": model, "text": str(text)}
+        if as_json:
+            print(json.dumps(result))
+        else:
+            out.print(f"perplexity {result['perplexity']:.3f} over {result['tokens']:,} predicted tokens ({result['chunks']} chunks of {result['chunk_length']})")
+
+
+@app.command("passes")
+def list_passes():
+    """List the registered passes and their options."""
+    import dataclasses
+
+    from surgery.pass_base import REGISTRY, known_passes
+
+    for name in known_passes():
+        cls = REGISTRY[name]
+        fields = ", ".join(f"{f.name}={f.default!r}" for f in dataclasses.fields(cls.config_cls))
+        out.print(f"[bold]{name}[/] requires={list(cls.requires)}  {fields}")
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,155 @@
+"""replace: each selected attention site becomes one call to a Gated DeltaNet module.
+
+The region from the Q/K/V projections through the attention op to the output projection is cut out
+of the graph; the GDN takes the region's input (the normed hidden states) and its output replaces
+the output projection's. Q and O are copied, K and V GQA-expanded, fused QKV sliced, biases kept;
+the new GDN parameters keep flash-linear-attention's default initialisation (the paper's baseline).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from surgery.errors import PassConfigError
+from surgery.graph import Graph
+from surgery.pass_base import Pass, PassConfig, PassResult, register
+from surgery.rewrite import fork, nodes_by_name, prune, splice_module
+from surgery.sites import AttentionSite, _ancestors, _descendants
+from tcal.gdn import GatedDeltaNet
+
+V_ACTIVATIONS = ("silu", "identity")
+BACKENDS = ("auto", "torch", "fla")
+
+
+@dataclass
+class ReplaceConfig(PassConfig):
+    """use_short_conv  add fla's depthwise causal convolutions (initialised to identity)
+    v_activation       fla applies SiLU to v without convolutions; "identity" keeps the teacher's values
+    backend            GDN kernel: auto (fla on CUDA when usable, chunked PyTorch otherwise), torch, fla
+    seed               seeds the default initialisation of the new parameters"""
+
+    use_short_conv: bool = False
+    conv_size: int = 4
+    v_activation: str = "silu"
+    backend: str = "auto"
+    norm_eps: float = 1e-5
+    seed: int = 0
+
+    def validate(self) -> None:
+        if self.v_activation not in V_ACTIVATIONS:
+            raise PassConfigError(f"v_activation '{self.v_activation}' is not one of {V_ACTIVATIONS}.", "Pick one of them.")
+        if self.backend not in BACKENDS:
+            raise PassConfigError(f"backend '{self.backend}' is not one of {BACKENDS}.", "Pick one of them.")
+        if self.conv_size < 1:
+            raise PassConfigError(f"conv_size must be >= 1, got {self.conv_size}.", "Use e.g. 4.")
+
+
+def gdn_for_site(site: AttentionSite, config: ReplaceConfig) -> GatedDeltaNet:
+    return GatedDeltaNet(
+        site.hidden_size, site.num_heads, site.head_dim,
+        q_bias=bool(site.q.bias), k_bias=bool(site.k.bias), v_bias=bool(site.v.bias), o_bias=bool(site.o.bias),
+        use_short_conv=config.use_short_conv, conv_size=config.conv_size, norm_eps=config.norm_eps,
+        v_activation=config.v_activation, backend=config.backend, layer_idx=site.layer,
+    )
+
+
+def transfer_weights(gdn: GatedDeltaNet, site: AttentionSite, params: dict, target: str) -> list[str]:
+    """Copy the teacher's projections into the GDN; return the `src -> dst` log lines."""
+    log = []
+    expanded = site.kv_map  # query head h reads KV head kv_map[h]: GQA expansion repeats rows
+    plan = [("q_proj", site.q, None), ("k_proj", site.k, expanded), ("v_proj", site.v, expanded)]
+    with torch.no_grad():
+        for name, proj, heads in plan:
+            w, b = proj.out_matrix(params, heads)
+            layer = getattr(gdn, name)
+            layer.weight.copy_(w)
+            log.append(_log_line(proj, heads, f"{target}.{name}.weight"))
+            if b is not None:
+                layer.bias.copy_(b)
+                log.append(f"{proj.bias}[{_row_text(proj, heads)}] -> {target}.{name}.bias")
+        w, b = site.o.in_matrix(params)
+        gdn.o_proj.weight.copy_(w)
+        log.append(f"{site.o.weight}{'^T' if site.o.transposed else ''}[:, {_span(site.o.rows())}] -> {target}.o_proj.weight")
+        if b is not None:
+            gdn.o_proj.bias.copy_(b)
+            log.append(f"{site.o.bias} -> {target}.o_proj.bias")
+    return log
+
+
+def _span(rows: list[int]) -> str:
+    if rows == list(range(rows[0], rows[0] + len(rows))):
+        return f"{rows[0]}:{rows[0] + len(rows)}"
+    return f"{len(rows)} rows from {min(rows)}..{max(rows)}"
+
+
+def _row_text(proj, heads) -> str:
+    text = _span(proj.rows(heads if heads is None else sorted(set(heads))))
+    return text + (f", heads repeated {heads}" if heads is not None and len(set(heads)) < len(heads) else "")
+
+
+def _log_line(proj, heads, dst: str) -> str:
+    return f"{proj.weight}{'^T' if proj.transposed else ''}[{_row_text(proj, heads)}] -> {dst}"
+
+
+def module_target(gm: torch.fx.GraphModule, site: AttentionSite) -> str:
+    """Where the GDN lives: at the attention module's own path when nothing outside the replaced
+    region uses that module's tensors, so state_dict names stay familiar (…self_attn.q_proj.weight)."""
+    nodes = nodes_by_name(gm)
+    x, out = nodes[site.input_node], nodes[site.output_node]
+    region = (_descendants(x) & _ancestors(out)) | {out}
+    prefix = site.module_path + "."
+    for n in gm.graph.nodes:
+        if n.op == "get_attr" and n.target.startswith(prefix) and any(u not in region for u in n.users):
+            return site.module_path + "_gdn"
+    return site.module_path
+
+
+@register
+class Replace(Pass):
+    name = "replace"
+    config_cls = ReplaceConfig
+    requires = ("select",)
+    forbids = ("replace",)
+    structural = True
+
+    def check(self, graph: Graph) -> None:
+        convert = graph.meta.get("select", {}).get("convert", [])
+        if not convert:
+            raise PassConfigError("select chose no layer to convert.", "Run select with a policy that converts at least one layer.")
+
+    def run(self, graph: Graph) -> PassResult:
+        convert = graph.meta["select"]["convert"]
+        teacher = graph.gm
+        params = dict(teacher.named_parameters(remove_duplicate=False))
+        device, dtype = graph.device, graph.dtype
+        hybrid = fork(teacher)
+        modules, copies = {}, []
+        torch.manual_seed(self.config.seed)
+        for layer in convert:
+            site = graph.sites[layer]
+            target = module_target(teacher, site)
+            gdn = gdn_for_site(site, self.config).to(device=device, dtype=dtype)
+            copies += transfer_weights(gdn, site, params, target)
+            self._splice(hybrid, site, target, gdn)
+            modules[str(layer)] = {"target": target, "gdn_config": gdn.gdn_config()}
+        removed = prune(hybrid)
+        graph.teacher, graph.gm = teacher, hybrid
+        graph.meta["replace"] = {"layers": list(convert), "modules": modules, "copies": copies, "config": self.config.to_dict()}
+        return PassResult(graph, modified=True, info={"layers": list(convert), "nodes_removed": removed, "copies": len(copies)})
+
+    @staticmethod
+    def _splice(gm, site: AttentionSite, target: str, gdn: GatedDeltaNet) -> None:
+        nodes = nodes_by_name(gm)
+        splice_module(gm, target, gdn, [nodes[site.input_node]], nodes[site.output_node])
+
+    def replay(self, graph: Graph, decisions: dict) -> None:
+        """Rebuild the GDN modules (weights are loaded afterwards) and rewrite the graph the same way."""
+        hybrid = fork(graph.gm)
+        for layer in decisions["layers"]:
+            entry = decisions["modules"][str(layer)]
+            gdn = GatedDeltaNet.from_gdn_config(entry["gdn_config"]).to(device=graph.device, dtype=graph.dtype)
+            self._splice(hybrid, graph.sites[layer], entry["target"], gdn)
+        prune(hybrid)
+        graph.teacher, graph.gm = graph.gm, hybrid
+        graph.meta["replace"] = decisions

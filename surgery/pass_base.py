@@ -1,0 +1,200 @@
+"""The pass protocol: a small class with a validated config, declared ordering, and a manager that
+checks the whole pipeline before anything runs (after torch.fx.passes.infra's PassBase/PassManager,
+with torchao's name -> config -> handler registry)."""
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from .errors import PassConfigError, PassFailedError, PassOrderError, SurgeryError
+from .graph import Graph
+
+
+@dataclass
+class PassConfig:
+    """Base of every pass config: a dataclass that validates itself and round-trips through JSON."""
+
+    def validate(self) -> None:
+        """Raise PassConfigError naming the bad field; subclasses extend."""
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict | None) -> "PassConfig":
+        data = dict(data or {})
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise PassConfigError(f"{cls.__name__} has no option {', '.join(unknown)}.", f"Known options: {', '.join(sorted(names))}.")
+        hints = typing.get_type_hints(cls)
+        for key, value in list(data.items()):
+            data[key] = _coerce(cls.__name__, key, hints[key], value)
+        config = cls(**data)
+        config.validate()
+        return config
+
+
+def _coerce(owner: str, key: str, hint, value):
+    """Accept JSON and CLI spellings (a "0.5" string, a list for a tuple) but refuse wrong kinds."""
+    if value is None:
+        return None
+    options = [a for a in typing.get_args(hint) if a is not type(None)] or [hint]
+    for kind in options:
+        origin = typing.get_origin(kind) or kind
+        try:
+            if origin in (list, tuple):
+                items = value.split(",") if isinstance(value, str) else list(value)
+                inner = (typing.get_args(kind) or (Any,))[0]
+                return origin(_coerce(owner, key, inner, v) for v in items if v != "")
+            if origin is bool:
+                if isinstance(value, str):
+                    if value.lower() in ("1", "true", "yes", "on"):
+                        return True
+                    if value.lower() in ("0", "false", "no", "off"):
+                        return False
+                    continue
+                return bool(value)
+            if origin in (int, float, str):
+                if origin is int and isinstance(value, float) and not value.is_integer():
+                    continue
+                return origin(value)
+            if origin is Any:
+                return value
+        except (TypeError, ValueError):
+            continue
+    raise PassConfigError(f"{owner}.{key} = {value!r} is not a valid {hint}.", "Fix the value and run again.")
+
+
+@dataclass
+class PassResult:
+    graph: Graph
+    modified: bool
+    info: dict = field(default_factory=dict)
+
+
+class Pass:
+    """A graph rewrite. Subclasses set `name`, `config_cls`, the ordering they need, and `run`.
+
+    requires   passes that must have run before this one
+    forbids    passes that must NOT have run before this one (e.g. calibrate after align would undo it)
+    structural True when the pass changes the architecture: checkpoint.load replays it from the recipe
+    """
+
+    name: ClassVar[str] = ""
+    config_cls: ClassVar[type[PassConfig]] = PassConfig
+    requires: ClassVar[tuple[str, ...]] = ()
+    forbids: ClassVar[tuple[str, ...]] = ()
+    structural: ClassVar[bool] = False
+
+    def __init__(self, config: PassConfig | dict | None = None, **options):
+        if isinstance(config, PassConfig):
+            if options:
+                config = self.config_cls.from_dict(config.to_dict() | options)
+        else:
+            config = self.config_cls.from_dict(dict(config or {}) | options)
+        config.validate()
+        self.config = config
+
+    def check(self, graph: Graph) -> None:
+        """Everything that can be checked before mutating; raise a SurgeryError on failure."""
+
+    def run(self, graph: Graph) -> PassResult:
+        raise NotImplementedError
+
+    def replay(self, graph: Graph, decisions: dict) -> None:
+        """Rebuild this pass's structural change from recorded decisions (checkpoint load)."""
+        raise NotImplementedError(f"pass '{self.name}' is not structural")
+
+    def __call__(self, graph: Graph) -> PassResult:
+        self.check(graph)
+        result = self.run(graph)
+        graph.history.append({"pass": self.name, "config": self.config.to_dict()})
+        if result.modified:
+            lint(graph)
+        return result
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.config})"
+
+
+REGISTRY: dict[str, type[Pass]] = {}
+
+
+def register(cls: type[Pass]) -> type[Pass]:
+    """Class decorator: make a pass reachable by name (`--passes a,b,c`)."""
+    if not cls.name:
+        raise TypeError(f"{cls.__name__} has no name")
+    REGISTRY[cls.name] = cls
+    return cls
+
+
+def known_passes() -> list[str]:
+    import surgery.passes  # noqa: F401  (importing the package registers every pass)
+
+    return sorted(REGISTRY)
+
+
+def get_pass(name: str, config: dict | None = None) -> Pass:
+    names = known_passes()
+    if name not in REGISTRY:
+        raise PassConfigError(f"Unknown pass '{name}'.", f"Known passes: {', '.join(names)}.")
+    return REGISTRY[name](config or {})
+
+
+def lint(graph: Graph) -> None:
+    """Graph invariants after every pass: well-formed graph and executable code."""
+    graph.gm.graph.lint()
+    graph.gm.recompile()
+
+
+class PassManager:
+    """Runs passes in order after checking that the order satisfies every pass's declarations."""
+
+    def __init__(self, passes: list[Pass | str], configs: dict[str, dict] | None = None):
+        configs = configs or {}
+        self.passes = [get_pass(p, configs.get(p)) if isinstance(p, str) else p for p in passes]
+        unused = set(configs) - {p.name for p in self.passes}
+        if unused:
+            raise PassConfigError(f"Options were given for passes that are not in the pipeline: {', '.join(sorted(unused))}.", "Add the pass or drop its options.")
+
+    def validate(self, already: list[str] | None = None) -> None:
+        done = list(already or [])
+        for p in self.passes:
+            missing = [r for r in p.requires if r not in done]
+            if missing:
+                raise PassOrderError(
+                    f"Pass '{p.name}' requires {', '.join(repr(m) for m in missing)} to run before it; order given: {self.order(already)}.",
+                    f"Put {', '.join(missing)} before {p.name}, e.g. --passes select,replace,calibrate,align.",
+                )
+            clash = [f for f in p.forbids if f in done]
+            if clash:
+                raise PassOrderError(
+                    f"Pass '{p.name}' cannot run after {', '.join(repr(c) for c in clash)}; order given: {self.order(already)}.",
+                    f"Run {p.name} before {', '.join(clash)}.",
+                )
+            done.append(p.name)
+
+    def order(self, already=None) -> str:
+        return ",".join(list(already or []) + [p.name for p in self.passes])
+
+    def __call__(self, graph: Graph, progress=None) -> PassResult:
+        self.validate([h["pass"] for h in graph.history])
+        modified, ran, info = False, [], {}
+        for p in self.passes:
+            try:
+                result = p(graph)
+            except SurgeryError as exc:
+                before = ", ".join(ran) or "nothing"
+                raise type(exc)(f"Pass '{p.name}' failed (after: {before}). {exc.problem}", exc.fix) from exc
+            except Exception as exc:
+                before = ", ".join(ran) or "nothing"
+                raise PassFailedError(f"Pass '{p.name}' failed (after: {before}): {type(exc).__name__}: {exc}", "Run with --debug for the trace.") from exc
+            modified |= result.modified
+            info[p.name] = result.info
+            ran.append(p.name)
+            if progress is not None:
+                progress(p.name, result)
+        return PassResult(graph, modified, info)

@@ -1,0 +1,96 @@
+"""Low-level graph surgery shared by the passes: fork a GraphModule, splice a module call in place of
+a region, prune what no longer reaches the output."""
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch.fx import GraphModule, Node
+
+
+def fork(gm: GraphModule) -> GraphModule:
+    """A new GraphModule with a copy of gm's graph that shares gm's parameter tensors.
+
+    The teacher stays runnable (calibration reads it) without doubling the weights in memory."""
+    graph = torch.fx.Graph()
+    out = graph.graph_copy(gm.graph, {})
+    graph.output(out)
+    graph._codegen = copy.deepcopy(gm.graph._codegen)
+    forked = GraphModule(gm, graph)
+    forked.meta = dict(getattr(gm, "meta", {}))
+    return forked
+
+
+def nodes_by_name(gm: GraphModule) -> dict[str, Node]:
+    return {n.name: n for n in gm.graph.nodes}
+
+
+def splice_module(gm: GraphModule, target: str, module: torch.nn.Module, inputs: list[Node], replaces: Node) -> Node:
+    """Register `module` at `target`, call it on `inputs` right before `replaces`, and route every
+    use of `replaces` to the call. The old region is left for prune() to remove."""
+    set_submodule(gm, target, module)
+    with gm.graph.inserting_before(replaces):
+        call = gm.graph.call_module(target, tuple(inputs))
+    parents = {k: v for k, v in (replaces.meta.get("nn_module_stack") or {}).items() if target.startswith(v[0] + ".")}
+    call.meta["nn_module_stack"] = {**parents, target: (target, f"{type(module).__module__}.{type(module).__qualname__}")}
+    if "val" in replaces.meta:
+        call.meta["val"] = replaces.meta["val"]
+    replaces.replace_all_uses_with(call)
+    return call
+
+
+def prune(gm: GraphModule) -> int:
+    """Remove nodes that no longer reach the output; keep side-effecting checks on live values.
+
+    torch.fx's eliminate_dead_code keeps every impure node (export's shape asserts) and with it the
+    dead region those asserts look at, so it cannot be used here."""
+    nodes = list(gm.graph.nodes)
+    needed: set[Node] = set()
+    for n in reversed(nodes):
+        if n.op in ("output", "placeholder") or n in needed:
+            needed.add(n)
+            needed.update(n.all_input_nodes)
+    removed = 0
+    for n in reversed(nodes):
+        if n in needed:
+            continue
+        if n.is_impure() and all(i in needed for i in n.all_input_nodes) and n.all_input_nodes:
+            continue
+        gm.graph.erase_node(n)
+        removed += 1
+    drop_unused_attributes(gm)
+    return removed
+
+
+def drop_unused_attributes(gm: GraphModule) -> None:
+    """Delete parameters/buffers/submodules that no node references any more."""
+    used = {n.target for n in gm.graph.nodes if n.op in ("get_attr", "call_module")}
+
+    def referenced(name: str) -> bool:
+        return any(u == name or u.startswith(name + ".") or name.startswith(u + ".") for u in used)
+
+    for name, _ in list(gm.named_parameters(remove_duplicate=False)) + list(gm.named_buffers(remove_duplicate=False)):
+        if not referenced(name):
+            parent, _, leaf = name.rpartition(".")
+            owner = gm.get_submodule(parent) if parent else gm
+            if hasattr(owner, leaf):
+                delattr(owner, leaf)
+    for name, module in sorted(gm.named_modules(), key=lambda kv: -kv[0].count(".")):
+        if name and not referenced(name) and not any(True for _ in module.parameters()) and not any(True for _ in module.buffers()):
+            parent, _, leaf = name.rpartition(".")
+            owner = gm.get_submodule(parent) if parent else gm
+            if hasattr(owner, leaf):
+                delattr(owner, leaf)
+
+
+def set_submodule(gm: GraphModule, target: str, module: torch.nn.Module) -> None:
+    """setattr along a dotted path, creating empty containers on the way."""
+    owner = gm
+    parts = target.split(".")
+    for part in parts[:-1]:
+        if not hasattr(owner, part):
+            owner.add_module(part, torch.nn.Module())
+        owner = getattr(owner, part)
+    if hasattr(owner, parts[-1]):
+        delattr(owner, parts[-1])
+    owner.add_module(parts[-1], module)

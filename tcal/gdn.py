@@ -1,0 +1,194 @@
+"""The student layer: a Gated DeltaNet with flash-linear-attention's parameter names and semantics
+(fla.layers.GatedDeltaNet with use_gate=True, expand_v=1, num_v_heads=num_heads), in plain
+PyTorch so it runs and initialises on CPU; the recurrence itself goes through tcal.kernels.
+
+Differences from fla's layer, each on purpose: q/k/v/o projections may carry biases (teachers such
+as Qwen have q/k/v biases and we keep them), the short convolutions are optional and start as the
+identity (so weights copied from a teacher keep their meaning), and v's activation is selectable.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from tcal.kernels import gated_delta_rule
+
+V_ACTIVATIONS = {"silu": F.silu, "identity": lambda x: x}
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """fla's l2norm: x / sqrt(sum x^2 + eps) over the last dim, in float32."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm(x) * weight * silu(gate) over the last dim, in float32 (fla's FusedRMSNormGated)."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (normed * self.weight.float() * F.silu(gate.float())).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}"
+
+
+class CausalConv1d(nn.Conv1d):
+    """Depthwise causal convolution on [B, T, C] (fla's ShortConvolution weight layout [C, 1, K]).
+
+    The activation is left to the caller, which knows whether this stream gets SiLU."""
+
+    def __init__(self, channels: int, kernel_size: int, identity_init: bool = True):
+        super().__init__(
+            channels, channels, kernel_size, groups=channels, padding=kernel_size - 1, bias=False
+        )
+        if identity_init:
+            self.reset_to_identity()
+
+    @torch.no_grad()
+    def reset_to_identity(self) -> None:
+        """Only the last tap (the current token) is 1, so the convolution passes x through."""
+        self.weight.zero_()
+        self.weight[:, 0, -1] = 1.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        seq_len = x.shape[1]
+        return super().forward(x.transpose(1, 2))[..., :seq_len].transpose(1, 2)
+
+
+def _fla_decay_init(num_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """fla's A_log and dt_bias: A ~ U(0, 16); dt log-uniform in [1e-3, 0.1], floored at 1e-4."""
+    a = torch.empty(num_heads, dtype=torch.float32).uniform_(0, 16)
+    dt_min, dt_max, dt_floor = 1e-3, 0.1, 1e-4
+    log_dt = torch.rand(num_heads) * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min)
+    dt = log_dt.exp().clamp(min=dt_floor)
+    return a.log(), dt + torch.log(-torch.expm1(-dt))  # inverse softplus of dt
+
+
+class GatedDeltaNet(nn.Module):
+    """Gated DeltaNet layer: [B, T, hidden] -> [B, T, hidden]. See METHOD.md, 'The student layer'."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        head_dim: int,
+        *,
+        q_bias: bool = False,
+        k_bias: bool = False,
+        v_bias: bool = False,
+        o_bias: bool = False,
+        use_short_conv: bool = False,
+        conv_size: int = 4,
+        conv_identity_init: bool = True,
+        norm_eps: float = 1e-5,
+        v_activation: str = "silu",
+        backend: str = "auto",
+        layer_idx: int | None = None,
+    ):
+        super().__init__()
+        if v_activation not in V_ACTIVATIONS:
+            raise ValueError(f"v_activation must be one of {sorted(V_ACTIVATIONS)}, got {v_activation!r}")
+        self._config = dict(
+            hidden_size=hidden_size,
+            num_heads=num_heads,
+            head_dim=head_dim,
+            q_bias=q_bias,
+            k_bias=k_bias,
+            v_bias=v_bias,
+            o_bias=o_bias,
+            use_short_conv=use_short_conv,
+            conv_size=conv_size,
+            conv_identity_init=conv_identity_init,
+            norm_eps=norm_eps,
+            v_activation=v_activation,
+            backend=backend,
+            layer_idx=layer_idx,
+        )
+        self.hidden_size = hidden_size
+        self.num_heads = num_heads
+        self.head_dim = head_dim
+        self.use_short_conv = use_short_conv
+        self.v_activation = v_activation
+        self.backend = backend
+        self.layer_idx = layer_idx
+
+        inner = num_heads * head_dim
+        self.q_proj = nn.Linear(hidden_size, inner, bias=q_bias)
+        self.k_proj = nn.Linear(hidden_size, inner, bias=k_bias)
+        self.v_proj = nn.Linear(hidden_size, inner, bias=v_bias)
+        self.a_proj = nn.Linear(hidden_size, num_heads, bias=False)
+        self.b_proj = nn.Linear(hidden_size, num_heads, bias=False)
+        a_log, dt_bias = _fla_decay_init(num_heads)
+        self.A_log = nn.Parameter(a_log)
+        self.dt_bias = nn.Parameter(dt_bias)
+        self.A_log._no_weight_decay = True
+        self.dt_bias._no_weight_decay = True
+        if use_short_conv:
+            self.q_conv1d = CausalConv1d(inner, conv_size, conv_identity_init)
+            self.k_conv1d = CausalConv1d(inner, conv_size, conv_identity_init)
+            self.v_conv1d = CausalConv1d(inner, conv_size, conv_identity_init)
+        self.g_proj = nn.Linear(hidden_size, inner, bias=False)
+        self.o_norm = GatedRMSNorm(head_dim, eps=norm_eps)
+        self.o_proj = nn.Linear(inner, hidden_size, bias=o_bias)
+
+    def gdn_config(self) -> dict:
+        """Constructor arguments, enough to rebuild this module before loading its state_dict."""
+        return dict(self._config, backend=self.backend)
+
+    @classmethod
+    def from_gdn_config(cls, config: dict) -> GatedDeltaNet:
+        return cls(**config)
+
+    def extra_repr(self) -> str:
+        return (
+            f"hidden_size={self.hidden_size}, num_heads={self.num_heads}, head_dim={self.head_dim}, "
+            f"use_short_conv={self.use_short_conv}, v_activation={self.v_activation}, "
+            f"backend={self.backend}, layer_idx={self.layer_idx}"
+        )
+
+    def _split_heads(self, x: torch.Tensor) -> torch.Tensor:
+        return x.unflatten(-1, (self.num_heads, self.head_dim))
+
+    def _stream(self, x: torch.Tensor, name: str, activation) -> torch.Tensor:
+        """Projection, optional short convolution, activation, split into heads."""
+        y = getattr(self, f"{name}_proj")(x)
+        if self.use_short_conv:
+            y = getattr(self, f"{name}_conv1d")(y)
+        return self._split_heads(activation(y))
+
+    def decay(self, x: torch.Tensor) -> torch.Tensor:
+        """Log-space decay g = -exp(A_log) * softplus(a_proj x + dt_bias), float32, [B, T, H]."""
+        rate = F.softplus(self.a_proj(x).float() + self.dt_bias.float())
+        return -self.A_log.float().exp() * rate
+
+    def forward_parts(self, hidden_states: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Every intermediate of the forward pass, for calibration and diagnostics."""
+        x = hidden_states
+        q = l2norm(self._stream(x, "q", F.silu))
+        k = l2norm(self._stream(x, "k", F.silu))
+        v = self._stream(x, "v", V_ACTIVATIONS[self.v_activation])
+        beta_logit = self.b_proj(x)
+        beta = beta_logit.float().sigmoid()
+        g = self.decay(x)
+        core, _ = gated_delta_rule(q, k, v, g, beta, scale=self.head_dim**-0.5, backend=self.backend)
+        gate = self._split_heads(self.g_proj(x))
+        normed = self.o_norm(core, gate)
+        out = self.o_proj(normed.flatten(-2))
+        return dict(
+            q=q, k=k, v=v, g=g, beta=beta, beta_logit=beta_logit,
+            core=core, gate=gate, normed=normed, out=out,
+        )
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.forward_parts(hidden_states)["out"]

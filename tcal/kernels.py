@@ -1,0 +1,222 @@
+"""The gated delta rule: per head, with state S [Dv, Dk],
+
+    S_t = exp(g_t) * S_{t-1}
+    S_t = S_t + beta_t * (v_t - S_t k_t) k_t^T
+    o_t = S_t (scale * q_t)
+
+Shapes: q, k [B, T, H, Dk]; v [B, T, H, Dv]; g (log-space decay, <= 0) and beta (in (0, 1))
+[B, T, H]. States cross the API as [B, H, Dk, Dv] (S transposed), the layout of fla's kernels
+and of its naive reference, so states can be handed between backends.
+
+Two pure-PyTorch paths (a chunked WY form for long inputs, a token loop for short ones) run
+anywhere and are differentiable; on CUDA, fla's Triton kernels are used when they can be.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+import re
+
+import torch
+import torch.nn.functional as F
+
+# At or below this length the token loop is cheaper than building chunk matrices.
+RECURRENT_MAX_T = 16
+# fla's fused recurrent kernel is its fast path for short inputs, but it has no backward.
+FLA_RECURRENT_MAX_T = 64
+# fla 0.6.0 refuses the gated chunk backward on Hopper with Triton in [3.4.0, 3.7.1).
+FLA_BACKWARD_MIN_TRITON = (3, 7, 1)
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float64 stays float64 (for reference checks); everything else runs in float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _default_scale(scale: float | None, head_k_dim: int) -> float:
+    return head_k_dim**-0.5 if scale is None else scale
+
+
+def _heads_first(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[B, T, H, ...] -> [B, H, T, ...] in the compute dtype."""
+    return x.transpose(1, 2).to(dtype)
+
+
+def _initial_state(initial_state, batch, heads, dk, dv, like: torch.Tensor) -> torch.Tensor:
+    if initial_state is None:
+        return like.new_zeros(batch, heads, dk, dv)
+    return initial_state.to(like.dtype)
+
+
+def recurrent_gated_delta_rule_torch(
+    q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False
+):
+    """Token-by-token recurrence: exact, cheap for decoding and short prompts, slow for long ones."""
+    out_dtype = v.dtype
+    cdt = _compute_dtype(q.dtype)
+    batch, _, heads, dk = k.shape
+    dv = v.shape[-1]
+    q = _heads_first(q, cdt) * _default_scale(scale, dk)
+    k, v, g, beta = (_heads_first(x, cdt) for x in (k, v, g, beta))
+    state = _initial_state(initial_state, batch, heads, dk, dv, like=q)
+
+    outputs = []
+    for t in range(q.shape[2]):
+        state = state * g[:, :, t].exp()[..., None, None]
+        k_t = k[:, :, t]
+        predicted = torch.einsum("bhk,bhkv->bhv", k_t, state)
+        delta = beta[:, :, t, None] * (v[:, :, t] - predicted)
+        state = state + k_t[..., :, None] * delta[..., None, :]
+        outputs.append(torch.einsum("bhk,bhkv->bhv", q[:, :, t], state))
+
+    o = torch.stack(outputs, dim=1).to(out_dtype)
+    return o, (state if output_final_state else None)
+
+
+def _chunks(x: torch.Tensor, pad: int, chunk_size: int, dtype: torch.dtype) -> torch.Tensor:
+    """[B, T, H, D] -> [B, H, N, C, D], zero-padded at the end of time.
+
+    Zero padding is inert: g = 0 keeps the state, beta = 0 and k = 0 write nothing."""
+    x = F.pad(x.to(dtype), (0, 0, 0, 0, 0, pad))
+    b, t, h, d = x.shape
+    return x.view(b, t // chunk_size, chunk_size, h, d).permute(0, 3, 1, 2, 4)
+
+
+def _masked_exp(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """exp(x) where keep, 0 elsewhere; masked entries never reach exp, so they cannot overflow."""
+    return x.masked_fill(~keep, float("-inf")).exp()
+
+
+def chunked_gated_delta_rule_torch(
+    q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, chunk_size=64
+):
+    """Chunked form: closed-form intra-chunk work, a Python loop only over chunks.
+
+    Within a chunk (local cumulative decay G_i = g_1 + ... + g_i) the values written to the state
+    solve a unit lower-triangular system (the UT transform of the WY representation):
+        (I + A) W = beta * V - beta * e^G * K S0,  A_ij = beta_i e^(G_i - G_j) k_i.k_j  (j < i),
+    so W = U - Wk S0 with U, Wk from one triangular solve that does not depend on S0. Every
+    exponent is G_i - G_j (j <= i), G_i or G_C - G_j: all <= 0, so strong decay underflows to 0
+    rather than overflowing. Memory is O(T * (C + D)) per head.
+    """
+    out_dtype = v.dtype
+    cdt = _compute_dtype(q.dtype)
+    batch, seq_len, heads, dk = k.shape
+    dv = v.shape[-1]
+    pad = (-seq_len) % chunk_size
+
+    q, k, v = (_chunks(x, pad, chunk_size, cdt) for x in (q, k, v))
+    g, beta = (_chunks(x.unsqueeze(-1), pad, chunk_size, cdt).squeeze(-1) for x in (g, beta))
+    q = q * _default_scale(scale, dk)
+
+    cum = g.cumsum(-1)  # [B, H, N, C]
+    causal = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).tril()
+    pair_decay = _masked_exp(cum[..., :, None] - cum[..., None, :], causal)  # e^(G_i - G_j), j <= i
+
+    interaction = (beta[..., None] * (k @ k.transpose(-1, -2)) * pair_decay).tril(-1)
+    unit_lower = interaction + torch.eye(chunk_size, dtype=cdt, device=q.device)
+    rhs = torch.cat([beta[..., None] * v, (beta * cum.exp())[..., None] * k], dim=-1)
+    u, w = torch.linalg.solve_triangular(unit_lower, rhs, upper=False, unitriangular=True).split(
+        [dv, dk], dim=-1
+    )
+
+    scores = (q @ k.transpose(-1, -2)) * pair_decay
+    q_decayed = q * cum.exp()[..., None]
+    tail = cum[..., -1:]
+    k_to_end = k * (tail - cum).exp()[..., None]
+    chunk_decay = tail.exp()[..., None]  # [B, H, N, 1, 1]
+
+    state = _initial_state(initial_state, batch, heads, dk, dv, like=q)
+    outputs = []
+    for n in range(q.shape[2]):
+        written = u[:, :, n] - w[:, :, n] @ state
+        outputs.append(q_decayed[:, :, n] @ state + scores[:, :, n] @ written)
+        state = chunk_decay[:, :, n] * state + k_to_end[:, :, n].transpose(-1, -2) @ written
+
+    o = torch.stack(outputs, dim=2).permute(0, 2, 3, 1, 4).reshape(batch, -1, heads, dv)
+    return o[:, :seq_len].to(out_dtype), (state if output_final_state else None)
+
+
+@functools.lru_cache(maxsize=None)
+def fla_available() -> bool:
+    """Whether fla's Triton kernels import here (they need triton, so never on CPU-only installs)."""
+    try:
+        import fla.ops.gated_delta_rule  # noqa: F401
+    except Exception:  # triton missing or broken raises more than ImportError
+        return False
+    return True
+
+
+def _version_tuple(version: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in re.findall(r"\d+", version.split("+")[0])[:3])
+
+
+@functools.lru_cache(maxsize=None)
+def _fla_backward_supported() -> bool:
+    try:
+        return _version_tuple(importlib.metadata.version("triton")) >= FLA_BACKWARD_MIN_TRITON
+    except importlib.metadata.PackageNotFoundError:
+        return False
+
+
+def _needs_grad(*tensors) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def _fla_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state):
+    """fla's kernels with g and beta precomputed and q, k already normalised."""
+    from fla.ops.gated_delta_rule import (
+        chunk_gated_delta_rule,
+        fused_recurrent_gated_delta_rule,
+    )
+
+    options = dict(
+        scale=scale,
+        initial_state=initial_state,
+        output_final_state=output_final_state,
+        use_qk_l2norm_in_kernel=False,
+    )
+    if q.shape[1] <= FLA_RECURRENT_MAX_T and not _needs_grad(q, k, v, g, beta, initial_state):
+        # gk and gv sit between g and beta in this signature: pass by keyword.
+        return fused_recurrent_gated_delta_rule(q, k, v, g=g, beta=beta, **options)
+    return chunk_gated_delta_rule(q, k, v, g, beta, **options)
+
+
+def _use_fla(q, k, v, g, beta, initial_state) -> bool:
+    if not (q.is_cuda and fla_available()):
+        return False
+    return not _needs_grad(q, k, v, g, beta, initial_state) or _fla_backward_supported()
+
+
+def gated_delta_rule(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    scale=None,
+    initial_state=None,
+    output_final_state=False,
+    backend="auto",
+    chunk_size=64,
+):
+    """Run the gated delta rule; returns (o [B, T, H, Dv], final state [B, H, Dk, Dv] or None).
+
+    backend: "torch" (chunked, or the token loop for T <= 16), "fla" (fla's Triton kernels,
+    which use their own chunk size of 64), or "auto" (fla on CUDA when it imports and, if a
+    gradient is needed, when its backward is trustworthy on this Triton; else torch)."""
+    scale = _default_scale(scale, q.shape[-1])
+    if backend == "auto":
+        backend = "fla" if _use_fla(q, k, v, g, beta, initial_state) else "torch"
+    if backend == "fla":
+        return _fla_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state)
+    if backend != "torch":
+        raise ValueError(f"unknown gated delta rule backend {backend!r}; use auto, torch or fla")
+    if q.shape[1] <= RECURRENT_MAX_T:
+        return recurrent_gated_delta_rule_torch(
+            q, k, v, g, beta, scale, initial_state, output_final_state
+        )
+    return chunked_gated_delta_rule_torch(
+        q, k, v, g, beta, scale, initial_state, output_final_state, chunk_size
+    )
