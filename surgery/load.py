@@ -82,7 +82,9 @@ def load_model(source, *, dtype: torch.dtype = torch.float32, attn_implementatio
 
 def _from_pretrained(folder: Path, gguf: str | None, dtype, attn_implementation):
     from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()  # one line of ours says what is loading; tqdm bars would drown it
     kwargs = {"gguf_file": gguf} if gguf else {}
     try:
         config = AutoConfig.from_pretrained(folder, **kwargs)

@@ -402,13 +402,13 @@ def _path_scalars(path: set[Node]) -> float:
 
 
 def _touches(path: set[Node], targets) -> bool:
-    """Does any operand of the path descend from cos/sin (RoPE)?"""
-    for n in path:
-        for a in n.all_input_nodes:
-            if a in path:
-                continue
-            if any(x.op == "call_function" and x.target in targets for x in _ancestors(a) | {a}):
-                return True
+    """Does any operand of the path descend from cos/sin (RoPE)? Operands are walked only up to
+    parameters and placeholders, which keeps this local."""
+    operands = {a for n in path for a in n.all_input_nodes if a not in path}
+    leaf = lambda x: x.op in ("placeholder", "get_attr") or x.target in targets  # noqa: E731
+    for a in operands:
+        if any(x.op == "call_function" and x.target in targets for x in _ancestors(a, stop=leaf) | {a}):
+            return True
     return False
 
 
@@ -477,11 +477,8 @@ def _site(layer: int, core: _Core, gm, run: _Run, params: set[str]) -> Attention
     v_heads = [list(u[1]) for u in unique]
 
     # forward to the output projection
-    o_proj = None
-    for n in gm.graph.nodes:
-        if n in _descendants(core.attn) and _projection_parts(n, params) is not None:
-            o_proj = n
-            break
+    after = _descendants(core.attn)
+    o_proj = next((n for n in gm.graph.nodes if n in after and _projection_parts(n, params) is not None), None)
     if o_proj is None:
         raise SiteError(f"Attention {layer}: no output projection consumes the attention output.", "This attention layout is not supported yet.")
     o_in, o_w, o_b, o_t = _projection_parts(o_proj, params)

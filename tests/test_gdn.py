@@ -17,6 +17,16 @@ from tcal.kernels import (
 )
 
 
+@pytest.fixture(autouse=True, scope="module")
+def single_thread():
+    """These tensors are tiny: with the 2 cores shared by other jobs, OpenMP's barriers on every
+    small matmul cost more than the work (seen: 5 s instead of 25 ms at T=4096), so use one."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def reference_recurrence(q, k, v, g, beta, scale, initial_state=None):
     """Float64 loop over tokens, written from the definition with S [Dv, Dk] per head.
 
