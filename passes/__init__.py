@@ -1,2 +1,2 @@
 """One module per pass; importing this package registers them all by name."""
-from . import replace, select  # noqa: F401
+from . import align, calibrate, replace, select  # noqa: F401

@@ -59,7 +59,7 @@ def capture(source, *, tokenizer=None, max_length: int | None = None, dtype: tor
     config = model.config
     if getattr(config, "is_encoder_decoder", False):
         raise ModelLoadError(f"{type(model).__name__} is an encoder-decoder model.", "surgery converts decoder-only causal LMs.")
-    limit = min(max_length or max_positions(config), max_positions(config))
+    limit = max_length or max_positions(config)  # an explicit length may exceed the config (RoPE extrapolates)
     model.eval()
     gm = export_model(model, limit, debug=debug)
     graph = Graph(gm=gm, config=config, source=info, tokenizer=tokenizer or loaded_tokenizer)

@@ -30,6 +30,13 @@ class Graph:
     meta: dict = field(default_factory=dict)
     history: list = field(default_factory=list)
     teacher: torch.fx.GraphModule | None = None
+    cache: dict = field(default_factory=dict, repr=False)  # runtime only (teacher activations); never saved
+
+    def branch(self) -> "Graph":
+        """A new Graph over the same teacher (shared weights, shared activation cache) with no passes
+        applied: cheap what-if conversions without capturing again."""
+        return Graph(gm=self.teacher_gm, config=self.config, source=self.source, tokenizer=self.tokenizer,
+                     sites=self.sites, meta={"capture": dict(self.meta.get("capture", {}))}, cache=self.cache)
 
     @property
     def teacher_gm(self) -> torch.fx.GraphModule:

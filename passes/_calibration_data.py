@@ -1,0 +1,40 @@
+"""Options and teacher data shared by the passes that read the teacher (calibrate, align)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from surgery.calibration import calibration_ids, collect
+from surgery.errors import PassConfigError
+from surgery.pass_base import PassConfig
+
+
+@dataclass
+class CalibrationDataConfig(PassConfig):
+    """calibration  text files (default: the built-in sample); samples x length tokens are used"""
+
+    calibration: list[str] | None = None
+    samples: int = 4
+    length: int = 256
+    seed: int = 0
+    batch_size: int = 4
+
+    def validate(self) -> None:
+        for key in ("samples", "length", "batch_size"):
+            if getattr(self, key) < 1:
+                raise PassConfigError(f"{key} must be >= 1, got {getattr(self, key)}.", "Use a positive number.")
+        if self.length < 2:
+            raise PassConfigError("length must be >= 2 tokens.", "Use e.g. 256.")
+
+
+def teacher_data(graph, config: CalibrationDataConfig, with_stats: bool):
+    """Per converted layer: the teacher's attention inputs, outputs, contexts (and statistics),
+    cached on the graph so calibrate and align read the teacher once."""
+    layers = graph.meta["replace"]["layers"]
+    key = ("teacher_data", tuple(layers), tuple(config.calibration or ()), config.samples, config.length, config.seed)
+    cached = graph.cache.get(key)
+    if cached is not None and (not with_stats or all(d.stats is not None for d in cached.values())):
+        return cached
+    ids = calibration_ids(graph, config.calibration, config.samples, config.length, config.seed)
+    data = collect(graph, layers, ids, with_stats=True, batch_size=config.batch_size)
+    graph.cache[key] = data
+    return data

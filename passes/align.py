@@ -1,0 +1,61 @@
+"""align (Phase 2): teacher-forced, layer-local MSE alignment of every GDN layer."""
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, fields
+
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+from surgery.errors import PassConfigError
+from surgery.graph import Graph
+from surgery.pass_base import Pass, PassResult, register
+from tcal.align import AlignOptions, align_layers
+
+from ._calibration_data import CalibrationDataConfig, teacher_data
+from .calibrate import gdn_modules
+
+
+@dataclass
+class AlignConfig(CalibrationDataConfig, AlignOptions):
+    """Phase 2 options (tcal.align.AlignOptions) plus the calibration data."""
+
+    progress: bool = True
+
+    def validate(self) -> None:
+        super().validate()
+        if self.steps < 1:
+            raise PassConfigError(f"steps must be >= 1, got {self.steps}.", "Use e.g. 300.")
+        if self.lr_qkv < 0 or self.lr_gates < 0:
+            raise PassConfigError("Learning rates must be >= 0.", "Use e.g. lr_qkv=1e-4, lr_gates=1e-3.")
+
+    def options(self) -> AlignOptions:
+        return AlignOptions(**{f.name: getattr(self, f.name) for f in fields(AlignOptions)})
+
+
+@register
+class Align(Pass):
+    name = "align"
+    config_cls = AlignConfig
+    requires = ("replace",)
+    forbids = ("align",)
+
+    def run(self, graph: Graph) -> PassResult:
+        start = time.perf_counter()
+        data = teacher_data(graph, self.config, with_stats=False)
+        modules = gdn_modules(graph)
+        pairs = {l: (data[l].x, data[l].target) for l in modules}
+        show = self.config.progress and sys.stderr.isatty()
+        with Progress(TextColumn("align"), BarColumn(), TextColumn("{task.completed}/{task.total} steps"),
+                      TextColumn("mean loss {task.fields[loss]:.3e}"), TimeElapsedColumn(), disable=not show, transient=True) as bar:
+            task = bar.add_task("align", total=self.config.steps, loss=float("nan"))
+            report = align_layers(modules, pairs, self.config.options(),
+                                  progress=lambda step, losses: bar.update(task, completed=step + 1, loss=sum(losses.values()) / len(losses)))
+        seconds = time.perf_counter() - start
+        graph.meta["align"] = report | {"seconds": seconds}
+        layers = report["layers"].values()
+        return PassResult(graph, modified=True, info={
+            "seconds": round(seconds, 2), "steps": report["steps"],
+            "mean_initial_loss": sum(r["initial"] for r in layers) / len(report["layers"]),
+            "mean_best_loss": sum(r["best"] for r in layers) / len(report["layers"]),
+        })

@@ -1,0 +1,60 @@
+"""calibrate (Phase 1): decay, write gate, value scale and output gate of every GDN layer from the
+teacher's attention statistics on calibration text."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, fields
+
+from surgery.errors import CalibrationError, PassConfigError
+from surgery.graph import Graph
+from surgery.pass_base import PassResult, register, Pass
+from tcal.calibrate import CONCENTRATION, GATES, Phase1Options, calibrate_layer
+
+from ._calibration_data import CalibrationDataConfig, teacher_data
+
+
+@dataclass
+class CalibrateConfig(CalibrationDataConfig, Phase1Options):
+    """Phase 1 options (tcal.calibrate.Phase1Options) plus the calibration data."""
+
+    def validate(self) -> None:
+        super().validate()
+        if self.gate not in GATES:
+            raise PassConfigError(f"gate '{self.gate}' is not one of {GATES}.", "Pick one of them.")
+        if self.concentration not in CONCENTRATION:
+            raise PassConfigError(f"concentration '{self.concentration}' is not one of {CONCENTRATION}.", "Pick one of them.")
+        if not 0 < self.beta_low < self.beta_low + self.beta_span < 1:
+            raise PassConfigError(f"Write-gate targets must lie in (0, 1): low {self.beta_low}, span {self.beta_span}.", "Use e.g. 0.3 and 0.4.")
+
+    def phase1(self) -> Phase1Options:
+        return Phase1Options(**{f.name: getattr(self, f.name) for f in fields(Phase1Options)})
+
+
+def gdn_modules(graph: Graph) -> dict:
+    modules = graph.meta["replace"]["modules"]
+    return {int(l): graph.gm.get_submodule(entry["target"]) for l, entry in modules.items()}
+
+
+@register
+class Calibrate(Pass):
+    name = "calibrate"
+    config_cls = CalibrateConfig
+    requires = ("replace",)
+    forbids = ("align", "calibrate")
+
+    def run(self, graph: Graph) -> PassResult:
+        start = time.perf_counter()
+        data = teacher_data(graph, self.config, with_stats=True)
+        options = self.config.phase1()
+        reports = {}
+        for layer, gdn in gdn_modules(graph).items():
+            d = data[layer]
+            try:
+                reports[layer] = calibrate_layer(gdn, d.x, d.ctx, d.target, d.stats, options)
+            except ValueError as exc:
+                raise CalibrationError(f"Phase 1 failed at layer {layer}: {exc}", "Check the calibration text and options.") from exc
+        seconds = time.perf_counter() - start
+        graph.meta["calibrate"] = {"layers": reports, "seconds": seconds}
+        before = sum(r["rel_error_before"] for r in reports.values()) / len(reports)
+        after = sum(r["rel_error_after"] for r in reports.values()) / len(reports)
+        return PassResult(graph, modified=True, info={"seconds": round(seconds, 2), "mean_rel_error_before": before, "mean_rel_error_after": after})

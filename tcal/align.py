@@ -1,0 +1,109 @@
+"""Phase 2 of Taylor-Calibrate: layer-local, teacher-forced alignment of GDN layers (METHOD.md).
+
+Each layer learns to map the teacher's attention input to the teacher's attention output (MSE).
+Layers are independent, so they train in one loop with one optimizer, but everything that couples
+parameters (gradient clipping, best-state tracking, early stopping) is done per layer so the result
+equals aligning each layer on its own. Training runs in float32 master weights whatever the model's
+dtype, and the best state of each layer is restored at the end.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .gdn import GatedDeltaNet
+
+QKV = ("q_proj", "k_proj", "v_proj", "q_conv1d", "k_conv1d", "v_conv1d")
+GATES = ("a_proj", "b_proj", "g_proj", "A_log", "dt_bias")
+FROZEN = ("o_proj", "o_norm")
+
+
+@dataclass
+class AlignOptions:
+    steps: int = 300
+    lr_qkv: float = 1e-4
+    lr_gates: float = 1e-3
+    weight_decay: float = 0.01
+    clip: float = 1.0
+    patience: int = 50
+    min_delta: float = 1e-4
+    seed: int = 0
+
+
+def _groups(gdn: GatedDeltaNet, opts: AlignOptions) -> list[dict]:
+    qkv, gates = [], []
+    for name, p in gdn.named_parameters():
+        root = name.split(".")[0]
+        if root in QKV:
+            qkv.append(p)
+        elif root in GATES:
+            gates.append(p)
+    no_decay = [p for p in gates if getattr(p, "_no_weight_decay", False)]
+    decay = [p for p in gates if not getattr(p, "_no_weight_decay", False)]
+    groups = [{"params": qkv, "lr": opts.lr_qkv}, {"params": decay, "lr": opts.lr_gates}]
+    if no_decay:
+        groups.append({"params": no_decay, "lr": opts.lr_gates, "weight_decay": 0.0})
+    return groups
+
+
+def align_layers(modules: dict[int, GatedDeltaNet], data: dict[int, tuple[torch.Tensor, torch.Tensor]],
+                 opts: AlignOptions, progress=None) -> dict:
+    """Align every module on (x, target) in place. progress(step, losses) is called each step.
+
+    Returns per-layer {initial, best, best_step, steps} losses (MSE) and the steps run."""
+    torch.manual_seed(opts.seed)
+    dtypes = {l: next(m.parameters()).dtype for l, m in modules.items()}
+    for m in modules.values():
+        m.float()
+    trainable = {}
+    groups = []
+    for l, m in modules.items():
+        for name, p in m.named_parameters():
+            p.requires_grad_(name.split(".")[0] not in FROZEN)
+        layer_groups = _groups(m, opts)
+        trainable[l] = [p for g in layer_groups for p in g["params"]]
+        groups += layer_groups
+    optimizer = torch.optim.AdamW(groups, weight_decay=opts.weight_decay, betas=(0.9, 0.999))
+    best = {l: (float("inf"), -1, None) for l in modules}
+    initial, last_improved, step = {}, 0, 0
+    try:
+        for step in range(opts.steps):
+            optimizer.zero_grad(set_to_none=True)
+            losses = {}
+            improved = False
+            for l, m in modules.items():
+                x, target = data[l]
+                with torch.enable_grad():
+                    loss = F.mse_loss(m(x.float()), target.float())
+                    loss.backward()
+                value = loss.item()
+                losses[l] = value
+                initial.setdefault(l, value)
+                if value < best[l][0] * (1 - opts.min_delta):
+                    improved = True
+                if value < best[l][0]:
+                    best[l] = (value, step, [p.detach().clone() for p in trainable[l]])
+                if opts.clip:
+                    torch.nn.utils.clip_grad_norm_(trainable[l], opts.clip)
+            if progress is not None:
+                progress(step, losses)
+            if improved:
+                last_improved = step
+            elif step - last_improved >= opts.patience:
+                break
+            optimizer.step()
+    finally:
+        with torch.no_grad():
+            for l, m in modules.items():
+                if best[l][2] is not None:
+                    for p, saved in zip(trainable[l], best[l][2]):
+                        p.copy_(saved)
+                for p in m.parameters():
+                    p.requires_grad_(True)
+                m.to(dtypes[l])
+    return {
+        "steps": step + 1,
+        "layers": {l: {"initial": initial.get(l), "best": best[l][0], "best_step": best[l][1]} for l in modules},
+    }

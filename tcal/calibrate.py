@@ -1,0 +1,131 @@
+"""Phase 1 of Taylor-Calibrate for one GDN layer: set decay, write gate, value scale and output gate
+from the teacher's attention statistics and activations (METHOD.md, Phase 1).
+
+The output gate is where we depart from the reference. Its gate g_proj = 0.01 * ratio * v_proj makes
+silu(gate) ~ 0, so the layer starts as good as removed and Phase 1 alone equals zero-gate. Because
+o_norm RMS-normalises each head, amplitude can only come back through the gate: we solve, per head,
+for the gate pre-activation that makes RMSNorm(core) * silu(gate) match the teacher's context in
+least squares ("constant": one amplitude per head; "tokenwise": one per token and head), and fit
+g_proj to it by ridge regression on the layer input. That amplitude survives o_norm.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from . import maps
+from .gdn import GatedDeltaNet
+
+GATES = ("reference", "zero", "constant", "tokenwise", "keep")
+CONCENTRATION = ("minmax", "normalized")
+
+
+@dataclass
+class Phase1Options:
+    decay: bool = True
+    write_gate: bool = True
+    value_scale: bool = True
+    gate: str = "tokenwise"
+    concentration: str = "minmax"
+    beta_low: float = 0.3
+    beta_span: float = 0.4
+    a_proj_scale: float = 0.1
+    b_proj_scale: float = 0.1
+    min_rate: float = 1e-3
+    max_rate: float = 5.0
+    gate_ridge: float = 1e-2
+    gate_floor: float = 1e-2
+    reference_gate_factor: float = 0.01
+
+
+def silu_inverse(y: torch.Tensor, iterations: int = 30) -> torch.Tensor:
+    """z >= 0 with z * sigmoid(z) = y for y >= 0 (the increasing branch), by Newton's method."""
+    y = y.clamp_min(0)
+    z = torch.maximum(y, torch.ones_like(y))
+    for _ in range(iterations):
+        s = torch.sigmoid(z)
+        z = (z - (z * s - y) / (s * (1 + z * (1 - s)))).clamp_min(0)
+    return z
+
+
+def ridge_rows(x: torch.Tensor, targets: torch.Tensor, ridge: float) -> torch.Tensor:
+    """W [H, in] minimising ||targets - x W^T||^2 + lam ||W||^2, lam = ridge * mean diag(x^T x)."""
+    x = x.reshape(-1, x.shape[-1]).double()
+    t = targets.reshape(x.shape[0], -1).double()
+    gram = x.T @ x
+    lam = ridge * gram.diagonal().mean().clamp_min(1e-12)
+    eye = torch.eye(gram.shape[0], dtype=gram.dtype, device=gram.device)
+    return torch.linalg.solve(gram + lam * eye, x.T @ t).T
+
+
+def _rms_normed(gdn: GatedDeltaNet, core: torch.Tensor) -> torch.Tensor:
+    """o_norm without its gate: RMSNorm(core) * weight, float32."""
+    c = core.float()
+    return c * torch.rsqrt(c.pow(2).mean(-1, keepdim=True) + gdn.o_norm.eps) * gdn.o_norm.weight.float()
+
+
+def relative_error(out: torch.Tensor, target: torch.Tensor) -> float:
+    return float((out.float() - target.float()).pow(2).sum() / target.float().pow(2).sum().clamp_min(1e-30))
+
+
+@torch.no_grad()
+def calibrate_layer(gdn: GatedDeltaNet, x: torch.Tensor, ctx: torch.Tensor, target: torch.Tensor, stats: dict, opts: Phase1Options) -> dict:
+    """Apply Phase 1 to `gdn` in place. x [N,T,hidden], ctx [N,T,H,D], target [N,T,hidden]."""
+    H, D = gdn.num_heads, gdn.head_dim
+    report = {"rel_error_before": relative_error(gdn(x), target)}
+    dtype = gdn.q_proj.weight.dtype
+    if opts.decay:
+        a_log, dt_bias = maps.decay_from_distance(stats["distance"], opts.min_rate, opts.max_rate)
+        gdn.A_log.copy_(a_log)
+        gdn.dt_bias.copy_(dt_bias)
+        gdn.a_proj.weight.mul_(opts.a_proj_scale)
+        report["distance"] = stats["distance"].tolist()
+        report["alpha"] = torch.exp(-F.softplus(dt_bias.double())).tolist()
+    if opts.write_gate:
+        c = maps.concentration(stats, opts.concentration)
+        beta = maps.write_gate_target(c, opts.beta_low, opts.beta_span)
+        x_mean = x.reshape(-1, x.shape[-1]).double().mean(0)
+        w = maps.shift_rows_to_mean_logit(gdn.b_proj.weight, x_mean, maps.logit(beta).to(x.device), opts.b_proj_scale)
+        gdn.b_proj.weight.copy_(w.to(dtype))
+        report["concentration"] = c.tolist()
+        report["beta_target"] = beta.tolist()
+    if opts.value_scale:
+        core = gdn.forward_parts(x)["core"]
+        sigma = maps.ols_scale(ctx, core, dim=2).to(gdn.v_proj.weight.device)
+        rows = sigma.repeat_interleave(D).to(dtype)
+        gdn.v_proj.weight.mul_(rows[:, None])
+        if gdn.v_proj.bias is not None:
+            gdn.v_proj.bias.mul_(rows)
+        report["value_scale"] = sigma.tolist()
+    _set_gate(gdn, x, ctx, opts, report)
+    report["rel_error_after"] = relative_error(gdn(x), target)
+    return report
+
+
+def _set_gate(gdn: GatedDeltaNet, x, ctx, opts: Phase1Options, report: dict) -> None:
+    H, D = gdn.num_heads, gdn.head_dim
+    w = gdn.g_proj.weight
+    if opts.gate == "keep":
+        return
+    if opts.gate == "zero":
+        w.zero_()
+        return
+    if opts.gate == "reference":
+        v_act = gdn.forward_parts(x)["v"]
+        alpha = maps.reference_gate_scale(ctx, v_act, opts.reference_gate_factor)
+        w.copy_((alpha.to(w.device) * gdn.v_proj.weight.float()).to(w.dtype))
+        report["gate_alpha"] = float(alpha)
+        return
+    normed = _rms_normed(gdn, gdn.forward_parts(x)["core"]).double()   # [N,T,H,D]
+    c = ctx.double()
+    dot, norm = (c * normed).sum(-1), normed.pow(2).sum(-1)            # [N,T,H]
+    if opts.gate == "constant":
+        amplitude = (dot.sum((0, 1)) / norm.sum((0, 1)).clamp_min(1e-30)).expand_as(dot)
+    else:
+        amplitude = dot / norm.clamp_min(1e-30)
+    z = silu_inverse(amplitude.clamp_min(opts.gate_floor))
+    rows = ridge_rows(x, z, opts.gate_ridge)                            # [H, in]
+    w.copy_(rows.repeat_interleave(D, 0).to(w.dtype))
+    report["gate_amplitude"] = amplitude.mean((0, 1)).tolist()
