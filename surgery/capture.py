@@ -25,22 +25,31 @@ def export_model(model: torch.nn.Module, max_length: int, debug: bool = False) -
     """torch.export the model's forward(input_ids) with symbolic batch and sequence length."""
     vocab = model.get_input_embeddings().weight.shape[0]
     ids = torch.randint(0, vocab, (CAPTURE_BATCH, min(CAPTURE_LENGTH, max_length)), device=_device(model))
-    batch = torch.export.Dim("batch", min=1, max=4096)
-    seq = torch.export.Dim("seq", min=1, max=max_length)
-    try:
-        with torch.no_grad():
-            program = torch.export.export(
-                model, (), {"input_ids": ids, "use_cache": False},
-                dynamic_shapes={"input_ids": {0: batch, 1: seq}, "use_cache": None}, strict=False,
-            )
-    except Exception as exc:
+    named = {0: torch.export.Dim("batch", min=1, max=4096), 1: torch.export.Dim("seq", min=1, max=max_length)}
+    hinted = {0: torch.export.Dim.DYNAMIC, 1: torch.export.Dim.DYNAMIC}
+    program, failure = None, None
+    # Named ranges first; some torch builds cannot prove a true guard within a range (seen on CUDA with
+    # torch 2.11: min(64*seq, 192*seq) == 64*seq), which DYNAMIC hints accept as a runtime check.
+    for dims in (named, hinted):
+        try:
+            with torch.no_grad():
+                program = torch.export.export(
+                    model, (), {"input_ids": ids, "use_cache": False},
+                    dynamic_shapes={"input_ids": dims, "use_cache": None}, strict=False,
+                )
+            break
+        except Exception as exc:
+            failure = exc
+            if "Constraints violated" not in str(exc):
+                break
+    if program is None:
         if debug:
-            raise
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            raise failure
+        first = (str(failure).strip().splitlines() or [type(failure).__name__])[0]
         raise CaptureError(
             f"torch.export could not trace {type(model).__name__}: {first}",
             "Run with --debug for the full trace; models with data-dependent control flow in forward cannot be captured.",
-        ) from exc
+        ) from failure
     gm = program.module()
     gm.meta["max_length"] = max_length
     return gm

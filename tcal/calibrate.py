@@ -86,8 +86,8 @@ def calibrate_layer(gdn: GatedDeltaNet, x: torch.Tensor, ctx: torch.Tensor, targ
     if opts.write_gate:
         c = maps.concentration(stats, opts.concentration)
         beta = maps.write_gate_target(c, opts.beta_low, opts.beta_span)
-        x_mean = x.reshape(-1, x.shape[-1]).double().mean(0)
-        w = maps.shift_rows_to_mean_logit(gdn.b_proj.weight, x_mean, maps.logit(beta).to(x.device), opts.b_proj_scale)
+        x_mean = x.reshape(-1, x.shape[-1]).double().mean(0).cpu()  # maps work on CPU float64
+        w = maps.shift_rows_to_mean_logit(gdn.b_proj.weight.cpu(), x_mean, maps.logit(beta).cpu(), opts.b_proj_scale)
         gdn.b_proj.weight.copy_(w.to(dtype))
         report["concentration"] = c.tolist()
         report["beta_target"] = beta.tolist()
