@@ -37,6 +37,7 @@ ROWS = {
     "phase1": (["select", "replace", "calibrate"], {}),
     "phase2": (["select", "replace", "align"], {}),
     "phase1+2": (["select", "replace", "calibrate", "align"], {}),
+    "phase1+2-16x256": (["select", "replace", "calibrate", "align"], {"calibrate": {"samples": 16}, "align": {"samples": 16}}),
 }
 
 
@@ -51,7 +52,8 @@ def main() -> None:
     ap.add_argument("--calibration", nargs="+", required=True)
     ap.add_argument("--eval", required=True)
     ap.add_argument("--keep-ratios", default="0.5")
-    ap.add_argument("--rows", default=",".join(ROWS))
+    ap.add_argument("--rows", default="baseline,zero-gate,phase1-ref,phase1,phase2,phase1+2")
+    ap.add_argument("--rows-other", default=None, help="rows for keep ratios after the first (default: --rows)")
     ap.add_argument("--set", nargs="*", default=[], help="pass.key=value applied to every row that runs the pass")
     ap.add_argument("--chunk", type=int, default=2048)
     ap.add_argument("--batch-size", type=int, default=8)
@@ -77,8 +79,9 @@ def main() -> None:
     ev = perplexity(teacher, ids, chunk=args.chunk, batch_size=args.batch_size)
     results.append({"keep_ratio": 1.0, "row": "teacher", "perplexity": ev["perplexity"], "tokens": ev["tokens"]})
     print(f"teacher: ppl {ev['perplexity']:.2f} over {ev['tokens']} tokens", flush=True)
-    for ratio in [float(r) for r in args.keep_ratios.split(",")]:
-        for row in args.rows.split(","):
+    for index, ratio in enumerate(float(r) for r in args.keep_ratios.split(",")):
+        rows = args.rows if index == 0 or not args.rows_other else args.rows_other
+        for row in rows.split(","):
             passes, configs = ROWS[row]
             configs = {name: {**configs.get(name, {}), **overrides.get(name, {})} for name in passes if name in configs or name in overrides}
             configs.setdefault("select", {})["keep_ratio"] = ratio
@@ -103,10 +106,17 @@ def main() -> None:
             }
             results.append(entry)
             print(json.dumps(entry), flush=True)
+            if args.json:  # written after every row: a run cut short keeps what it measured
+                with open(args.json, "w") as f:
+                    json.dump(results, f, indent=1)
             del graph
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
     print()
+    table(results)
+
+
+def table(results: list) -> None:
     print("| keep | row | perplexity | x better than baseline | calibrate s | align s |")
     print("|---|---|---|---|---|---|")
     base = {r["keep_ratio"]: r["perplexity"] for r in results if r["row"] == "baseline"}
@@ -114,9 +124,6 @@ def main() -> None:
         gain = base.get(r["keep_ratio"], float("nan")) / r["perplexity"]
         fmt = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
         print(f"| {r['keep_ratio']:.2f} | {r['row']} | {r['perplexity']:.2f} | {gain:.1f} | {fmt(r.get('calibrate_seconds'))} | {fmt(r.get('align_seconds'))} |")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
 
 
 if __name__ == "__main__":

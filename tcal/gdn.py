@@ -160,29 +160,44 @@ class GatedDeltaNet(nn.Module):
     def _split_heads(self, x: torch.Tensor) -> torch.Tensor:
         return x.unflatten(-1, (self.num_heads, self.head_dim))
 
-    def _stream(self, x: torch.Tensor, name: str, activation) -> torch.Tensor:
-        """Projection, optional short convolution, activation, split into heads."""
-        y = getattr(self, f"{name}_proj")(x)
+    INPUT_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "a_proj", "b_proj", "g_proj")
+
+    def _input_projections(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        """All six projections of x as ONE matmul (weights concatenated on the fly): at short
+        lengths the layer is launch-bound, and one GEMM replaces six."""
+        layers = [getattr(self, n) for n in self.INPUT_PROJECTIONS]
+        weight = torch.cat([l.weight for l in layers])
+        bias = None
+        if any(l.bias is not None for l in layers):
+            bias = torch.cat([l.bias if l.bias is not None else l.weight.new_zeros(l.out_features) for l in layers])
+        parts = F.linear(x, weight, bias).split([l.out_features for l in layers], dim=-1)
+        return dict(zip(self.INPUT_PROJECTIONS, parts))
+
+    def _stream(self, y: torch.Tensor, name: str, activation) -> torch.Tensor:
+        """Optional short convolution, activation, split into heads."""
         if self.use_short_conv:
             y = getattr(self, f"{name}_conv1d")(y)
         return self._split_heads(activation(y))
 
+    def _decay(self, a: torch.Tensor) -> torch.Tensor:
+        rate = F.softplus(a.float() + self.dt_bias.float())
+        return -self.A_log.float().exp() * rate
+
     def decay(self, x: torch.Tensor) -> torch.Tensor:
         """Log-space decay g = -exp(A_log) * softplus(a_proj x + dt_bias), float32, [B, T, H]."""
-        rate = F.softplus(self.a_proj(x).float() + self.dt_bias.float())
-        return -self.A_log.float().exp() * rate
+        return self._decay(self.a_proj(x))
 
     def forward_parts(self, hidden_states: torch.Tensor) -> dict[str, torch.Tensor]:
         """Every intermediate of the forward pass, for calibration and diagnostics."""
-        x = hidden_states
-        q = l2norm(self._stream(x, "q", F.silu))
-        k = l2norm(self._stream(x, "k", F.silu))
-        v = self._stream(x, "v", V_ACTIVATIONS[self.v_activation])
-        beta_logit = self.b_proj(x)
+        p = self._input_projections(hidden_states)
+        q = l2norm(self._stream(p["q_proj"], "q", F.silu))
+        k = l2norm(self._stream(p["k_proj"], "k", F.silu))
+        v = self._stream(p["v_proj"], "v", V_ACTIVATIONS[self.v_activation])
+        beta_logit = p["b_proj"]
         beta = beta_logit.float().sigmoid()
-        g = self.decay(x)
+        g = self._decay(p["a_proj"])
         core, _ = gated_delta_rule(q, k, v, g, beta, scale=self.head_dim**-0.5, backend=self.backend)
-        gate = self._split_heads(self.g_proj(x))
+        gate = self._split_heads(p["g_proj"])
         normed = self.o_norm(core, gate)
         out = self.o_proj(normed.flatten(-2))
         return dict(

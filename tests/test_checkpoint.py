@@ -1,0 +1,270 @@
+"""surgery.save / surgery.load: exact round trips, the recipe, and refusal of damaged checkpoints."""
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import surgery
+from surgery import PassManager
+from surgery.errors import CheckpointError, ModelLoadError
+
+
+def convert(graph, layers):
+    PassManager(["select", "replace"], {"select": {"policy": "convert", "layers": list(layers)}})(graph)
+    return graph
+
+
+def ids_for(shape, vocab, seed=0):
+    return torch.randint(0, vocab, shape, generator=torch.Generator().manual_seed(seed))
+
+
+def assert_same_logits(a, b, vocab):
+    for shape in [(1, 5), (2, 33)]:
+        ids = ids_for(shape, vocab, seed=shape[1])
+        with torch.no_grad():
+            x, y = a(ids), b(ids)
+        assert torch.equal(x, y), f"{shape}: max diff {(x - y).abs().max().item():.3g}"
+
+
+def sha256(path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@pytest.fixture(scope="module")
+def stories_hybrid(stories):
+    return convert(stories(), [1, 3])
+
+
+@pytest.fixture(scope="module")
+def saved(stories_hybrid, tmp_path_factory):
+    """A saved stories260K hybrid; tests that damage it work on a copy (`damaged`)."""
+    out = tmp_path_factory.mktemp("ckpt") / "hybrid"
+    assert surgery.save(stories_hybrid, out) == out
+    return out
+
+
+@pytest.fixture
+def damaged(saved, tmp_path):
+    copy = tmp_path / "hybrid"
+    shutil.copytree(saved, copy)
+    return copy
+
+
+# ------------------------------------------------------------------------------------------------
+# round trips
+
+
+def test_stories_hybrid_round_trip_is_exact(stories_hybrid, saved):
+    loaded = surgery.load(saved)
+    assert_same_logits(stories_hybrid, loaded, 512)
+    assert loaded.layer_kinds == ["attention", "gdn", "attention", "gdn", "attention"]
+    assert [h["pass"] for h in loaded.history] == ["select", "replace"]
+    assert len(loaded.sites) == 5 and loaded.teacher is None
+    assert loaded.max_length == 512
+    text = "Once upon a time, there was a little dog."
+    assert loaded.tokenizer(text)["input_ids"] == stories_hybrid.tokenizer(text)["input_ids"]
+    # the loaded hybrid does not share tensors with the session's teacher
+    teacher = {p.data_ptr() for p in stories_hybrid.teacher.parameters()}
+    assert not teacher & {p.data_ptr() for p in loaded.gm.parameters()}
+
+
+@pytest.mark.parametrize("name", ["gpt2", "opt"])  # gpt2: fused Conv1D QKV + tied embeddings; opt: tied, scaled q
+def test_tiny_arch_round_trip_is_exact(name, tiny, tmp_path):
+    t = tiny(name)
+    t.require_sites()
+    assert t.model.config.tie_word_embeddings
+    g = convert(t.graph.branch(), [1])
+    surgery.save(g, tmp_path / name)
+    recipe = json.loads((tmp_path / name / "recipe.json").read_text())
+    loaded = surgery.load(tmp_path / name)
+    assert_same_logits(g, loaded, 128)
+    assert loaded.layer_kinds == ["attention", "gdn"]
+    assert recipe["model_type"] == t.model.config.model_type
+    state = load_file(tmp_path / name / "model.safetensors")
+    assert recipe["weights"]["tensors"] == len(state)
+    # the tied embedding / lm_head matrix is stored once
+    embedding = t.model.get_input_embeddings().weight.detach()
+    assert sum(1 for v in state.values() if v.shape == embedding.shape and torch.equal(v, embedding)) == 1
+
+
+def test_unconverted_teacher_round_trip_stores_tied_weights_as_an_alias(tiny, tmp_path):
+    t = tiny("gpt2")
+    t.require_graph()
+    g = t.graph.branch()
+    surgery.save(g, tmp_path / "teacher")
+    recipe = json.loads((tmp_path / "teacher" / "recipe.json").read_text())
+    assert recipe["passes"] == [] and recipe["weights"]["aliases"] == {"lm_head.weight": "transformer.wte.weight"}
+    assert "lm_head.weight" not in load_file(tmp_path / "teacher" / "model.safetensors")
+    loaded = surgery.load(tmp_path / "teacher")
+    assert_same_logits(g, loaded, 128)
+    ids = ids_for((1, 9), 128)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids), t.model(input_ids=ids).logits, atol=1e-5, rtol=0)
+
+
+def test_round_trip_after_calibrate_and_align(stories, tmp_path):
+    g = convert(stories(), [2, 4])
+    small = {"samples": 2, "length": 64}
+    PassManager(["calibrate", "align"], {"calibrate": small, "align": {"steps": 5, "progress": False, **small}})(g)
+    surgery.save(g, tmp_path / "h")
+    loaded = surgery.load(tmp_path / "h")
+    assert_same_logits(g, loaded, 512)
+    assert [h["pass"] for h in loaded.history] == ["select", "replace", "calibrate", "align"]
+    assert loaded.meta["calibrate"]["layers"]["2"]["beta_target"] == pytest.approx(g.meta["calibrate"]["layers"][2]["beta_target"])
+    assert loaded.meta["align"]["steps"] == 5
+    # a loaded hybrid has no teacher: calibrate/align cannot run on it again, and the order check says so
+    with pytest.raises(surgery.errors.PassOrderError):
+        PassManager(["calibrate"])(loaded)
+
+
+def test_capture_points_a_saved_hybrid_to_load(saved):
+    with pytest.raises(ModelLoadError) as info:
+        surgery.capture(saved)
+    assert "surgery.load" in str(info.value)
+
+
+# ------------------------------------------------------------------------------------------------
+# the directory and the recipe
+
+
+def test_existing_directory_needs_force(stories, stories_hybrid, tmp_path):
+    out = tmp_path / "out"
+    surgery.save(stories_hybrid, out)
+    before = sha256(out / "recipe.json")
+    other = convert(stories(), [0])
+    with pytest.raises(CheckpointError) as info:
+        surgery.save(other, out)
+    assert str(out) in str(info.value) and "--force" in info.value.fix
+    assert sha256(out / "recipe.json") == before
+    surgery.save(other, out, force=True)
+    recipe = json.loads((out / "recipe.json").read_text())
+    assert recipe["decisions"]["select"]["convert"] == [0]
+    assert surgery.load(out).layer_kinds == ["gdn", "attention", "attention", "attention", "attention"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no temporary or old directories left
+
+
+def test_recipe_contents(saved, stories_hybrid):
+    recipe = json.loads((saved / "recipe.json").read_text())
+    assert recipe["format"] == "surgery-hybrid" and recipe["version"] == 1
+    assert [p["pass"] for p in recipe["passes"]] == ["select", "replace"]
+    assert recipe["passes"][0]["config"]["policy"] == "convert" and recipe["passes"][0]["config"]["layers"] == [1, 3]
+    assert recipe["decisions"]["select"]["convert"] == [1, 3]
+    assert [(row["layer"], row["kind"]) for row in recipe["layers"]] == [
+        (0, "attention"), (1, "gdn"), (2, "attention"), (3, "gdn"), (4, "attention")]
+    assert recipe["layers"][1]["module"] == "model.layers.1.self_attn"
+    for key in ("python", "surgery", "torch", "transformers", "safetensors"):
+        assert recipe["versions"][key], key
+    assert recipe["versions"]["torch"] == torch.__version__
+    files = recipe["weights"]["files"]
+    assert list(files) == ["model.safetensors"]
+    assert files["model.safetensors"] == sha256(saved / "model.safetensors")
+    assert recipe["source"]["kind"] == "gguf" and recipe["model_type"] == "llama"
+    assert recipe["config"]["num_hidden_layers"] == 5
+    assert len(recipe["sites"]) == 5 and recipe["capture"]["max_length"] == 512
+    state = load_file(saved / "model.safetensors")
+    assert "model.layers.1.self_attn.A_log" in state and "model.layers.1.self_attn.q_proj.weight" in state
+    assert torch.equal(state["model.layers.1.self_attn.q_proj.weight"],
+                       stories_hybrid.gm.get_parameter("model.layers.1.self_attn.q_proj.weight").detach())
+    assert (saved / "tokenizer").is_dir()
+
+
+# ------------------------------------------------------------------------------------------------
+# damaged checkpoints
+
+
+def _rewrite_weights(path, state):
+    """Write new weights and a matching sha256 into the recipe (a consistent but wrong checkpoint)."""
+    save_file(state, path / "model.safetensors", metadata={"format": "pt"})
+    recipe = json.loads((path / "recipe.json").read_text())
+    recipe["weights"]["files"]["model.safetensors"] = sha256(path / "model.safetensors")
+    (path / "recipe.json").write_text(json.dumps(recipe))
+
+
+def test_truncated_weights(damaged):
+    data = (damaged / "model.safetensors").read_bytes()
+    (damaged / "model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError) as info:
+        surgery.load(damaged)
+    assert "model.safetensors" in str(info.value) and "sha256" in str(info.value)
+    with pytest.raises(CheckpointError) as info:
+        surgery.load(damaged, verify=False)  # even unverified, the reader refuses it cleanly
+    assert "cannot be read" in str(info.value)
+
+
+def test_modified_bytes(damaged):
+    path = damaged / "model.safetensors"
+    data = bytearray(path.read_bytes())
+    data[-100] ^= 0xFF  # inside the tensor data: same size, still a valid safetensors file
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError) as info:
+        surgery.load(damaged)
+    assert "does not match the sha256" in str(info.value)
+
+
+def test_missing_recipe_and_weights(damaged, tmp_path):
+    (damaged / "model.safetensors").unlink()
+    with pytest.raises(CheckpointError) as info:
+        surgery.load(damaged)
+    assert "missing" in str(info.value)
+    (damaged / "recipe.json").unlink()
+    with pytest.raises(CheckpointError) as info:
+        surgery.load(damaged)
+    assert "recipe.json" in str(info.value)
+    with pytest.raises(CheckpointError):
+        surgery.load(tmp_path / "never-written")
+
+
+@pytest.mark.parametrize("edit", ["not json", "wrong format", "no passes", "newer version"])
+def test_bad_recipe(damaged, edit):
+    file = damaged / "recipe.json"
+    recipe = json.loads(file.read_text())
+    if edit == "not json":
+        file.write_text(file.read_text()[:-10])
+    else:
+        if edit == "wrong format":
+            recipe["format"] = "something-else"
+        elif edit == "no passes":
+            del recipe["passes"]
+        else:
+            recipe["version"] = 99
+        file.write_text(json.dumps(recipe))
+    with pytest.raises(CheckpointError) as info:
+        surgery.load(damaged)
+    assert "\n" not in str(info.value)
+
+
+def test_extra_tensor_is_refused(damaged):
+    state = load_file(damaged / "model.safetensors")
+    state["model.layers.1.self_attn.stray.weight"] = torch.zeros(3)
+    _rewrite_weights(damaged, state)
+    with pytest.raises(CheckpointError) as info:
+        surgery.load(damaged)
+    assert "1 unexpected" in str(info.value) and "stray.weight" in str(info.value)
+
+
+def test_missing_tensor_is_refused(damaged):
+    state = load_file(damaged / "model.safetensors")
+    del state["model.layers.3.self_attn.dt_bias"]
+    _rewrite_weights(damaged, state)
+    with pytest.raises(CheckpointError) as info:
+        surgery.load(damaged)
+    assert "1 missing" in str(info.value) and "model.layers.3.self_attn.dt_bias" in str(info.value)
+
+
+def test_recipe_decisions_that_disagree_with_the_weights_are_refused(damaged):
+    """A recipe edited to convert another layer rebuilds a different hybrid: the weights cannot fit."""
+    file = damaged / "recipe.json"
+    recipe = json.loads(file.read_text())
+    recipe["decisions"]["select"]["convert"] = [1, 2]
+    recipe["decisions"]["replace"]["layers"] = [1, 2]
+    recipe["decisions"]["replace"]["modules"]["2"] = dict(recipe["decisions"]["replace"]["modules"]["3"], target="model.layers.2.self_attn")
+    del recipe["decisions"]["replace"]["modules"]["3"]
+    file.write_text(json.dumps(recipe))
+    with pytest.raises(CheckpointError) as info:
+        surgery.load(damaged)
+    assert "do not match the rebuilt hybrid" in str(info.value)

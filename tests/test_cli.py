@@ -1,0 +1,203 @@
+"""The `surgery` command line, run in-process with typer's CliRunner."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+import surgery
+from surgery import PassManager
+from surgery.cli.app import app
+from surgery.evaluate import perplexity, tokenize
+
+# rich wraps tables at the terminal width; a wide one keeps paths and names whole
+ENV = {"COLUMNS": "240", "TERM": "dumb"}
+
+STORY = (
+    "Once upon a time, there was a little cat named Tom. Tom liked to play with a red ball in the garden. "
+    "One day, the ball rolled under a big bush. Tom was sad because he could not find it. His friend, a "
+    "small bird, flew down and said, \"I can help you, Tom!\" The bird looked under the bush and found the "
+    "ball. Tom was very happy. He said, \"Thank you, bird!\" From that day on, Tom and the bird played "
+    "together every day.\n\n"
+    "Lily and her mom went to the park. The sun was warm and the sky was blue. Lily saw a big slide and ran "
+    "to it. She went up the steps and slid down fast. \"Again!\" she said. Her mom laughed and pushed her on "
+    "the swing. Then they ate apples under a tree. Lily gave a piece of her apple to a little duck. The duck "
+    "said quack and Lily smiled. It was a happy day.\n"
+) * 3
+
+
+@pytest.fixture(scope="module")
+def runner():
+    return CliRunner()
+
+
+def invoke(runner, *args):
+    return runner.invoke(app, [str(a) for a in args], env=ENV)
+
+
+def assert_clean_failure(result, *words):
+    """Exit code 2, one Error/Fix paragraph on stderr, no traceback anywhere."""
+    assert result.exit_code == 2, (result.exit_code, result.output)
+    assert isinstance(result.exception, SystemExit)
+    text = result.stdout + result.stderr
+    assert "Traceback" not in text
+    assert "Error:" in result.stderr
+    for w in words:
+        assert w in result.stderr, f"{w!r} not in {result.stderr!r}"
+
+
+@pytest.fixture(scope="module")
+def story_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("text") / "story.txt"
+    path.write_text(STORY)
+    return path
+
+
+@pytest.fixture(scope="module")
+def applied(runner, stories_path, tmp_path_factory):
+    """`surgery apply` of select,replace converting layers 1 and 3 of stories260K."""
+    out = tmp_path_factory.mktemp("apply") / "hybrid"
+    result = invoke(runner, "apply", "--model", stories_path, "--passes", "select,replace", "--layers", "1,3", "--out", out)
+    assert result.exit_code == 0, result.output
+    return out, result
+
+
+def test_passes_lists_the_four_passes(runner):
+    result = invoke(runner, "passes")
+    assert result.exit_code == 0
+    lines = [l for l in result.stdout.splitlines() if "requires=" in l]
+    assert [l.split()[0] for l in lines] == ["align", "calibrate", "replace", "select"]
+    assert "keep_ratio=0.5" in result.stdout and "steps=300" in result.stdout
+
+
+def test_inspect_json_on_the_gguf(runner, stories_path):
+    result = invoke(runner, "inspect", "--model", stories_path, "--json")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["layers"] == 5 and data["architecture"] == "LlamaConfig"
+    assert len(data["sites"]) == 5
+    for i, row in enumerate(data["sites"]):
+        assert (row["layer"], row["heads"], row["kv_heads"], row["head_dim"]) == (i, 8, 4, 8)
+        assert row["path"] == f"model.layers.{i}.self_attn" and row["now"] == "attention"
+        assert row["rope"] is True and row["fused_qkv"] is False
+
+
+def test_inspect_a_model_directory_without_tokenizer(runner, tiny, tmp_path):
+    tiny("llama").model.save_pretrained(tmp_path / "llama")
+    result = invoke(runner, "inspect", "--model", tmp_path / "llama")
+    assert result.exit_code == 0, result.output
+    assert "2 attention layers (llama)" in result.stdout
+    assert "model.layers.0.self_attn" in result.stdout and "model.layers.1.self_attn" in result.stdout
+    result = invoke(runner, "inspect", "--model", tmp_path / "llama", "--json")
+    rows = json.loads(result.stdout)["sites"]
+    assert [(r["heads"], r["kv_heads"], r["head_dim"]) for r in rows] == [(4, 2, 16)] * 2
+
+
+def test_apply_writes_a_loadable_hybrid(applied, stories):
+    out, result = applied
+    assert (out / "recipe.json").exists() and (out / "model.safetensors").exists()
+    assert "saved to" in result.stderr and "found 5 attention layers" in result.stderr
+    assert "attention -> gdn" in result.stdout  # the diff table
+    loaded = surgery.load(out)
+    assert loaded.layer_kinds == ["attention", "gdn", "attention", "gdn", "attention"]
+    # the CLI computes what the library computes
+    g = stories()
+    PassManager(["select", "replace"], {"select": {"policy": "convert", "layers": [1, 3]}})(g)
+    ids = torch.randint(0, 512, (2, 30), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(loaded(ids), g(ids))
+
+
+def test_inspect_a_saved_hybrid(runner, applied):
+    out, _ = applied
+    result = invoke(runner, "inspect", "--model", out, "--json")
+    assert result.exit_code == 0, result.output
+    assert [r["now"] for r in json.loads(result.stdout)["sites"]] == ["attention", "gdn", "attention", "gdn", "attention"]
+
+
+def test_eval_json_on_teacher_and_hybrid(runner, applied, stories_path, stories_teacher, story_file):
+    out, _ = applied
+    results = {}
+    for name, model in (("teacher", stories_path), ("hybrid", out)):
+        result = invoke(runner, "eval", "--model", model, "--text", story_file, "--json")
+        assert result.exit_code == 0, result.output
+        results[name] = json.loads(result.stdout)  # exactly one JSON object on stdout
+        assert set(results[name]) >= {"perplexity", "tokens", "nll", "chunks", "chunk_length"}
+    ids = tokenize(stories_teacher.tokenizer, STORY)
+    # chunks of min(2048, the graph's 512 positions) tokens, the partial tail dropped, all but the first predicted
+    t = results["teacher"]
+    assert (t["chunk_length"], t["chunks"]) == (512, ids.numel() // 512) and t["chunks"] >= 1
+    assert t["tokens"] == t["chunks"] * 511
+    want = perplexity(stories_teacher, ids)
+    assert results["teacher"]["perplexity"] == pytest.approx(want["perplexity"], rel=1e-6)
+    assert results["hybrid"]["tokens"] == results["teacher"]["tokens"]
+    assert results["teacher"]["perplexity"] < results["hybrid"]["perplexity"]  # copy-only conversion hurts
+
+
+def test_diff_teacher_against_saved_hybrid(runner, applied, stories_path):
+    out, _ = applied
+    result = invoke(runner, "diff", stories_path, out, "--json")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    layers = {e["layer"]: e for e in data["layers"] if isinstance(e["layer"], int)}
+    assert sorted(layers) == [1, 3]
+    for e in layers.values():
+        assert (e["before"], e["after"]) == ("attention", "gdn")
+        assert e["nodes_added"] == {"module:GatedDeltaNet": 1}
+    assert {0, 2, 4} <= set(data["unchanged_layers"])
+
+
+def test_apply_with_calibration_file_and_options(runner, stories_path, story_file, tmp_path):
+    out = tmp_path / "calibrated"
+    result = invoke(runner, "apply", "--model", stories_path, "--keep-ratio", "0.5", "--out", out,
+                    "--calibration", story_file, "--set", "calibrate.samples=2", "--set", "calibrate.length=64",
+                    "--set", "align.samples=2", "--set", "align.length=64", "--set", "align.steps=3")
+    assert result.exit_code == 0, result.output
+    recipe = json.loads((out / "recipe.json").read_text())
+    assert [p["pass"] for p in recipe["passes"]] == ["select", "replace", "calibrate", "align"]
+    calibrate, align = recipe["passes"][2]["config"], recipe["passes"][3]["config"]
+    assert calibrate["calibration"] == [str(story_file)] and align["calibration"] == [str(story_file)]
+    assert (calibrate["samples"], calibrate["length"], align["steps"]) == (2, 64, 3)
+    assert recipe["decisions"]["select"]["convert"] == [1, 3, 4]
+    assert "using the built-in calibration sample" not in result.stderr
+
+
+def test_unknown_pass_name(runner, stories_path, tmp_path):
+    result = invoke(runner, "apply", "--model", stories_path, "--passes", "select,quantize", "--out", tmp_path / "x")
+    assert_clean_failure(result, "quantize", "align, calibrate, replace, select")
+    assert not (tmp_path / "x").exists()
+
+
+def test_apply_refuses_an_existing_out_without_force(runner, stories_path, tmp_path):
+    out = tmp_path / "exists"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    result = invoke(runner, "apply", "--model", stories_path, "--passes", "select,replace", "--out", out)
+    assert_clean_failure(result, "already exists", "--force")
+    assert (out / "keep.txt").read_text() == "mine"
+    result = invoke(runner, "apply", "--model", stories_path, "--passes", "select,replace", "--out", out, "--force")
+    assert result.exit_code == 0, result.output
+    assert (out / "recipe.json").exists() and not (out / "keep.txt").exists()
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--passes", "calibrate,select"], ["requires"]),
+    (["--passes", "select,replace", "--layers", "9"], ["out of range"]),
+    (["--passes", "select,replace", "--set", "replace.v_activation=gelu"], ["gelu"]),
+    (["--passes", "select,replace", "--set", "align.steps=5"], ["not in the pipeline"]),
+    (["--passes", "select,replace", "--set", "nonsense"], ["pass.key=value"]),
+    (["--passes", "select,replace,calibrate", "--set", "calibrate.samples=many"], ["samples"]),
+])
+def test_apply_errors_are_one_paragraph(runner, stories_path, tmp_path, args, words):
+    result = invoke(runner, "apply", "--model", stories_path, "--out", tmp_path / "o", *args)
+    assert_clean_failure(result, *words)
+    assert not (tmp_path / "o").exists()
+
+
+def test_missing_model_and_text(runner, tmp_path, stories_path):
+    result = invoke(runner, "inspect", "--model", tmp_path / "nothing-here")
+    assert_clean_failure(result, "nothing-here")
+    result = invoke(runner, "eval", "--model", stories_path, "--text", tmp_path / "none.txt", "--json")
+    assert_clean_failure(result, "none.txt")
