@@ -32,6 +32,7 @@ ZERO_GATE = {"gate": "zero", "decay": False, "write_gate": False, "value_scale":
 REFERENCE = {"gate": "reference", "concentration": "minmax"}
 ROWS = {
     "baseline": (["select", "replace"], {}),
+    "baseline-silu": (["select", "replace"], {"replace": {"v_activation": "silu"}}),
     "zero-gate": (["select", "replace", "calibrate"], {"calibrate": ZERO_GATE}),
     "phase1-ref": (["select", "replace", "calibrate"], {"calibrate": REFERENCE}),
     "phase1": (["select", "replace", "calibrate"], {}),
