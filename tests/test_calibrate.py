@@ -19,7 +19,7 @@ from surgery.calibration import calibration_ids, collect
 from surgery.errors import CalibrationError
 from surgery.evaluate import perplexity, tokenize
 
-CONVERT = [1, 3, 4]  # keep_ratio 0.5 of 5 layers keeps [0, 2]
+CONVERT = [1, 3, 4]  # what keep_ratio 0.5 converts in 5 layers (keeps 0 and 2), named explicitly
 SMALL = {"samples": 2, "length": 64}  # enough for the failure cases and the determinism check
 
 # Fourteen short children's stories (about 3,300 tokens), one paragraph each, no line breaks inside a
