@@ -182,19 +182,18 @@ class PassManager:
 
     def __call__(self, graph: Graph, progress=None) -> PassResult:
         self.validate([h["pass"] for h in graph.history])
-        modified, ran, info = False, [], {}
+        modified, info = False, {}
         for p in self.passes:
             try:
                 result = p(graph)
             except SurgeryError as exc:
-                before = ", ".join(ran) or "nothing"
+                before = ", ".join(h["pass"] for h in graph.history) or "nothing"
                 raise type(exc)(f"Pass '{p.name}' failed (after: {before}). {exc.problem}", exc.fix) from exc
             except Exception as exc:
-                before = ", ".join(ran) or "nothing"
+                before = ", ".join(h["pass"] for h in graph.history) or "nothing"
                 raise PassFailedError(f"Pass '{p.name}' failed (after: {before}): {type(exc).__name__}: {exc}", "Run with --debug for the trace.") from exc
             modified |= result.modified
             info[p.name] = result.info
-            ran.append(p.name)
             if progress is not None:
                 progress(p.name, result)
         return PassResult(graph, modified, info)

@@ -69,8 +69,10 @@ def drop_unused_attributes(gm: GraphModule) -> None:
     def referenced(name: str) -> bool:
         return any(u == name or u.startswith(name + ".") or name.startswith(u + ".") for u in used)
 
-    for name, _ in list(gm.named_parameters(remove_duplicate=False)) + list(gm.named_buffers(remove_duplicate=False)):
-        if not referenced(name):
+    tensors = list(gm.named_parameters(remove_duplicate=False)) + list(gm.named_buffers(remove_duplicate=False))
+    live = {id(t) for name, t in tensors if referenced(name)}  # a tied weight keeps every name it has
+    for name, t in tensors:
+        if not referenced(name) and id(t) not in live:
             parent, _, leaf = name.rpartition(".")
             owner = gm.get_submodule(parent) if parent else gm
             if hasattr(owner, leaf):

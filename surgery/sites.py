@@ -35,7 +35,8 @@ SHAPE_OPS = {
     aten.split_with_sizes.default, aten.chunk.default, aten.unbind.int, aten.narrow.default,
     aten.cat.default, aten.flatten.using_ints, aten.unflatten.int, aten.movedim.int,
     aten.contiguous.default, aten.clone.default, aten.alias.default, aten.repeat.default,
-    aten.repeat_interleave.self_int, aten.index_select.default, operator.getitem,
+    aten.repeat_interleave.self_int, aten.index_select.default, aten.index.Tensor, aten.stack.default,
+    aten.broadcast_to.default, operator.getitem,
 }
 # Casts between parameters and their use in a projection (weight.to(dtype) under autocast, say).
 PASS_THROUGH_PARAM_OPS = TRANSPOSE_OPS | {aten._to_copy.default, aten.to.dtype, aten.to.dtype_layout, aten.alias.default, aten.detach.default}
@@ -264,17 +265,21 @@ class _Run:
             if n not in between:
                 continue
             if n.op == "call_function" and n.target in SHAPE_OPS:
+                if not any(a in probed for a in n.all_input_nodes):
+                    continue  # a side branch (a norm's statistics, say) that no index reaches
                 args = map_arg(n.args, lambda a: probed.get(a, self.env.get(a)))
                 kwargs = map_arg(n.kwargs, lambda a: probed.get(a, self.env.get(a)))
                 probed[n] = n.target(*args, **kwargs)
                 continue
             main = [a for a in n.all_input_nodes if a in probed and self.shape(a) == self.shape(n)]
-            if not main:
+            if main:
+                probed[n] = probed[main[0]]
+            elif n is dst:
                 raise SiteError(
                     f"Cannot follow projection rows through node '{n.name}' ({n.target}): none of its inputs has its shape.",
                     "This attention layout is not supported yet; please report the architecture.",
                 )
-            probed[n] = probed[main[0]]
+            # else: a reduction on a side branch (RMSNorm's mean): its value never carries rows
         return probed[dst]
 
 
@@ -344,7 +349,7 @@ def _eager_core(softmax: Node, run: _Run) -> _Core | None:
     """softmax(Q K^T * s + mask) @ V, possibly with casts, dropout, softcapping and bmm decompositions."""
     node, out = softmax, None
     for _ in range(6):  # probabilities -> (cast, dropout, expand, view) -> matmul with V
-        users = list(node.users)
+        users = [u for u in node.users if u.target is not aten._assert_tensor_metadata.default]
         mm = [u for u in users if u.op == "call_function" and u.target in MATMUL_OPS and u.args[0] is node]
         if mm:
             out = mm[0]
@@ -354,19 +359,22 @@ def _eager_core(softmax: Node, run: _Run) -> _Core | None:
         node = users[0]
     if out is None:
         return None
-    is_mm = lambda x: x.op == "call_function" and x.target in MATMUL_OPS  # noqa: E731
+    is_mm = lambda x: x.op == "call_function" and (x.target in MATMUL_OPS or x.target is aten.baddbmm.default)  # noqa: E731
     found = [a for a in _ancestors(softmax, stop=is_mm) if is_mm(a) and len(run.shape(a)) >= 3]
     if len(found) != 1:
         return None
     logits_mm = found[0]
-    q = _to_4d(logits_mm.args[0], run, up=True)
-    kt = _to_4d(logits_mm.args[1], run, up=True)
+    # baddbmm(bias, Q, K^T, alpha=scale) adds a bias (BLOOM's ALiBi) and scales in one op
+    first = 1 if logits_mm.target is aten.baddbmm.default else 0
+    alpha = float(logits_mm.kwargs.get("alpha", 1.0)) if first else 1.0
+    q = _to_4d(logits_mm.args[first], run, up=True)
+    kt = _to_4d(logits_mm.args[first + 1], run, up=True)
     v = _to_4d(out.args[1], run, up=True)
     attn_out = _to_4d(out, run, up=False)
     t_q, d = run.shape(q)[-2:]
     k_transposed = run.shape(kt)[-2:] == (d, run.shape(kt)[-1]) and run.shape(kt)[-1] != d
     path = _descendants(logits_mm) & _ancestors(softmax)
-    return _Core("eager", attn_out, q, kt, v, k_transposed=k_transposed, probs=softmax, logits_path=path)
+    return _Core("eager", attn_out, q, kt, v, k_transposed=k_transposed, probs=softmax, logits_path=path, scale=alpha)
 
 
 def _projection_of(arg: Node, params: set[str], what: str, layer: int) -> tuple[Node, tuple]:
@@ -401,24 +409,28 @@ def _path_scalars(path: set[Node]) -> float:
     return factor
 
 
-def _touches(path: set[Node], targets) -> bool:
-    """Does any operand of the path descend from cos/sin (RoPE)? Operands are walked only up to
-    parameters and placeholders, which keeps this local."""
-    operands = {a for n in path for a in n.all_input_nodes if a not in path}
-    leaf = lambda x: x.op in ("placeholder", "get_attr") or x.target in targets  # noqa: E731
-    for a in operands:
-        if any(x.op == "call_function" and x.target in targets for x in _ancestors(a, stop=leaf) | {a}):
-            return True
-    return False
+def _operands(path: set[Node], source: Node) -> set[Node]:
+    """Inputs that enter a projection -> attention path from outside it (RoPE tables, norm weights)."""
+    return {a for n in path for a in n.all_input_nodes if a not in path and a is not source}
 
 
-def _path_params(path: set[Node], params: set[str]) -> list[str]:
-    names = []
-    for n in path:
-        for a in n.all_input_nodes:
-            p = _resolve_param(a, params)
-            if p and p[0] not in names:
-                names.append(p[0])
+def _local_ancestors(a: Node) -> set[Node]:
+    return _ancestors(a, stop=lambda x: x.op in ("placeholder", "get_attr")) | {a}
+
+
+def _touches(path: set[Node], source: Node, targets) -> bool:
+    """Does an operand of the path come from cos/sin or from positions (RoPE, table or computed)?"""
+    return any(x.op == "call_function" and x.target in targets for a in _operands(path, source) for x in _local_ancestors(a))
+
+
+def _path_params(path: set[Node], source: Node, params: set[str]) -> list[str]:
+    """Parameters applied on the path (q/k norms), also through `1 + weight` style reparametrisations."""
+    names = set()
+    for a in _operands(path, source):
+        for x in _local_ancestors(a):
+            p = _resolve_param(x, params)
+            if p:
+                names.add(p[0])
     return sorted(names)
 
 
@@ -430,7 +442,7 @@ def _softcap_and_scale(core: _Core) -> tuple[float | None, float]:
     after = _descendants(tanh[0]) & core.logits_path
     before = core.logits_path - after - {tanh[0]}
     cap = _path_scalars(after)
-    return cap, _path_scalars(before) / cap
+    return cap, _path_scalars(before) * cap
 
 
 def _input_node(x: Node, run: _Run) -> Node:
@@ -502,8 +514,8 @@ def _site(layer: int, core: _Core, gm, run: _Run, params: set[str]) -> Attention
         scale = (core.scale if core.scale is not None else d ** -0.5) * _path_scalars(q_path) * _path_scalars(k_path)
     else:
         softcap, scale = _softcap_and_scale(core)
-        scale *= _path_scalars(q_path) * _path_scalars(k_path)
-    trig = {aten.cos.default, aten.sin.default}
+        scale *= (core.scale or 1.0) * _path_scalars(q_path) * _path_scalars(k_path)
+    trig = {aten.cos.default, aten.sin.default, aten.arange.default, aten.arange.start, aten.arange.start_step}
     return AttentionSite(
         layer=layer, module_path=_module_path(core.attn) or _module_path(q_proj), kind=core.kind,
         num_heads=heads, num_kv_heads=len(unique), head_dim=d, hidden_size=run.shape(x)[-1], scale=float(scale),
@@ -511,8 +523,8 @@ def _site(layer: int, core: _Core, gm, run: _Run, params: set[str]) -> Attention
         k=Projection(k_w, k_b, k_t, k_heads, k_proj.name),
         v=Projection(v_w, v_b, v_t, v_heads, v_proj.name),
         o=Projection(o_w, o_b or o_bias_add, o_t, o_heads, o_proj.name),
-        kv_map=kv_map, rope=_touches(q_path, trig) or _touches(k_path, trig),
-        q_norm=_path_params(q_path, params), k_norm=_path_params(k_path, params), softcap=softcap,
+        kv_map=kv_map, rope=_touches(q_path, q_proj, trig) or _touches(k_path, k_proj, trig),
+        q_norm=_path_params(q_path, q_proj, params), k_norm=_path_params(k_path, k_proj, params), softcap=softcap,
         input_node=x.name, output_node=out.name, attn_node=core.attn.name,
         q_node=core.q.name, k_node=core.k.name, v_node=core.v.name,
         probs_node=core.probs.name if core.probs is not None else None,

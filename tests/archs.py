@@ -229,8 +229,8 @@ def build(name: str, seed: int = 0) -> torch.nn.Module:
 #   alibi          position bias added to the scores instead of rope
 def _site(num_layers=LAYERS, heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM, fused_qkv=False, qkv_bias=False,
           qk_norm=False, qk_norm_over=None, rope=True, rotary_dim=HEAD_DIM, softcap=False, sliding_window=None,
-          scale=HEAD_DIM ** -0.5, attn_op="sdpa", alibi=False, notes=""):
-    return dict(num_layers=num_layers, heads=heads, kv_heads=kv_heads, head_dim=head_dim, fused_qkv=fused_qkv,
+          scale=HEAD_DIM ** -0.5, attn_op="sdpa", alibi=False, notes="", attention_adds_residual=False):
+    return dict(attention_adds_residual=attention_adds_residual, num_layers=num_layers, heads=heads, kv_heads=kv_heads, head_dim=head_dim, fused_qkv=fused_qkv,
                 qkv_bias=qkv_bias, qk_norm=qk_norm, qk_norm_over=qk_norm_over, rope=rope, rotary_dim=rotary_dim,
                 softcap=softcap, sliding_window=sliding_window, scale=scale, attn_op=attn_op, alibi=alibi,
                 notes=notes)
@@ -276,7 +276,7 @@ EXPECTED: dict[str, dict] = {
     "codegen": _site(kv_heads=HEADS, fused_qkv=True, rotary_dim=8,
                      notes="qkv_proj out viewed [mp_num=4 shards, 3*16]: per shard [q | v | k] (note the order);"
                      " with 4 heads each shard holds one head"),
-    "bloom": _site(kv_heads=HEADS, fused_qkv=True, qkv_bias=True, rope=False, rotary_dim=0, attn_op="eager",
+    "bloom": _site(attention_adds_residual=True, kv_heads=HEADS, fused_qkv=True, qkv_bias=True, rope=False, rotary_dim=0, attn_op="eager",
                    alibi=True, notes="no SDPA support: eager baddbmm(alibi, q, k^T, beta=1, alpha=0.25);"
                    " query_key_value viewed [heads, 3, head_dim]"),
     "starcoder2": _site(qkv_bias=True, sliding_window=WINDOW, notes="o_proj has a bias too"),
