@@ -39,6 +39,7 @@ ROWS = {
     "phase2": (["select", "replace", "align"], {}),
     "phase1+2": (["select", "replace", "calibrate", "align"], {}),
     "phase1+2-16x256": (["select", "replace", "calibrate", "align"], {"calibrate": {"samples": 16}, "align": {"samples": 16}}),
+    "phase1+2-4x256": (["select", "replace", "calibrate", "align"], {"calibrate": {"samples": 4}, "align": {"samples": 4}}),
 }
 
 

@@ -13,7 +13,7 @@ class CalibrationDataConfig(PassConfig):
     """calibration  text files (default: the built-in sample); samples x length tokens are used"""
 
     calibration: list[str] | None = None
-    samples: int = 4
+    samples: int = 16
     length: int = 256
     seed: int = 0
     batch_size: int = 4

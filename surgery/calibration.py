@@ -12,6 +12,7 @@ import torch
 
 from tcal.stats import AttentionStats, StatsError
 
+from .capture import placeholder_values
 from .errors import CalibrationError
 from .evaluate import read_text, tokenize
 from .rewrite import nodes_by_name
@@ -97,7 +98,7 @@ class _Taps(torch.fx.Interpreter):
 
 def run_with_taps(gm, ids: torch.Tensor, callbacks: dict) -> None:
     with torch.no_grad():
-        _Taps(gm, callbacks).run(ids, False)
+        _Taps(gm, callbacks).run(*placeholder_values(gm, ids))
 
 
 @dataclass

@@ -4,6 +4,8 @@ The exported module keeps the model's state_dict names and records each node's m
 node.meta["nn_module_stack"], which is all the later passes need."""
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 from .errors import CaptureError, ModelLoadError
@@ -25,6 +27,9 @@ def export_model(model: torch.nn.Module, max_length: int, debug: bool = False) -
     """torch.export the model's forward(input_ids) with symbolic batch and sequence length."""
     vocab = model.get_input_embeddings().weight.shape[0]
     ids = torch.randint(0, vocab, (CAPTURE_BATCH, min(CAPTURE_LENGTH, max_length)), device=_device(model))
+    # use_cache=False keeps KV caches out of the graph; a model whose forward has no such argument
+    # (openai-gpt, granitemoe) never builds one
+    extra = {"use_cache": False} if "use_cache" in inspect.signature(model.forward).parameters else {}
     named = {0: torch.export.Dim("batch", min=1, max=4096), 1: torch.export.Dim("seq", min=1, max=max_length)}
     hinted = {0: torch.export.Dim.DYNAMIC, 1: torch.export.Dim.DYNAMIC}
     program, failure = None, None
@@ -34,8 +39,8 @@ def export_model(model: torch.nn.Module, max_length: int, debug: bool = False) -
         try:
             with torch.no_grad():
                 program = torch.export.export(
-                    model, (), {"input_ids": ids, "use_cache": False},
-                    dynamic_shapes={"input_ids": dims, "use_cache": None}, strict=False,
+                    model, (), {"input_ids": ids, **extra},
+                    dynamic_shapes={"input_ids": dims, **{k: None for k in extra}}, strict=False,
                 )
             break
         except Exception as exc:
@@ -52,6 +57,7 @@ def export_model(model: torch.nn.Module, max_length: int, debug: bool = False) -
         ) from failure
     gm = program.module()
     gm.meta["max_length"] = max_length
+    gm.meta["extra_inputs"] = extra
     return gm
 
 
@@ -90,8 +96,13 @@ def run_graph(graph: Graph, input_ids: torch.Tensor) -> torch.Tensor:
             f"A sequence of {length} tokens does not fit this graph, which takes 1 to {graph.max_length} tokens.",
             "Split the input into chunks of at most that length (surgery eval does this).",
         )
-    out = graph.gm(input_ids=input_ids, use_cache=False)
+    out = graph.gm(input_ids=input_ids, **graph.gm.meta.get("extra_inputs", {}))
     return out.logits if hasattr(out, "logits") else out[0]
+
+
+def placeholder_values(gm: torch.fx.GraphModule, input_ids: torch.Tensor) -> list:
+    """Positional inputs for running the graph with torch.fx.Interpreter (its placeholders)."""
+    return [input_ids, *gm.meta.get("extra_inputs", {}).values()]
 
 
 def _device(model: torch.nn.Module) -> torch.device:

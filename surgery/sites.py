@@ -18,6 +18,7 @@ import torch
 from torch.fx import Node
 from torch.fx.node import map_arg
 
+from .capture import placeholder_values
 from .errors import NoAttentionError, SiteError
 
 aten = torch.ops.aten
@@ -247,7 +248,7 @@ class _Run:
 
         interp.run_node = record
         with torch.no_grad():
-            interp.run(ids, False)
+            interp.run(*placeholder_values(gm, ids))
 
     def __getitem__(self, n):
         return self.env[n]

@@ -99,6 +99,8 @@ ARCHS: dict[str, Callable[[], PretrainedConfig]] = {
     "gptj": partial(_config, "gptj", rotary_dim=8, n_inner=INTERMEDIATE),  # interleaved partial rotary
     "codegen": partial(_config, "codegen", rotary_dim=8, n_inner=INTERMEDIATE, n_ctx=MAX_POSITIONS),  # fused, mp_num=4
     "bloom": partial(_config, "bloom"),  # ALiBi, eager only, fused per-head-interleaved qkv
+    "mpt": partial(_config, "mpt"),  # ALiBi, eager, fused Wqkv; needs the DYNAMIC-dims export fallback
+    "openai-gpt": partial(_config, "openai-gpt"),  # GPT-1: forward takes no use_cache
     "starcoder2": partial(_config, "starcoder2", sliding_window=WINDOW),  # biases incl. o_proj, LayerNorm
     "gpt_bigcode": partial(_config, "gpt_bigcode", n_inner=INTERMEDIATE),  # MQA, fused Linear c_attn
     "smollm3": partial(_config, "smollm3", no_rope_layer_interval=2),  # layer 1 has no rope (NoPE)
@@ -276,6 +278,8 @@ EXPECTED: dict[str, dict] = {
     "codegen": _site(kv_heads=HEADS, fused_qkv=True, rotary_dim=8,
                      notes="qkv_proj out viewed [mp_num=4 shards, 3*16]: per shard [q | v | k] (note the order);"
                      " with 4 heads each shard holds one head"),
+    "mpt": _site(kv_heads=HEADS, fused_qkv=True, qkv_bias=False, rope=False, rotary_dim=0, attn_op="eager", alibi=True),
+    "openai-gpt": _site(kv_heads=HEADS, fused_qkv=True, qkv_bias=True, rope=False, rotary_dim=0, attn_op="eager"),
     "bloom": _site(attention_adds_residual=True, kv_heads=HEADS, fused_qkv=True, qkv_bias=True, rope=False, rotary_dim=0, attn_op="eager",
                    alibi=True, notes="no SDPA support: eager baddbmm(alibi, q, k^T, beta=1, alpha=0.25);"
                    " query_key_value viewed [heads, 3, head_dim]"),
@@ -363,11 +367,8 @@ EXPECTED: dict[str, dict] = {
 }
 
 FAILING: dict[str, str] = {
-    "mpt": "export guard seq != max_seq_len (alibi/mask slicing): Dim(seq, max=max_positions) is rejected;"
-           " exports and matches (eager) with max=max_positions-1",
     "gpt_neo": "export guard seq != max_position_embeddings (causal-mask buffer slicing): Dim(seq, max=max_positions)"
                " is rejected; exports and matches (eager) with max=max_positions-1",
-    "openai-gpt": "forward has no use_cache parameter (only **kwargs): dynamic_shapes keyed 'use_cache' is rejected",
     "granitemoe": "forward has no use_cache parameter (only **kwargs): dynamic_shapes keyed 'use_cache' is rejected",
     "granitemoeshared": "forward has no use_cache parameter (only **kwargs): dynamic_shapes keyed 'use_cache' is rejected",
     "dbrx": "MoE expert loop guards on a data-dependent size (GuardOnDataDependentSymNode Eq(u0, 0)); also"

@@ -19,6 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from surgery.capture import placeholder_values
+
 # One thread: every tensor here is tiny, and OpenMP barriers on the 2 shared cores cost more than the
 # work (measured on 2 cores: the whole suite takes ~1.6 min with 1 thread, ~7 min with 2).
 torch.set_num_threads(1)
@@ -163,7 +165,7 @@ def node_values(gm: torch.fx.GraphModule, ids: torch.Tensor, names) -> dict:
     assert not missing, f"graph has no node(s) {sorted(missing)}"
     rec = _Recorder(gm, names)
     with torch.no_grad():
-        rec.run(ids, False)
+        rec.run(*placeholder_values(gm, ids))
     return rec.values
 
 

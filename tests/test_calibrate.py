@@ -149,7 +149,7 @@ def copy_only(stories):
 @pytest.fixture(scope="module")
 def calibrated(stories):
     g = convert(stories())
-    PassManager(["calibrate"])(g)  # defaults: built-in sample, 4 windows of 256 tokens
+    PassManager(["calibrate"])(g)  # defaults: built-in sample, 16 windows of 256 tokens
     return g
 
 
@@ -159,7 +159,7 @@ def teacher_data(calibrated):
     config = calibrated.history[-1]["config"]
     assert calibrated.history[-1]["pass"] == "calibrate"
     ids = calibration_ids(calibrated, config["calibration"], config["samples"], config["length"], config["seed"])
-    assert ids.shape == (4, 256)
+    assert ids.shape == (16, 256)
     return collect(calibrated, CONVERT, ids, with_stats=False)
 
 

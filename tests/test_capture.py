@@ -112,7 +112,7 @@ def test_site_nodes_are_the_eager_attention_input_and_output(name, tiny, record)
 
         def hook(mod, args, kwargs, out, layer=s.layer):
             x = args[0] if args else kwargs["hidden_states"]
-            y = (out[0] if isinstance(out, tuple) else out).detach()
+            y = (out[0] if isinstance(out, (tuple, list)) else out).detach()
             if EXPECTED[name].get("attention_adds_residual"):  # BLOOM adds the residual inside its attention
                 y = y - (args[1] if len(args) > 1 else kwargs["residual"]).detach()
             seen[layer] = (x.detach(), y)

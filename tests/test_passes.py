@@ -225,7 +225,7 @@ def test_replace_every_arch(name, tiny, record, gdn_at):
     # the teacher is untouched, and the kept layer 0 (before any converted layer) is bit-identical
     ids = ids_for((2, 13), vocab, seed=1)
     with torch.no_grad():
-        torch.testing.assert_close(t.graph.teacher_gm(input_ids=ids, use_cache=False).logits,
+        torch.testing.assert_close(t.graph.teacher_gm(input_ids=ids, **t.graph.teacher_gm.meta['extra_inputs']).logits,
                                    t.model(input_ids=ids).logits, atol=1e-5, rtol=0)
     s0 = sites[0]
     first = converted[0]
