@@ -15,7 +15,7 @@ from surgery.errors import PassConfigError
 from surgery.graph import Graph
 from surgery.pass_base import Pass, PassConfig, PassResult, register
 from surgery.rewrite import fork, nodes_by_name, prune, splice_module
-from surgery.sites import AttentionSite, _ancestors, _descendants
+from surgery.sites import AttentionSite, ancestors, descendants
 from tcal.gdn import GatedDeltaNet
 
 V_ACTIVATIONS = ("silu", "identity")
@@ -99,7 +99,7 @@ def module_target(gm: torch.fx.GraphModule, site: AttentionSite) -> str:
     region uses that module's tensors, so state_dict names stay familiar (…self_attn.q_proj.weight)."""
     nodes = nodes_by_name(gm)
     x, out = nodes[site.input_node], nodes[site.output_node]
-    region = (_descendants(x) & _ancestors(out)) | {out}
+    region = (descendants(x) & ancestors(out)) | {out}
     prefix = site.module_path + "."
     for n in gm.graph.nodes:
         if n.op == "get_attr" and n.target.startswith(prefix) and any(u not in region for u in n.users):

@@ -189,7 +189,7 @@ def _bias_add(node: Node, params: set[str], width: int, env) -> tuple[Node, str 
     return node, None
 
 
-def _ancestors(node: Node, stop=lambda n: False) -> set[Node]:
+def ancestors(node: Node, stop=lambda n: False) -> set[Node]:
     seen, todo = set(), [node]
     while todo:
         n = todo.pop()
@@ -201,7 +201,7 @@ def _ancestors(node: Node, stop=lambda n: False) -> set[Node]:
     return seen
 
 
-def _descendants(node: Node) -> set[Node]:
+def descendants(node: Node) -> set[Node]:
     seen, todo = set(), [node]
     while todo:
         for u in todo.pop().users:
@@ -260,7 +260,7 @@ class _Run:
     def probe(self, src: Node, dst: Node, value: torch.Tensor) -> torch.Tensor:
         """Push `value` (standing for src's output) along every path src -> dst, moving indices through
         shape ops and passing the main operand through value-changing ops."""
-        between = _descendants(src) & (_ancestors(dst) | {dst})
+        between = descendants(src) & (ancestors(dst) | {dst})
         probed = {src: value}
         for n in src.graph.nodes:
             if n not in between:
@@ -361,7 +361,7 @@ def _eager_core(softmax: Node, run: _Run) -> _Core | None:
     if out is None:
         return None
     is_mm = lambda x: x.op == "call_function" and (x.target in MATMUL_OPS or x.target is aten.baddbmm.default)  # noqa: E731
-    found = [a for a in _ancestors(softmax, stop=is_mm) if is_mm(a) and len(run.shape(a)) >= 3]
+    found = [a for a in ancestors(softmax, stop=is_mm) if is_mm(a) and len(run.shape(a)) >= 3]
     if len(found) != 1:
         return None
     logits_mm = found[0]
@@ -374,7 +374,7 @@ def _eager_core(softmax: Node, run: _Run) -> _Core | None:
     attn_out = _to_4d(out, run, up=False)
     t_q, d = run.shape(q)[-2:]
     k_transposed = run.shape(kt)[-2:] == (d, run.shape(kt)[-1]) and run.shape(kt)[-1] != d
-    path = _descendants(logits_mm) & _ancestors(softmax)
+    path = descendants(logits_mm) & ancestors(softmax)
     return _Core("eager", attn_out, q, kt, v, k_transposed=k_transposed, probs=softmax, logits_path=path, scale=alpha)
 
 
@@ -390,7 +390,7 @@ def _projection_of(arg: Node, params: set[str], what: str, layer: int) -> tuple[
         return n.op in ("placeholder", "get_attr") or (n.op == "call_function" and (n.target in SDPA_OPS or n.target in SOFTMAX_OPS))
 
     if not stop(arg):
-        _ancestors(arg, stop=stop)
+        ancestors(arg, stop=stop)
     if len(found) != 1:
         raise SiteError(
             f"Attention {layer}: expected one parameter projection producing {what}, found {len(found)}.",
@@ -416,7 +416,7 @@ def _operands(path: set[Node], source: Node) -> set[Node]:
 
 
 def _local_ancestors(a: Node) -> set[Node]:
-    return _ancestors(a, stop=lambda x: x.op in ("placeholder", "get_attr")) | {a}
+    return ancestors(a, stop=lambda x: x.op in ("placeholder", "get_attr")) | {a}
 
 
 def _touches(path: set[Node], source: Node, targets) -> bool:
@@ -440,7 +440,7 @@ def _softcap_and_scale(core: _Core) -> tuple[float | None, float]:
     tanh = [n for n in core.logits_path if n.target is aten.tanh.default]
     if not tanh:
         return None, _path_scalars(core.logits_path)
-    after = _descendants(tanh[0]) & core.logits_path
+    after = descendants(tanh[0]) & core.logits_path
     before = core.logits_path - after - {tanh[0]}
     cap = _path_scalars(after)
     return cap, _path_scalars(before) * cap
@@ -490,7 +490,7 @@ def _site(layer: int, core: _Core, gm, run: _Run, params: set[str]) -> Attention
     v_heads = [list(u[1]) for u in unique]
 
     # forward to the output projection
-    after = _descendants(core.attn)
+    after = descendants(core.attn)
     o_proj = next((n for n in gm.graph.nodes if n in after and _projection_parts(n, params) is not None), None)
     if o_proj is None:
         raise SiteError(f"Attention {layer}: no output projection consumes the attention output.", "This attention layout is not supported yet.")
@@ -508,8 +508,8 @@ def _site(layer: int, core: _Core, gm, run: _Run, params: set[str]) -> Attention
 
     x = _input_node(q_in, run)
     out = _output_node(o_out, run, run.shape(x))
-    q_path = _descendants(q_proj) & _ancestors(core.q)
-    k_path = _descendants(k_proj) & _ancestors(core.k)
+    q_path = descendants(q_proj) & ancestors(core.q)
+    k_path = descendants(k_proj) & ancestors(core.k)
     if core.kind == "sdpa":
         softcap = None
         scale = (core.scale if core.scale is not None else d ** -0.5) * _path_scalars(q_path) * _path_scalars(k_path)

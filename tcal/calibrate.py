@@ -78,7 +78,7 @@ def relative_error(out: torch.Tensor, target: torch.Tensor) -> float:
 @torch.no_grad()
 def calibrate_layer(gdn: GatedDeltaNet, x: torch.Tensor, ctx: torch.Tensor, target: torch.Tensor, stats: dict, opts: Phase1Options) -> dict:
     """Apply Phase 1 to `gdn` in place. x [N,T,hidden], ctx [N,T,H,D], target [N,T,hidden]."""
-    H, D = gdn.num_heads, gdn.head_dim
+    D = gdn.head_dim
     report = {"rel_error_before": relative_error(gdn(x), target)}
     dtype = gdn.q_proj.weight.dtype
     if opts.decay:
@@ -110,7 +110,7 @@ def calibrate_layer(gdn: GatedDeltaNet, x: torch.Tensor, ctx: torch.Tensor, targ
 
 
 def _set_gate(gdn: GatedDeltaNet, x, ctx, opts: Phase1Options, report: dict) -> None:
-    H, D = gdn.num_heads, gdn.head_dim
+    D = gdn.head_dim
     w = gdn.g_proj.weight
     if opts.gate == "keep":
         return
