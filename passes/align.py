@@ -49,8 +49,13 @@ class Align(Pass):
         with Progress(TextColumn("align"), BarColumn(), TextColumn("{task.completed}/{task.total} steps"),
                       TextColumn("mean loss {task.fields[loss]:.3e}"), TimeElapsedColumn(), disable=not show, transient=True) as bar:
             task = bar.add_task("align", total=self.config.steps, loss=float("nan"))
-            report = align_layers(modules, pairs, self.config.options(),
-                                  progress=lambda step, losses: bar.update(task, completed=step + 1, loss=sum(losses.values()) / len(losses)))
+            def progress(step, losses):
+                mean = sum(losses.values()) / len(losses)
+                bar.update(task, completed=step + 1, loss=mean)
+                if self.config.progress and not show and (step + 1) % 50 == 0:  # logs get a line now and then
+                    print(f"align step {step + 1}/{self.config.steps}: mean loss {mean:.4e}", file=sys.stderr, flush=True)
+
+            report = align_layers(modules, pairs, self.config.options(), progress=progress)
         seconds = time.perf_counter() - start
         graph.meta["align"] = report | {"seconds": seconds}
         layers = report["layers"].values()
