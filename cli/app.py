@@ -13,7 +13,7 @@ from rich.table import Table
 from surgery.errors import SurgeryError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Convert softmax attention to Gated DeltaNet, Taylor-Calibrated.")
-out = Console()
+out = Console(width=None if sys.stdout.isatty() else 160)  # pipes and logs get the whole table
 err = Console(stderr=True)
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
