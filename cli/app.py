@@ -168,11 +168,7 @@ def apply(
             brief = {k: v for k, v in result.info.items() if isinstance(v, (int, float, str)) or (isinstance(v, list) and len(v) <= 32)}
             err.print(f"[green]✓[/] {name}: {json.dumps(brief)[:300]}")
 
-        before = None
-        if any(p.structural for p in manager.passes):
-            from surgery.graph import Graph
-
-            before = Graph(gm=graph.gm, config=graph.config, source=graph.source, sites=graph.sites, meta=dict(graph.meta))
+        before = graph.branch() if any(p.structural for p in manager.passes) else None
         manager(graph, progress=report)
         if before is not None:
             render_diff(graph_diff(before, graph, compare_values=False), f"{model} -> hybrid")

@@ -26,13 +26,13 @@ class CalibrationDataConfig(PassConfig):
             raise PassConfigError("length must be >= 2 tokens.", "Use e.g. 256.")
 
 
-def teacher_data(graph, config: CalibrationDataConfig, with_stats: bool):
-    """Per converted layer: the teacher's attention inputs, outputs, contexts (and statistics),
+def teacher_data(graph, config: CalibrationDataConfig):
+    """Per converted layer: the teacher's attention inputs, outputs, contexts and statistics,
     cached on the graph so calibrate and align read the teacher once."""
     layers = graph.meta["replace"]["layers"]
     key = ("teacher_data", tuple(layers), tuple(config.calibration or ()), config.samples, config.length, config.seed)
     cached = graph.cache.get(key)
-    if cached is not None and (not with_stats or all(d.stats is not None for d in cached.values())):
+    if cached is not None:
         return cached
     ids = calibration_ids(graph, config.calibration, config.samples, config.length, config.seed)
     data = collect(graph, layers, ids, with_stats=True, batch_size=config.batch_size)

@@ -42,7 +42,7 @@ class Align(Pass):
 
     def run(self, graph: Graph) -> PassResult:
         start = time.perf_counter()
-        data = teacher_data(graph, self.config, with_stats=False)
+        data = teacher_data(graph, self.config)
         modules = gdn_modules(graph)
         pairs = {l: (data[l].x, data[l].target) for l in modules}
         show = self.config.progress and sys.stderr.isatty()

@@ -44,7 +44,7 @@ class Calibrate(Pass):
 
     def run(self, graph: Graph) -> PassResult:
         start = time.perf_counter()
-        data = teacher_data(graph, self.config, with_stats=True)
+        data = teacher_data(graph, self.config)
         options = self.config.phase1()
         reports = {}
         for layer, gdn in gdn_modules(graph).items():

@@ -72,10 +72,6 @@ class Projection:
         index = torch.tensor(self.rows(), device=w.device)
         return w.index_select(1, index), (params[self.bias] if self.bias else None)
 
-    @property
-    def contiguous(self) -> bool:
-        flat = self.rows()
-        return flat == list(range(flat[0], flat[0] + len(flat)))
 
 
 @dataclass
@@ -224,19 +220,15 @@ def _scalar(x) -> float | None:
 # the probe run: real values of every node on a small input, then index tensors pushed along paths
 
 
-PROBE_LENGTH = 7
+PROBE_LENGTH = 7  # odd and prime: never a head_dim, so K^T [.., D, T] is told from K [.., T, D]
 
 
 class _Run:
     """Every node's value for one small input: gives concrete shapes and the non-probed operands."""
 
-    def __init__(self, gm: torch.fx.GraphModule, vocab: int, head_dims: set[int] = frozenset()):
-        length = PROBE_LENGTH
-        while length in head_dims:
-            length += 2
-        self.length = length
+    def __init__(self, gm: torch.fx.GraphModule, vocab: int):
         device = next(gm.parameters()).device
-        ids = torch.randint(0, vocab, (1, length), generator=torch.Generator().manual_seed(0)).to(device)
+        ids = torch.randint(0, vocab, (1, PROBE_LENGTH), generator=torch.Generator().manual_seed(0)).to(device)
         self.env: dict[Node, object] = {}
         interp = torch.fx.Interpreter(gm)
         orig = interp.run_node
