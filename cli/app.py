@@ -126,6 +126,19 @@ def _parse_options(items: List[str]) -> dict:
     return configs
 
 
+def render_scores(info: dict) -> None:
+    """select's per-layer scores (ar, greedy), best first."""
+    rows = sorted(info["scores"], key=lambda r: r["rank"])
+    extra = [c for c in ("increase",) if c in rows[0]]
+    table = Table(title=f"select {info['policy']} on {info['tokens']:,} tokens", caption=info["metric"])
+    for col in ("rank", "layer", "perplexity", *extra, "decision"):
+        table.add_column(col, justify="right" if col != "decision" else "left")
+    for r in rows:
+        table.add_row(str(r["rank"]), str(r["layer"]), *[f"{r[c]:.4g}" for c in ("perplexity", *extra)],
+                      "keep" if r["layer"] in info["keep"] else "convert")
+    out.print(table)
+
+
 @app.command()
 def apply(
     model: str = ModelOpt,
@@ -134,6 +147,8 @@ def apply(
     force: bool = typer.Option(False, "--force", help="Replace an existing --out."),
     keep_ratio: Optional[float] = typer.Option(None, "--keep-ratio", help="Fraction of attention layers kept (uniform selection)."),
     layers: Optional[str] = typer.Option(None, "--layers", help="Layers to convert, e.g. 1,3,5 (overrides --keep-ratio)."),
+    select_policy: Optional[str] = typer.Option(None, "--select-policy", help="uniform, ar (attention removal) or greedy (GA-S2): which layers stay attention."),
+    keep_count: Optional[int] = typer.Option(None, "--keep-count", help="Number of attention layers kept (overrides --keep-ratio)."),
     calibration: Optional[List[Path]] = typer.Option(None, "--calibration", help="Calibration text file(s); default: the built-in sample."),
     options: Optional[List[str]] = typer.Option(None, "--set", help="Pass option pass.key=value (repeatable), e.g. align.steps=100."),
     device: Optional[str] = DeviceOpt, dtype: Optional[str] = DtypeOpt, debug: bool = DebugOpt,
@@ -146,10 +161,18 @@ def apply(
         configs = _parse_options(options)
         if "select" in names:
             sel = configs.setdefault("select", {})
+            if layers and select_policy:
+                raise SurgeryError("--layers and --select-policy both choose the layers.", "Drop one of them.")
             if layers:
                 sel.update(policy="convert", layers=layers)
             elif keep_ratio is not None:
-                sel.update(policy="uniform", keep_ratio=keep_ratio)
+                sel.update(policy=select_policy or "uniform", keep_ratio=keep_ratio)
+            elif select_policy:
+                sel["policy"] = select_policy
+            if keep_count is not None and not layers:
+                sel["keep_count"] = keep_count
+            if calibration and sel.get("policy") in ("ar", "greedy"):
+                sel["calibration"] = [str(p) for p in calibration]
         for name in ("calibrate", "align"):
             if name in names and calibration:
                 configs.setdefault(name, {})["calibration"] = [str(p) for p in calibration]
@@ -165,8 +188,10 @@ def apply(
             err.print("no --calibration given: using the built-in calibration sample")
 
         def report(name, result):
-            brief = {k: v for k, v in result.info.items() if isinstance(v, (int, float, str)) or (isinstance(v, list) and len(v) <= 32)}
+            brief = {k: v for k, v in result.info.items() if k != "scores" and (isinstance(v, (int, float, str)) or (isinstance(v, list) and len(v) <= 32))}
             err.print(f"[green]✓[/] {name}: {json.dumps(brief)[:300]}")
+            if name == "select" and result.info.get("scores"):
+                render_scores(result.info)
 
         before = graph.branch() if any(p.structural for p in manager.passes) else None
         manager(graph, progress=report)
@@ -177,23 +202,54 @@ def apply(
 
 
 @app.command("eval")
-def evaluate(model: str = ModelOpt, text: Path = typer.Option(..., "--text", "-t", help="Text file to score."),
+def evaluate(model: str = ModelOpt,
+             text: Optional[List[Path]] = typer.Option(None, "--text", "-t", help="perplexity: the text file to score; passkey: corpus text for the filler (default: built-in sample)."),
+             task: str = typer.Option("perplexity", "--task", help="perplexity or passkey."),
              as_json: bool = typer.Option(False, "--json"), chunk: int = typer.Option(2048, "--chunk"),
-             batch_size: int = typer.Option(1, "--batch-size"), device: Optional[str] = DeviceOpt, dtype: Optional[str] = DtypeOpt,
-             debug: bool = DebugOpt):
-    """Perplexity of a teacher or a saved hybrid on a text file (WikiText-2 protocol)."""
+             batch_size: int = typer.Option(1, "--batch-size"),
+             lengths: str = typer.Option("1024,2048,4096", "--lengths", help="passkey: prompt lengths in tokens."),
+             depths: int = typer.Option(5, "--depths", help="passkey: evenly spaced needle depths per length."),
+             trials: int = typer.Option(2, "--trials", help="passkey: keys per (length, depth)."),
+             seed: int = typer.Option(0, "--seed", help="passkey: keys and filler offsets."),
+             device: Optional[str] = DeviceOpt, dtype: Optional[str] = DtypeOpt, debug: bool = DebugOpt):
+    """Perplexity on a text file (WikiText-2 protocol) or passkey retrieval, for a teacher or a saved hybrid."""
     from rich.progress import Progress
 
     from surgery.evaluate import perplexity, read_text, tokenize
 
     with _guard(debug):
+        if task not in ("perplexity", "passkey"):
+            raise SurgeryError(f"Unknown task '{task}'.", "Use --task perplexity or --task passkey.")
+        if task == "perplexity" and len(text or []) != 1:
+            raise SurgeryError("Perplexity scores exactly one text file.", "Pass it with --text FILE.")
+        try:
+            length_list = [int(x) for x in lengths.split(",") if x.strip()]
+        except ValueError:
+            raise SurgeryError(f"--lengths must be comma-separated integers, got '{lengths}'.", "e.g. --lengths 1024,2048,4096") from None
         dev, dt = _placement(device, dtype)
         graph = open_model(model, dev, dt, debug)
-        ids = tokenize(graph.tokenizer, read_text(text))
+        if task == "passkey":
+            from surgery.passkey import passkey
+
+            result = passkey(graph, text, length_list, depths, trials, seed, batch_size=max(batch_size, 1))
+            result |= {"model": model}
+            if as_json:
+                print(json.dumps(result))
+                return
+            table = Table(title="passkey retrieval")
+            table.add_column("length")
+            table.add_column("accuracy")
+            per_length = result["trials"] // len(result["by_length"])
+            for length, acc in result["by_length"].items():
+                table.add_row(length, f"{acc:.0%} of {per_length}")
+            table.add_row("all", f"{result['accuracy']:.0%} of {result['trials']}")
+            out.print(table)
+            return
+        ids = tokenize(graph.tokenizer, read_text(text[0]))
         with Progress(console=err, transient=True, disable=as_json or not sys.stderr.isatty()) as bar:
-            task = bar.add_task("evaluating", total=None)
-            result = perplexity(graph, ids, chunk=chunk, batch_size=batch_size, progress=lambda i, n: bar.update(task, completed=i, total=n))
-        result |= {"model": model, "text": str(text)}
+            bar_task = bar.add_task("evaluating", total=None)
+            result = perplexity(graph, ids, chunk=chunk, batch_size=batch_size, progress=lambda i, n: bar.update(bar_task, completed=i, total=n))
+        result |= {"model": model, "text": str(text[0])}
         if as_json:
             print(json.dumps(result))
         else:
@@ -211,6 +267,13 @@ def list_passes():
         cls = REGISTRY[name]
         fields = ", ".join(f"{f.name}={f.default!r}" for f in dataclasses.fields(cls.config_cls))
         out.print(f"[bold]{name}[/] requires={list(cls.requires)}  {fields}")
+
+
+from .distill import distill as _distill  # noqa: E402  (the command lives in cli/distill.py)
+app.command("distill")(_distill)
+
+from .generate import generate as _generate  # noqa: E402  (the command lives in cli/generate.py)
+app.command("generate")(_generate)
 
 
 def main() -> None:

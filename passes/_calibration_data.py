@@ -28,12 +28,17 @@ class CalibrationDataConfig(PassConfig):
 
 def teacher_data(graph, config: CalibrationDataConfig):
     """Per converted layer: the teacher's attention inputs, outputs, contexts and statistics,
-    cached on the graph so calibrate and align read the teacher once."""
+    cached on the graph so calibrate and align read the teacher once (an entry for more layers on
+    the same text serves fewer: select's greedy probes read every layer before the pipeline does)."""
     layers = graph.meta["replace"]["layers"]
-    key = ("teacher_data", tuple(layers), tuple(config.calibration or ()), config.samples, config.length, config.seed)
+    text = (tuple(config.calibration or ()), config.samples, config.length, config.seed)
+    key = ("teacher_data", tuple(layers), *text)
     cached = graph.cache.get(key)
     if cached is not None:
         return cached
+    for other, data in list(graph.cache.items()):
+        if isinstance(other, tuple) and other[:1] == ("teacher_data",) and other[2:] == text and set(layers) <= set(data):
+            return {l: data[l] for l in layers}
     ids = calibration_ids(graph, config.calibration, config.samples, config.length, config.seed)
     data = collect(graph, layers, ids, with_stats=True, batch_size=config.batch_size)
     graph.cache[key] = data

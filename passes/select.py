@@ -1,42 +1,90 @@
-"""select: decide which attention layers stay softmax and which become GDN."""
+"""select: decide which attention layers stay softmax and which become GDN.
+
+The data-driven policies follow the reference code (FutureMLS-Lab/Taylor-Calibrate,
+scripts/ar_layer_selection.py and scripts/greedy_layer_selection.py), but they score on calibration
+text, never on an evaluation set (the reference scores on WikiText-2 test):
+
+ar      attention removal: per teacher layer, zero that layer's attention output (the residual carries
+        the block's input on) and measure perplexity; keep the k layers whose removal raises it most.
+greedy  GA-S2: per layer, the hybrid that keeps ONLY that layer as attention, every other layer
+        replaced and initialised (replace, then the `init` passes: by default those of the pipeline,
+        else calibrate + align, i.e. Phase 1 + Phase 2 as the reference's default "taylor_calibrate"
+        probe); keep the k layers whose probe has the lowest perplexity. Replace, Phase 1 and Phase 2
+        treat each layer on its own, teacher-forced, so every layer is converted ONCE and the N probes
+        reuse those modules (the reference rebuilds each probe: N times the work; only the random draw
+        of the new parameters' default init can differ from a probe built from scratch). Probes are
+        scored on windows held out from the ones their init was fitted on.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from surgery.ablation import keep_one_scores, removal_scores
+from surgery.calibration import held_out_windows, token_stream, window_starts, windows
 from surgery.errors import PassConfigError
 from surgery.graph import Graph
-from surgery.pass_base import Pass, PassConfig, PassResult, register
+from surgery.pass_base import Pass, PassManager, PassResult, register
 
-POLICIES = ("uniform", "keep", "convert")
+from ._calibration_data import CalibrationDataConfig
+from .align import AlignConfig
+from .calibrate import CalibrateConfig
+from .replace import ReplaceConfig
+
+POLICIES = ("uniform", "keep", "convert", "ar", "greedy")
+SCORED = ("ar", "greedy")
+INIT_CONFIGS = {"replace": ReplaceConfig, "calibrate": CalibrateConfig, "align": AlignConfig}
+DEFAULT_INIT = ["calibrate", "align"]
 
 
 @dataclass
-class SelectConfig(PassConfig):
-    """policy  uniform: keep `keep_ratio` of the layers (or every `stride`-th), evenly spaced from 0
-               keep: keep exactly `layers`, convert the rest;  convert: convert exactly `layers`"""
+class SelectConfig(CalibrationDataConfig):
+    """policy        uniform: keep k layers evenly spaced from 0;  keep: keep exactly `layers`;
+                    convert: convert exactly `layers`;  ar, greedy: keep the k best-scoring layers
+    k               `keep_count`, else one layer in `stride`, else round(keep_ratio * layers)
+    calibration, samples, length, seed, batch_size   the scoring text (ar, greedy), as for calibrate
+    init            greedy: passes applied after replace in every probe (default: the pipeline's
+                    calibrate/align, else calibrate,align); "calibrate" alone skips Phase 2 for speed
+    init_configs    greedy: {"replace"|"calibrate"|"align": options} for the probes (default: the pipeline's)"""
 
     policy: str = "uniform"
     keep_ratio: float | None = 0.5
     stride: int | None = None
+    keep_count: int | None = None
     layers: list[int] | None = None
+    init: list[str] | None = None
+    init_configs: dict | None = None
 
     def validate(self) -> None:
+        super().validate()
         if self.policy not in POLICIES:
             raise PassConfigError(f"Unknown selection policy '{self.policy}'.", f"Use one of: {', '.join(POLICIES)}.")
-        if self.policy == "uniform":
-            if self.stride is not None and self.stride < 1:
-                raise PassConfigError(f"stride must be >= 1, got {self.stride}.", "Use e.g. --stride 4 to keep layers 0, 4, 8, ...")
-            if self.stride is None and (self.keep_ratio is None or not 0 <= self.keep_ratio < 1):
+        if self.policy in ("uniform", *SCORED):
+            if self.keep_count is not None:
+                if self.keep_count < 0:
+                    raise PassConfigError(f"keep_count must be >= 0, got {self.keep_count}.", "Use the number of layers to keep as attention, e.g. 2.")
+            elif self.stride is not None:
+                if self.stride < 1:
+                    raise PassConfigError(f"stride must be >= 1, got {self.stride}.", "Use e.g. --stride 4 to keep layers 0, 4, 8, ...")
+            elif self.keep_ratio is None or not 0 <= self.keep_ratio < 1:
                 raise PassConfigError(f"keep_ratio must be in [0, 1), got {self.keep_ratio}.", "A ratio of 1 would convert nothing; use e.g. 0.5.")
         elif not self.layers:
             raise PassConfigError(f"Policy '{self.policy}' needs a non-empty list of layers.", "Pass --layers i,j,...")
+        if self.init is not None:
+            bad = [n for n in self.init if n not in DEFAULT_INIT]
+            if bad or self.init != [n for n in DEFAULT_INIT if n in self.init]:
+                raise PassConfigError(f"select.init {self.init} is not a list of distinct passes from {DEFAULT_INIT}, in that order.",
+                                      "Use e.g. --set select.init=calibrate (Phase 1 only) or select.init=calibrate,align.")
+        for name, options in (self.init_configs or {}).items():
+            if name not in INIT_CONFIGS:
+                raise PassConfigError(f"select.init_configs has options for '{name}'.", f"Give options for {', '.join(INIT_CONFIGS)} only.")
+            INIT_CONFIGS[name].from_dict(options)
 
 
-def uniform_keep(num_layers: int, keep_ratio: float | None, stride: int | None) -> list[int]:
+def uniform_keep(num_layers: int, keep_ratio: float | None, stride: int | None, count: int | None = None) -> list[int]:
     """Evenly spaced kept layers starting at 0: 7 of 28 gives [0, 4, ..., 24] as in the paper."""
-    if stride is not None:
+    if count is None and stride is not None:
         return list(range(0, num_layers, stride))
-    count = round(keep_ratio * num_layers)
+    count = round(keep_ratio * num_layers) if count is None else count
     return sorted({(i * num_layers) // count for i in range(count)}) if count else []
 
 
@@ -47,11 +95,26 @@ class Select(Pass):
     forbids = ("replace",)
     structural = True
 
-    def decide(self, num_layers: int) -> list[int]:
-        """The layers to convert."""
+    def keep_count(self, num_layers: int) -> int:
+        """k, the number of layers kept as attention, checked against the model."""
         c = self.config
+        if c.keep_count is not None:
+            k = c.keep_count
+        elif c.stride is not None:
+            k = len(range(0, num_layers, c.stride))
+        else:
+            k = round(c.keep_ratio * num_layers)
+        if k > num_layers:
+            raise PassConfigError(f"keep_count {k} is more than the {num_layers} attention layers of this model.", f"Keep at most {num_layers - 1} layers.")
+        return k
+
+    def decide(self, num_layers: int) -> list[int]:
+        """The layers to convert (the data-driven policies decide in run, from their scores)."""
+        c = self.config
+        if c.policy in SCORED:
+            raise PassConfigError(f"Policy '{c.policy}' decides from scores on a graph.", "Run the select pass on a graph.")
         if c.policy == "uniform":
-            keep = uniform_keep(num_layers, c.keep_ratio, c.stride)
+            keep = uniform_keep(num_layers, c.keep_ratio, c.stride, None if c.keep_count is None else self.keep_count(num_layers))
             return [i for i in range(num_layers) if i not in keep]
         bad = [i for i in c.layers if not 0 <= i < num_layers]
         if bad:
@@ -59,17 +122,83 @@ class Select(Pass):
         chosen = sorted(set(c.layers))
         return chosen if c.policy == "convert" else [i for i in range(num_layers) if i not in chosen]
 
+    def bind(self, pipeline: list[Pass]) -> None:
+        """greedy probes with the init the pipeline applies: its replace/calibrate/align options."""
+        c = self.config
+        if c.policy != "greedy":
+            return
+        names = [p.name for p in pipeline]
+        updates = {"init_configs": {p.name: p.config.to_dict() for p in pipeline if p.name in INIT_CONFIGS} | (c.init_configs or {})}
+        if c.init is None and "replace" in names:
+            updates["init"] = [n for n in names if n in DEFAULT_INIT]
+        self.config = self.config_cls.from_dict(c.to_dict() | updates)
+
     def check(self, graph: Graph) -> None:
         if not graph.sites:
             raise PassConfigError("The graph has no attention sites to select from.", "Capture the model with site discovery on.")
-        if not self.decide(graph.num_layers):
+        converts = graph.num_layers - self.keep_count(graph.num_layers) if self.config.policy in SCORED else len(self.decide(graph.num_layers))
+        if not converts:
             raise PassConfigError(f"The selection converts no layer (policy {self.config.policy}).", "Lower the keep ratio or name layers to convert.")
 
     def run(self, graph: Graph) -> PassResult:
-        convert = self.decide(graph.num_layers)
-        keep = [i for i in range(graph.num_layers) if i not in convert]
-        graph.meta["select"] = {"policy": self.config.policy, "convert": convert, "keep": keep}
+        c = self.config
+        if c.policy not in SCORED:
+            convert = self.decide(graph.num_layers)
+            keep = [i for i in range(graph.num_layers) if i not in convert]
+            graph.meta["select"] = {"policy": c.policy, "convert": convert, "keep": keep}
+            return PassResult(graph, modified=False, info=graph.meta["select"])
+        k = self.keep_count(graph.num_layers)
+        text = self.scoring_windows(graph)  # before any model work: a short text fails fast
+        if c.policy == "ar":
+            baseline, rows = removal_scores(graph, text, c.batch_size)
+            ranked = sorted(rows, key=lambda r: (-r["perplexity"], r["layer"]))
+            extra = {"metric": "perplexity with the layer's attention output zeroed (higher: keep)", "teacher_perplexity": baseline}
+        else:
+            init = self.init_passes()
+            rows = keep_one_scores(graph, self.converted_modules(graph, init), text, c.batch_size)
+            ranked = sorted(rows, key=lambda r: (r["perplexity"], r["layer"]))
+            extra = {"metric": "perplexity keeping only this layer as attention (lower: keep)", "init": ["replace", *init]}
+        for rank, row in enumerate(ranked, 1):
+            row["rank"] = rank
+        keep = sorted(r["layer"] for r in ranked[:k])
+        convert = [i for i in range(graph.num_layers) if i not in keep]
+        graph.meta["select"] = {"policy": c.policy, "convert": convert, "keep": keep, "keep_count": k, **extra,
+                                "tokens": int(text.numel()), "scores": rows}
         return PassResult(graph, modified=False, info=graph.meta["select"])
+
+    def init_passes(self) -> list[str]:
+        return list(DEFAULT_INIT if self.config.init is None else self.config.init)
+
+    def init_config(self, name: str):
+        """The options a probe's replace/calibrate/align run with (calibration text: select's, unless given)."""
+        options = dict((self.config.init_configs or {}).get(name) or {})
+        if name != "replace":
+            options.setdefault("calibration", self.config.calibration)
+        return INIT_CONFIGS[name].from_dict(options)
+
+    def scoring_windows(self, graph: Graph):
+        """ar: the calibration windows; greedy: windows that avoid those its probes' init is fitted on."""
+        c = self.config
+        length = min(c.length, graph.max_length)
+        ids = token_stream(graph.tokenizer, c.calibration)
+        if c.policy == "ar":
+            return windows(ids, c.samples, length, c.seed)
+        avoid = []
+        for name in self.init_passes():
+            fit = self.init_config(name)
+            span = min(fit.length, graph.max_length)
+            if tuple(fit.calibration or ()) == tuple(c.calibration or ()) and ids.numel() >= span:
+                avoid += [(s, s + span) for s in window_starts(ids.numel(), fit.samples, span, fit.seed)]
+        return held_out_windows(ids, c.samples, length, c.seed, avoid)
+
+    def converted_modules(self, graph: Graph, init: list[str]) -> dict:
+        """Every layer converted once, on a branch, with the probe init: {layer: (target, module)}."""
+        branch = graph.branch()
+        layers = list(range(graph.num_layers))
+        configs = {"select": {"policy": "convert", "layers": layers}} | {n: self.init_config(n).to_dict() for n in ["replace", *init]}
+        PassManager(["select", "replace", *init], configs)(branch)
+        modules = branch.meta["replace"]["modules"]
+        return {l: (modules[str(l)]["target"], branch.gm.get_submodule(modules[str(l)]["target"])) for l in layers}
 
     def replay(self, graph: Graph, decisions: dict) -> None:
         graph.meta["select"] = decisions

@@ -45,6 +45,10 @@ def _coerce(owner: str, key: str, hint, value):
     for kind in options:
         origin = typing.get_origin(kind) or kind
         try:
+            if origin is dict:
+                if isinstance(value, dict):
+                    return dict(value)
+                continue
             if origin in (list, tuple):
                 items = value.split(",") if isinstance(value, str) else list(value)
                 inner = (typing.get_args(kind) or (Any,))[0]
@@ -97,6 +101,10 @@ class Pass:
             config = self.config_cls.from_dict(dict(config or {}) | options)
         config.validate()
         self.config = config
+
+    def bind(self, pipeline: list["Pass"]) -> None:
+        """Called by PassManager with the whole pipeline before anything runs: a pass whose work
+        depends on the options of the passes around it (select's greedy probes) reads them here."""
 
     def check(self, graph: Graph) -> None:
         """Everything that can be checked before mutating; raise a SurgeryError on failure."""
@@ -159,6 +167,8 @@ class PassManager:
         unused = set(configs) - {p.name for p in self.passes}
         if unused:
             raise PassConfigError(f"Options were given for passes that are not in the pipeline: {', '.join(sorted(unused))}.", "Add the pass or drop its options.")
+        for p in self.passes:
+            p.bind(self.passes)
 
     def validate(self, already: list[str] | None = None) -> None:
         done = list(already or [])

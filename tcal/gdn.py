@@ -15,13 +15,26 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from tcal.kernels import gated_delta_rule
+from tcal.kernels import fla_available, gated_delta_rule
 
 V_ACTIVATIONS = {"silu": F.silu, "identity": lambda x: x}
 
 
-def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """fla's l2norm: x / sqrt(sum x^2 + eps) over the last dim, in float32."""
+def _fused_norms(x: torch.Tensor, backend: str) -> bool:
+    """fla's fused norm kernels follow the layer's backend: "fla" always, "auto" for CUDA tensors
+    when fla imports; "torch" (and every CPU run) keeps the eager float32 code."""
+    return backend == "fla" or (backend == "auto" and x.is_cuda and fla_available())
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6, backend: str = "torch") -> torch.Tensor:
+    """fla's l2norm: x / sqrt(sum x^2 + eps) over the last dim, in float32.
+
+    On CUDA with fla, fla's fused kernel (one pass instead of five elementwise ones: at 32k tokens
+    the eager form costs more than the recurrence it feeds)."""
+    if _fused_norms(x, backend):
+        from fla.modules.norm.l2norm import l2norm as fla_l2norm
+
+        return fla_l2norm(x, eps)
     xf = x.float()
     return (xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + eps)).to(x.dtype)
 
@@ -34,7 +47,11 @@ class GatedRMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size))
 
-    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, gate: torch.Tensor, backend: str = "torch") -> torch.Tensor:
+        if _fused_norms(x, backend):  # fla's FusedRMSNormGated kernel: same float32 math, one pass
+            from fla.modules.norm.fused_norm_gate import rms_norm_gated
+
+            return rms_norm_gated(x, gate, self.weight, None, activation="swish", eps=self.eps)
         xf = x.float()
         normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return (normed * self.weight.float() * F.silu(gate.float())).to(x.dtype)
@@ -65,6 +82,18 @@ class CausalConv1d(nn.Conv1d):
         seq_len = x.shape[1]
         return super().forward(x.transpose(1, 2))[..., :seq_len].transpose(1, 2)
 
+    def step(self, x: torch.Tensor, past: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """forward() continued from `past`, the last kernel_size-1 inputs [B, K-1, C] (None: zeros,
+        which is what the causal padding of forward() means): returns (output, the new past)."""
+        keep = self.kernel_size[0] - 1
+        if keep == 0:
+            return x * self.weight[:, 0, 0], None
+        if past is None:
+            past = x.new_zeros(x.shape[0], keep, x.shape[2])
+        window = torch.cat([past.to(x.dtype), x], dim=1)  # K-1+T inputs: only the state, never the history
+        out = F.conv1d(window.transpose(1, 2), self.weight, groups=self.groups).transpose(1, 2)
+        return out, window[:, -keep:]
+
 
 def _fla_decay_init(num_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
     """fla's A_log and dt_bias: A ~ U(0, 16); dt log-uniform in [1e-3, 0.1], floored at 1e-4."""
@@ -73,6 +102,22 @@ def _fla_decay_init(num_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
     log_dt = torch.rand(num_heads) * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min)
     dt = log_dt.exp().clamp(min=dt_floor)
     return a.log(), dt + torch.log(-torch.expm1(-dt))  # inverse softplus of dt
+
+
+class GDNCache:
+    """What one GatedDeltaNet carries between decoding calls: the recurrent state [B, H, Dk, Dv]
+    (float32 from the kernels) and, with short convolutions, the last conv_size-1 inputs of each
+    conv stream. Its size is fixed by the batch, not by the length decoded so far, which is the
+    point of the layer."""
+
+    def __init__(self):
+        self.recurrent: torch.Tensor | None = None
+        self.conv: dict[str, torch.Tensor] = {}
+        self.length = 0  # tokens consumed
+
+    def nbytes(self) -> int:
+        tensors = [self.recurrent, *self.conv.values()]
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
 class GatedDeltaNet(nn.Module):
@@ -173,10 +218,14 @@ class GatedDeltaNet(nn.Module):
         parts = F.linear(x, weight, bias).split([l.out_features for l in layers], dim=-1)
         return dict(zip(self.INPUT_PROJECTIONS, parts))
 
-    def _stream(self, y: torch.Tensor, name: str, activation) -> torch.Tensor:
+    def _stream(self, y: torch.Tensor, name: str, activation, cache: GDNCache | None = None) -> torch.Tensor:
         """Optional short convolution, activation, split into heads."""
         if self.use_short_conv:
-            y = getattr(self, f"{name}_conv1d")(y)
+            conv = getattr(self, f"{name}_conv1d")
+            if cache is None:
+                y = conv(y)
+            else:
+                y, cache.conv[name] = conv.step(y, cache.conv.get(name))
         return self._split_heads(activation(y))
 
     def _decay(self, a: torch.Tensor) -> torch.Tensor:
@@ -187,23 +236,36 @@ class GatedDeltaNet(nn.Module):
         """Log-space decay g = -exp(A_log) * softplus(a_proj x + dt_bias), float32, [B, T, H]."""
         return self._decay(self.a_proj(x))
 
-    def forward_parts(self, hidden_states: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Every intermediate of the forward pass, for calibration and diagnostics."""
+    def forward_parts(self, hidden_states: torch.Tensor, cache: GDNCache | None = None) -> dict[str, torch.Tensor]:
+        """Every intermediate of the forward pass, for calibration and diagnostics.
+
+        With a cache, the call continues the sequence the cache has seen (incremental decoding):
+        the conv streams start from its last inputs and the recurrence from its state, and both are
+        updated in place. gated_delta_rule picks the token loop (or fla's fused recurrent kernel)
+        for short calls such as one decoded token, the chunked form for a long prefill."""
         p = self._input_projections(hidden_states)
-        q = l2norm(self._stream(p["q_proj"], "q", F.silu))
-        k = l2norm(self._stream(p["k_proj"], "k", F.silu))
-        v = self._stream(p["v_proj"], "v", V_ACTIVATIONS[self.v_activation])
+        q = l2norm(self._stream(p["q_proj"], "q", F.silu, cache), backend=self.backend)
+        k = l2norm(self._stream(p["k_proj"], "k", F.silu, cache), backend=self.backend)
+        v = self._stream(p["v_proj"], "v", V_ACTIVATIONS[self.v_activation], cache)
         beta_logit = p["b_proj"]
         beta = beta_logit.float().sigmoid()
         g = self._decay(p["a_proj"])
-        core, _ = gated_delta_rule(q, k, v, g, beta, scale=self.head_dim**-0.5, backend=self.backend)
+        if cache is None:
+            core, _ = gated_delta_rule(q, k, v, g, beta, scale=self.head_dim**-0.5, backend=self.backend)
+        else:
+            core, cache.recurrent = gated_delta_rule(
+                q, k, v, g, beta, scale=self.head_dim**-0.5, initial_state=cache.recurrent,
+                output_final_state=True, backend=self.backend,
+            )
+            cache.length += hidden_states.shape[1]
         gate = self._split_heads(p["g_proj"])
-        normed = self.o_norm(core, gate)
+        normed = self.o_norm(core, gate, backend=self.backend)
         out = self.o_proj(normed.flatten(-2))
         return dict(
             q=q, k=k, v=v, g=g, beta=beta, beta_logit=beta_logit,
             core=core, gate=gate, normed=normed, out=out,
         )
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.forward_parts(hidden_states)["out"]
+    def forward(self, hidden_states: torch.Tensor, cache: GDNCache | None = None) -> torch.Tensor:
+        """[B, T, hidden] -> [B, T, hidden]; with a GDNCache, continue the sequence it holds."""
+        return self.forward_parts(hidden_states, cache)["out"]

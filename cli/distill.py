@@ -1,0 +1,98 @@
+"""`surgery distill`: parse, call surgery.distill, render. Under torchrun every process runs the same
+command; only rank 0 prints."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+
+from surgery.errors import SurgeryError
+
+_SUFFIXES = {"k": 10**3, "m": 10**6, "g": 10**9, "b": 10**9}
+
+
+def count(text: str, option: str) -> int:
+    """'100M', '1.5k', '4096' -> an integer number of tokens."""
+    raw = str(text).strip().replace("_", "").replace(",", "")
+    scale = _SUFFIXES.get(raw[-1:].lower(), 1)
+    try:
+        value = float(raw[:-1] if scale != 1 else raw) * scale
+    except ValueError:
+        raise SurgeryError(f"{option} '{text}' is not a number of tokens.", f"Write e.g. {option} 100M, 2.5k or 4096.") from None
+    if value != int(value):
+        raise SurgeryError(f"{option} '{text}' is not a whole number of tokens.", f"Write e.g. {option} 100M.")
+    return int(value)
+
+
+def distill(
+    model: Path = typer.Option(..., "--model", "-m", help="Saved hybrid directory (from `surgery apply --out`)."),
+    data: List[Path] = typer.Option(..., "--data", "-d", help="Training text file(s): --data a.txt b.txt (or repeat --data)."),
+    more_data: Optional[List[Path]] = typer.Argument(None, help="More training text files.", show_default=False),
+    tokens: str = typer.Option(..., "--tokens", "-n", help="Training tokens over all stages, e.g. 100M."),
+    out_dir: Path = typer.Option(..., "--out", "-o", help="Run directory: checkpoint-*/ (loadable hybrids), log.jsonl, distill.json."),
+    teacher: Optional[str] = typer.Option(None, "--teacher", "-t", help="Teacher source (default: the one in the hybrid's recipe)."),
+    resume: bool = typer.Option(False, "--resume", help="Continue the run in --out from its last checkpoint."),
+    force: bool = typer.Option(False, "--force", help="Replace an existing --out."),
+    stage: Optional[str] = typer.Option(None, "--stage", help="l2 (per-layer, teacher-forced), kl (end-to-end logits; the default), or both."),
+    l2_tokens: Optional[str] = typer.Option(None, "--l2-tokens", help="With --stage both: tokens of the l2 stage (default: tokens / 7)."),
+    seq_len: Optional[int] = typer.Option(None, "--seq-len", help="Tokens per sequence (default 512)."),
+    batch_size: Optional[int] = typer.Option(None, "--batch-size", help="Sequences per optimizer step over all processes: the global batch (default 8)."),
+    micro_batch: Optional[int] = typer.Option(None, "--micro-batch", help="Sequences per forward on one process (default: its whole share)."),
+    lr: Optional[float] = typer.Option(None, "--lr", help="Learning rate of the GDN layers (new and copied parameters) in every stage run (default: l2 1e-3, kl 1e-4)."),
+    lr_rest: Optional[float] = typer.Option(None, "--lr-rest", help="Learning rate outside the GDN layers in stage kl (default 7e-6; 0 freezes them)."),
+    warmup: Optional[float] = typer.Option(None, "--warmup", help="Warmup as a fraction of each stage's steps (default 0.01)."),
+    schedule: Optional[str] = typer.Option(None, "--schedule", help="cosine (default) or constant."),
+    eval_text: Optional[Path] = typer.Option(None, "--eval-text", help="Text file scored (perplexity) at the start, every --eval-every tokens and at the end."),
+    eval_every: Optional[str] = typer.Option(None, "--eval-every", help="Evaluate every N tokens (default 0: at the start and the end only)."),
+    eval_tokens: Optional[str] = typer.Option(None, "--eval-tokens", help="Tokens of --eval-text scored (default 32k)."),
+    save_every: Optional[str] = typer.Option(None, "--save-every", help="Checkpoint every N tokens (default 0: at the end only)."),
+    seed: Optional[int] = typer.Option(None, "--seed", help="Seeds the data order (default 0)."),
+    grad_checkpoint: bool = typer.Option(False, "--grad-checkpoint", help="Recompute GDN layers in backward (less memory)."),
+    options: Optional[List[str]] = typer.Option(None, "--set", help="Any DistillConfig field, key=value (repeatable), e.g. --set temperature=2."),
+    device: Optional[str] = typer.Option(None, "--device", help="cpu, cuda, cuda:1 ... (default: cuda when available; cuda:LOCAL_RANK under torchrun)."),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="Dtype of the trained weights (default float32; CUDA computes under bf16 autocast)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
+    debug: bool = typer.Option(False, "--debug", help="Show full tracebacks."),
+):
+    """Continue training a saved hybrid against its teacher (stage l2, kl, or both)."""
+    import torch
+
+    from surgery.cli.app import _guard, err, out
+    from surgery.distill import DistillConfig
+    from surgery.distill import distill as run_distill
+
+    with _guard(debug):
+        given = {"stage": stage, "seq_len": seq_len, "global_batch": batch_size, "micro_batch": micro_batch, "warmup": warmup,
+                 "schedule": schedule, "seed": seed, "eval_text": str(eval_text) if eval_text else None}
+        settings = {k: v for k, v in given.items() if v is not None}
+        settings.update(tokens=count(tokens, "--tokens"), grad_checkpoint=grad_checkpoint)
+        for key, text, option in (("l2_tokens", l2_tokens, "--l2-tokens"), ("eval_every", eval_every, "--eval-every"),
+                                  ("eval_tokens", eval_tokens, "--eval-tokens"), ("save_every", save_every, "--save-every")):
+            if text is not None:
+                settings[key] = count(text, option)
+        if lr is not None:
+            settings.update(lr_l2_new=lr, lr_l2_copied=lr, lr_kl_new=lr, lr_kl_copied=lr)
+        if lr_rest is not None:
+            settings["lr_kl_rest"] = lr_rest
+        for item in options or []:
+            key, sep, value = item.partition("=")
+            if not sep:
+                raise SurgeryError(f"Option '{item}' is not of the form key=value.", "Write e.g. --set temperature=2.")
+            settings[key.strip()] = value
+        config = DistillConfig.from_dict(settings)
+        if dtype is not None and not isinstance(getattr(torch, dtype, None), torch.dtype):
+            raise SurgeryError(f"Unknown dtype '{dtype}'.", "Use float32, bfloat16 or float16.")
+        files = [str(p) for p in [*data, *(more_data or [])]]
+        result = run_distill(str(model), files, out_dir, config, teacher=teacher, resume=resume, force=force, device=device,
+                             dtype=getattr(torch, dtype) if dtype else None, progress=not as_json)
+        if result["rank"] != 0:
+            return
+        if as_json:
+            print(json.dumps(result))
+            return
+        rate = f"{result['tokens_per_s']:,.0f} tokens/s, {result['flops_per_s'] / 1e12:.3g} model TFLOP/s" if result["tokens_per_s"] else "nothing left to train"
+        ppl = f", eval perplexity {result['eval_ppl']:.4g}" if result.get("eval_ppl") is not None else ""
+        out.print(f"distilled {result['tokens']:,} tokens in {result['steps']} steps ({rate}); loss {result['loss'] if result['loss'] is None else format(result['loss'], '.4g')}{ppl}")
+        err.print(f"checkpoint: {result['checkpoint']}")

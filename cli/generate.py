@@ -1,0 +1,116 @@
+"""`surgery generate`: continue prompts with incremental decoding (surgery.decode).
+
+stdout carries the continuations and nothing else (one per prompt, each ended by a newline, streamed
+token by token), so the command can be piped; loading messages and errors go to stderr."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+
+from surgery.errors import SurgeryError
+
+CONTEXT_TOKENS = 8  # prompt tokens decoded with the continuation, so a leading space survives detokenisation
+
+
+class TextStream:
+    """Incremental detokenisation: decode(context + new tokens) minus what was already printed.
+
+    Decoding the new tokens alone drops SentencePiece's leading space and splits multi-byte
+    characters; a trailing U+FFFD means an incomplete character, so it waits for the next token."""
+
+    def __init__(self, tokenizer, prompt_ids: list, write):
+        self.tokenizer, self.write = tokenizer, write
+        self.context = list(prompt_ids[-CONTEXT_TOKENS:])
+        self.base = self._decode(self.context)
+        self.tokens: list[int] = []
+        self.printed = 0
+
+    def _decode(self, ids) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+    def text(self) -> str:
+        full = self._decode(self.context + self.tokens)
+        return full[len(self.base):] if full.startswith(self.base) else self._decode(self.tokens)
+
+    def push(self, token: int) -> None:
+        self.tokens.append(token)
+        text = self.text()
+        if text.endswith("\ufffd"):
+            return
+        if len(text) > self.printed:
+            self.write(text[self.printed:])
+            self.printed = len(text)
+
+    def close(self) -> None:
+        text = self.text()
+        if len(text) > self.printed:
+            self.write(text[self.printed:])
+        self.write("\n")
+
+
+def read_prompts(prompt: Optional[List[str]], prompt_file: Optional[Path]) -> list[str]:
+    prompts = list(prompt or [])
+    if prompt_file is not None:
+        if not prompt_file.exists():
+            raise SurgeryError(f"Prompt file '{prompt_file}' does not exist.", "Check the path.")
+        prompts += [line for line in prompt_file.read_text(encoding="utf-8").splitlines() if line.strip()]
+    if not prompts:
+        raise SurgeryError("No prompt given.", "Pass --prompt TEXT (repeatable) or --prompt-file FILE (one prompt per line).")
+    for i, p in enumerate(prompts, 1):
+        if not p.strip():
+            raise SurgeryError(f"Prompt {i} is empty.", "Give every prompt some text.")
+    return prompts
+
+
+def generate(
+    model: str = typer.Option("smollm2-135m-instruct", "--model", "-m", help="Saved hybrid directory, model directory, .gguf file, or short name."),
+    prompt: Optional[List[str]] = typer.Option(None, "--prompt", "-p", help="Prompt text (repeatable: one continuation per prompt)."),
+    prompt_file: Optional[Path] = typer.Option(None, "--prompt-file", help="File with one prompt per line."),
+    max_new_tokens: int = typer.Option(64, "--max-new-tokens", "-n", help="New tokens per prompt at most (fewer at end-of-sequence)."),
+    temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy; > 0 samples."),
+    top_k: Optional[int] = typer.Option(None, "--top-k", help="Sample from the k most likely tokens."),
+    top_p: Optional[float] = typer.Option(None, "--top-p", help="Sample from the smallest set of tokens whose probability reaches p."),
+    seed: Optional[int] = typer.Option(None, "--seed", help="Seed for sampling (reproducible continuations)."),
+    device: Optional[str] = typer.Option(None, "--device", help="cpu, cuda, cuda:1 ... (default: cuda when available)."),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="float32, bfloat16, float16 (default: float32 on CPU, bfloat16 on CUDA)."),
+    debug: bool = typer.Option(False, "--debug", help="Show full tracebacks."),
+):
+    """Continue prompts with a teacher or a saved hybrid (KV cache for attention, recurrent state for GDN)."""
+    from surgery.cli.app import _guard, _placement, err, open_model
+    from surgery.decode import Decoder, generate as decode_generate
+
+    with _guard(debug):
+        prompts = read_prompts(prompt, prompt_file)
+        if max_new_tokens < 1:
+            raise SurgeryError(f"--max-new-tokens must be at least 1, got {max_new_tokens}.", "Pass e.g. --max-new-tokens 64.")
+        if temperature < 0 or (top_p is not None and not 0 < top_p <= 1) or (top_k is not None and top_k < 1):
+            raise SurgeryError("Sampling options out of range.", "Use --temperature >= 0, --top-k >= 1 and 0 < --top-p <= 1.")
+        dev, dt = _placement(device, dtype)
+        err.print(f"loading {model} on {dev} ({str(dt).removeprefix('torch.')})")
+        graph = open_model(model, dev, dt, debug)
+        tokenizer = graph.tokenizer
+        if tokenizer is None:
+            raise SurgeryError(f"'{model}' has no tokenizer, so text prompts cannot be encoded.", "Use a model directory or GGUF that carries its tokenizer.")
+        encoded = [tokenizer(p, add_special_tokens=True, return_attention_mask=False)["input_ids"] for p in prompts]
+        for i, ids in enumerate(encoded, 1):
+            if len(ids) + max_new_tokens > graph.max_length:
+                raise SurgeryError(
+                    f"Prompt {i} has {len(ids)} tokens; with {max_new_tokens} new ones that exceeds the model's position limit of {graph.max_length}.",
+                    "Shorten the prompt or lower --max-new-tokens.",
+                )
+        decoder = Decoder(graph)
+        kinds = graph.layer_kinds
+        err.print(f"decoding: {kinds.count('attention')} attention layers with a KV cache, {kinds.count('gdn')} GDN layers with a recurrent state")
+
+        def write(text: str) -> None:
+            sys.stdout.write(text)
+            sys.stdout.flush()
+
+        for ids in encoded:  # one prompt at a time, so each continuation streams whole
+            text = TextStream(tokenizer, ids, write)
+            decode_generate(decoder, [ids], max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                            stream=lambda _, token, text=text: text.push(token))
+            text.close()

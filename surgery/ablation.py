@@ -1,0 +1,73 @@
+"""What-if variants of a captured teacher, for scoring layers: one attention layer removed (its output
+zeroed, so the block's residual carries its input on unchanged), or chosen layers swapped for given
+modules. Each variant is a Graph branch with its own forked GraphModule over the shared teacher
+weights, so a variant costs a graph copy, not a model copy."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .evaluate import perplexity
+from .graph import Graph
+from .rewrite import fork, nodes_by_name, prune, splice_module
+
+
+class ZeroOutput(torch.nn.Module):
+    """Stands in for a removed attention block: zeros as wide as the block's output."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.width = width
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.new_zeros(*x.shape[:-1], self.width)
+
+
+def variant(graph: Graph, modules: dict[int, tuple[str, torch.nn.Module]]) -> Graph:
+    """A branch of the teacher in which each layer l of `modules` = {l: (target, module)} has its
+    attention region (input node .. output node) replaced by a call to `module`, registered at `target`."""
+    teacher = graph.teacher_gm
+    gm = fork(teacher)
+    nodes = nodes_by_name(gm)
+    for layer, (target, module) in modules.items():
+        site = graph.sites[layer]
+        splice_module(gm, target, module, [nodes[site.input_node]], nodes[site.output_node])
+    prune(gm)
+    gm.recompile()
+    out = graph.branch()
+    out.gm, out.teacher = gm, teacher
+    return out
+
+
+def without_attention(graph: Graph, layer: int) -> Graph:
+    """The teacher with layer `layer`'s attention output set to zero (attention removal)."""
+    site = graph.sites[layer]
+    return variant(graph, {layer: (f"{site.module_path}_removed", ZeroOutput(site.hidden_size))})
+
+
+def window_perplexity(graph: Graph, windows: torch.Tensor, batch_size: int = 4) -> float:
+    """Perplexity over every predicted token of the windows [N, T] (each window scored on its own)."""
+    ppl = perplexity(graph, windows.flatten(), chunk=windows.shape[1], batch_size=batch_size)["perplexity"]
+    return ppl if math.isfinite(ppl) else math.inf
+
+
+def removal_scores(graph: Graph, windows: torch.Tensor, batch_size: int = 4) -> tuple[float, list[dict]]:
+    """The teacher's perplexity and, per layer, the perplexity with that layer's attention removed."""
+    baseline = window_perplexity(graph.branch(), windows, batch_size)
+    rows = []
+    for layer in range(graph.num_layers):
+        ppl = window_perplexity(without_attention(graph, layer), windows, batch_size)
+        rows.append({"layer": layer, "perplexity": ppl, "increase": ppl - baseline})
+    return baseline, rows
+
+
+def keep_one_scores(graph: Graph, modules: dict[int, tuple[str, torch.nn.Module]], windows: torch.Tensor,
+                    batch_size: int = 4) -> list[dict]:
+    """Per layer l, the perplexity of the hybrid that keeps only l as attention and swaps every other
+    layer for its module in `modules` (which must cover every layer)."""
+    rows = []
+    for layer in range(graph.num_layers):
+        probe = variant(graph, {l: m for l, m in modules.items() if l != layer})
+        rows.append({"layer": layer, "perplexity": window_perplexity(probe, windows, batch_size)})
+    return rows

@@ -1,0 +1,948 @@
+"""Incremental (stateful) decoding over a captured or rewritten graph, and `generate`.
+
+A captured GraphModule recomputes the whole sequence on every call. `Decoder(graph)` builds a second
+GraphModule over the same parameter tensors (rewrite.fork) in which
+
+  * every kept softmax-attention core (the SDPA op, or the eager softmax(QK^T)V region) becomes a
+    KVCacheAttention: it appends the new K/V to a preallocated cache that is only as wide as the
+    model's KV heads (the repeat_kv expansion is found in the graph and undone) and attends over
+    [cache; new] with the site's own scale, softcap and causal or sliding-window mask;
+  * every GatedDeltaNet placed by the replace pass carries its recurrent and conv state (GDNCache);
+  * whatever the graph computes from the input's length alone (the arange behind RoPE or a learned
+    position table, OPT's cumsum of ones, the masks) is evaluated at cache+new length and sliced
+    to the new tokens, so a call with T tokens after N cached ones sees positions N..N+T-1. For an
+    arange this is exactly "shift by the offset"; the general form also covers positions that are
+    not an arange.
+
+Everything is read from the graph and its sites, never from model_type or module paths. What the
+decoder cannot reproduce exactly (a position bias such as ALiBi, attention sinks, a mask that is
+neither causal nor banded, masks that depend on the tokens) raises DecodeError when the Decoder is
+built, and a self-check against full recomputation on a short probe guards everything else: a wrong
+answer is refused, never returned.
+
+Limits: a sliding window is read from the graph's own mask evaluated at min(max_length, 8192)
+tokens (`mask_probe`); a window longer than that is not seen, and the layer is treated as full
+causal attention past that length (a warning says so when decoding gets there).
+"""
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.fx import Node
+from torch.fx.node import map_arg
+
+from .errors import SurgeryError
+from .rewrite import fork, nodes_by_name, prune, set_submodule, splice_module
+from .sites import MATMUL_OPS, _eager_core, _Run, _softcap_and_scale, ancestors, descendants
+
+aten = torch.ops.aten
+
+# Queries of a tensor's shape: they depend on the input's length, never on its values.
+SHAPE_QUERIES = {aten.sym_size.int, aten.sym_numel.default, aten.sym_stride.int, aten.sym_storage_offset.default}
+# Ops that move K/V between the projection and the attention op without changing values: walking
+# back through them from the attention's K finds the tensor before repeat_kv.
+LAYOUT_OPS = {
+    aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.expand.default,
+    aten.unsqueeze.default, aten.transpose.int, aten.permute.default, aten.clone.default,
+    aten.contiguous.default, aten.alias.default, aten.repeat_interleave.self_int, aten.repeat.default,
+    aten.flatten.using_ints, aten.unflatten.int, aten.squeeze.dim,
+}
+MASK_CHECK = 64        # length at which the meaning of each mask is checked (cheap)
+MASK_PROBE = 8192      # longest length at which a mask is read to find a sliding window
+UNLIMITED = 1 << 62
+MASKED = -1e4
+SELF_CHECK = 12        # tokens of the construction-time comparison with full recomputation
+FIX_FULL = "Score this model with full recomputation (graph.logits on the growing sequence) instead of the Decoder."
+
+
+class DecodeError(SurgeryError):
+    """The graph cannot be decoded incrementally with exact results, or a decoding call is out of bounds."""
+
+
+# ------------------------------------------------------------------------------------------------
+# modules that live in the decode graph
+
+
+class DecodeState(nn.Module):
+    """How many tokens the caches hold. The graph calls it two ways: on the input's length (an int)
+    it returns the cache+new length; on a position tensor with `dim` it keeps the entries of the new
+    tokens (the last length-offset along dim)."""
+
+    def __init__(self):
+        super().__init__()
+        self.offset = 0
+
+    def forward(self, x, dim: int | None = None):
+        if dim is None:
+            return x + self.offset
+        return x.narrow(dim, self.offset, x.shape[dim] - self.offset)
+
+    def extra_repr(self) -> str:
+        return f"offset={self.offset}"
+
+
+def attend(q, keys, values, allowed, *, scale: float, softcap: float | None, k_map, v_map, causal: bool = False):
+    """Softmax attention of q [B, H, T, D] over keys/values [B, Hc, S, D] as cached.
+
+    allowed [T, S] bool (None: every key); causal=True (T == S, a first prefill) means the plain
+    causal mask, which SDPA's flash kernel applies without materialising it (a 64k-token prefill
+    would otherwise build a 4 G-entry mask). k_map/v_map: the cache head each query head reads, None
+    for the grouped layout h -> h*Hc//H that SDPA's enable_gqa does without materialising copies;
+    with several query tokens K/V are expanded instead, since the kernels that take a mask or a
+    causal flag do not all take enable_gqa (the fallback would build the whole score matrix)."""
+    heads = q.shape[1]
+    grouped = k_map is None and v_map is None and keys.shape[1] == values.shape[1]
+    if softcap is None and grouped and q.shape[2] == 1:
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed, scale=scale, enable_gqa=keys.shape[1] != heads)
+    keys, values = _expand(keys, k_map, heads), _expand(values, v_map, heads)
+    if softcap is None:
+        if causal:
+            return F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=scale)
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed, scale=scale)
+    scores = torch.matmul(q, keys.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    if causal:
+        allowed = torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).tril()
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(values.dtype)
+    return torch.matmul(probs, values)
+
+
+def _expand(x, head_map, heads: int):
+    if head_map is None:
+        return x if x.shape[1] == heads else x.repeat_interleave(heads // x.shape[1], dim=1)
+    return x[:, list(head_map)]
+
+
+@dataclass
+class _Prep:
+    """How the K (or V) tensor reaching the attention call becomes cache rows [B, Hc, T, D]."""
+
+    transposed: bool = False         # it arrives as [B, H, D, T] (eager K^T)
+    select: tuple | None = None      # keep only these heads (copies of one KV head dropped)
+
+    def __call__(self, x):
+        if self.transposed:
+            x = x.transpose(-1, -2)
+        if self.select is not None:
+            x = x[:, list(self.select)]
+        return x
+
+
+class KVCacheAttention(nn.Module):
+    """One kept softmax-attention core with its KV cache.
+
+    Full-attention layers keep a linear buffer [B, Hc, C, D] filled up to the offset (C = the capacity
+    given to reset, doubled when exceeded: no per-step concatenation of the whole cache). Sliding-
+    window layers keep a ring of at most `window` positions. The cache is as wide as the layer's KV
+    heads (Hc), not its query heads."""
+
+    def __init__(self, state: DecodeState, layer: int, *, k_prep: _Prep, v_prep: _Prep, k_map, v_map,
+                 scale: float, softcap: float | None, window: int | None, out_dtype: torch.dtype, limit: int):
+        super().__init__()
+        self._state = (state,)  # shared with the graph's DecodeState; a tuple keeps it out of the module tree
+        self.layer, self.k_prep, self.v_prep, self.k_map, self.v_map = layer, k_prep, v_prep, k_map, v_map
+        self.scale, self.softcap, self.window, self.out_dtype, self.limit = scale, softcap, window, out_dtype, limit
+        self.reset()
+
+    def extra_repr(self) -> str:
+        return f"layer={self.layer}, scale={self.scale:.4g}, softcap={self.softcap}, window={self.window}"
+
+    def reset(self, batch: int | None = None, capacity: int | None = None) -> None:
+        self.k_cache = self.v_cache = self.pos = None
+        self.batch, self.capacity = batch, capacity
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.k_cache, self.v_cache, self.pos) if t is not None)
+
+    def forward(self, q, k, v):
+        off = self._state[0].offset
+        k, v = self.k_prep(k), self.v_prep(v)
+        if self.batch is not None and k.shape[0] != self.batch:
+            raise DecodeError(f"The decoder was reset for batch {self.batch} but got {k.shape[0]} rows.", "Call reset(batch_size) first.")
+        if self.window is None:
+            keys, values, allowed = self._linear(k, v, off)
+        else:
+            keys, values, allowed = self._ring(k, v, off)
+        causal = off == 0 and self.window is None and k.shape[2] > 1  # a first prefill: plain causal
+        out = attend(q, keys, values, None if causal else allowed, scale=self.scale, softcap=self.softcap,
+                     k_map=self.k_map, v_map=self.v_map, causal=causal)
+        return out.to(self.out_dtype)
+
+    def _alloc(self, like_k, like_v, size: int):
+        b, h, _, d = like_k.shape
+        k = like_k.new_empty(b, h, size, d)
+        v = like_v.new_empty(b, like_v.shape[1], size, like_v.shape[3])
+        return k, v
+
+    def _linear(self, k, v, off: int):
+        t = k.shape[2]
+        need = off + t
+        if self.k_cache is None or need > self.k_cache.shape[2]:
+            size = max(need, self.capacity or 0) if self.k_cache is None else max(need, min(2 * self.k_cache.shape[2], self.limit))
+            kc, vc = self._alloc(k, v, size)
+            if self.k_cache is not None:
+                kc[:, :, :off] = self.k_cache[:, :, :off]
+                vc[:, :, :off] = self.v_cache[:, :, :off]
+            self.k_cache, self.v_cache = kc, vc
+        self.k_cache[:, :, off:need] = k
+        self.v_cache[:, :, off:need] = v
+        allowed = None
+        if t > 1 and off > 0:  # (a first prefill is plain causal: attend's causal flag)
+            q_pos = torch.arange(off, need, device=k.device)
+            allowed = torch.arange(need, device=k.device)[None, :] <= q_pos[:, None]
+        return self.k_cache[:, :, :need], self.v_cache[:, :, :need], allowed
+
+    def _resize_ring(self, size: int, like_k, like_v) -> None:
+        """A ring of `size` slots holding the last `size` positions seen (position p lives at p % size)."""
+        kc, vc = self._alloc(like_k, like_v, size)
+        pos = torch.full((size,), -1, dtype=torch.long, device=like_k.device)
+        if self.k_cache is not None:
+            valid = (self.pos >= 0).nonzero().squeeze(1)
+            valid = valid[self.pos[valid].argsort()][-size:]
+            slots = self.pos[valid] % size
+            kc[:, :, slots] = self.k_cache[:, :, valid]
+            vc[:, :, slots] = self.v_cache[:, :, valid]
+            pos[slots] = self.pos[valid]
+        self.k_cache, self.v_cache, self.pos = kc, vc, pos
+
+    def _ring(self, k, v, off: int):
+        w, t = self.window, k.shape[2]
+        need = off + t
+        size = self.k_cache.shape[2] if self.k_cache is not None else 0
+        if size < min(w, need):
+            grown = max(need, self.capacity or 0) if self.k_cache is None else max(need, 2 * size)
+            self._resize_ring(min(w, grown), k, v)
+            size = self.k_cache.shape[2]
+        if t == 1:
+            slot = off % size
+            self.k_cache[:, :, slot] = k[:, :, 0]
+            self.v_cache[:, :, slot] = v[:, :, 0]
+            self.pos[slot] = off
+            if need < size:  # not wrapped yet: positions 0..off sit in slots 0..off
+                return self.k_cache[:, :, :need], self.v_cache[:, :, :need], None
+            return self.k_cache, self.v_cache, None  # exactly the last `window` positions
+        valid = (self.pos >= 0).nonzero().squeeze(1)
+        keys = torch.cat([self.k_cache[:, :, valid], k], dim=2)  # a prefill: the ring, not the history
+        values = torch.cat([self.v_cache[:, :, valid], v], dim=2)
+        q_pos = torch.arange(off, need, device=k.device)
+        k_pos = torch.cat([self.pos[valid], q_pos])
+        allowed = (k_pos[None, :] <= q_pos[:, None]) & (q_pos[:, None] - k_pos[None, :] < w)
+        n = min(t, size)
+        slots = q_pos[-n:] % size
+        self.k_cache[:, :, slots] = k[:, :, -n:]
+        self.v_cache[:, :, slots] = v[:, :, -n:]
+        self.pos[slots] = q_pos[-n:]
+        return keys, values, allowed
+
+
+class GDNDecode(nn.Module):
+    """A GatedDeltaNet of the graph with the GDNCache it carries between calls (the module itself is
+    shared with the graph, which stays stateless)."""
+
+    def __init__(self, gdn: nn.Module):
+        super().__init__()
+        self.gdn = gdn
+        self.layer = getattr(gdn, "layer_idx", None)
+        self.reset()
+
+    def reset(self) -> None:
+        from tcal.gdn import GDNCache
+
+        self.cache = GDNCache()
+
+    def nbytes(self) -> int:
+        return self.cache.nbytes()
+
+    def forward(self, hidden_states):
+        return self.gdn(hidden_states, cache=self.cache)
+
+
+# ------------------------------------------------------------------------------------------------
+# reading the graph
+
+
+def _ids_node(gm) -> Node:
+    for n in gm.graph.nodes:
+        if n.op == "placeholder":
+            return n  # capture's first input is input_ids
+    raise DecodeError("The graph has no input.", "Decode a graph made by surgery.capture.")
+
+
+def _sym(n: Node):
+    v = n.meta.get("val") if isinstance(n, Node) else None
+    return v.node.expr if isinstance(v, torch.SymInt) else None
+
+
+def _value_nodes(gm, ids: Node) -> set:
+    """Nodes whose result depends on the token values (or on anything computed from them); shape
+    queries of the input do not, so positions and masks built from its length stay out."""
+    value = {ids}
+    for n in gm.graph.nodes:
+        if n.op in ("placeholder", "get_attr") or (n.op == "call_function" and n.target in SHAPE_QUERIES):
+            continue
+        if n.op == "output" or any(a in value for a in n.all_input_nodes):
+            value.add(n)
+    return value
+
+
+class _Lengths:
+    """The input's symbolic batch and length, to read any node's shape at another length."""
+
+    def __init__(self, gm):
+        self.ids = _ids_node(gm)
+        shape = self.ids.meta["val"].shape
+        if not isinstance(shape[1], torch.SymInt):
+            raise DecodeError("The graph was captured for one fixed length.", "Capture it with a dynamic length (surgery.capture does).")
+        self.seq = shape[1].node.expr
+        self.batch = shape[0].node.expr if isinstance(shape[0], torch.SymInt) else None
+
+    def shape_at(self, node: Node, length: int) -> tuple:
+        subs = {self.seq: length} | ({self.batch: 1} if self.batch is not None else {})
+        return tuple(int(d.node.expr.subs(subs)) if isinstance(d, torch.SymInt) else int(d) for d in node.meta["val"].shape)
+
+
+def _evaluate(gm, targets: list, length: int, replace: dict | None = None):
+    """Values of `targets` for a batch-1 input of `length` tokens, computing only their ancestors;
+    None when one of those depends on the token values (only shape-derived tensors qualify).
+    Shape queries are answered from their symbolic size, so a mask sliced to K's length does not
+    pull K (and the whole model before it) into the evaluation."""
+    replace = replace or {}
+    ids = _ids_node(gm)
+    lengths = _Lengths(gm)
+    sizes = {}
+    needed, todo = set(), list(targets)
+    while todo:
+        n = todo.pop()
+        if n in needed or n in replace:
+            continue
+        if n.op == "call_function" and n.target in SHAPE_QUERIES and _sym(n) is not None:
+            size = _sym(n).subs({lengths.seq: length} | ({lengths.batch: 1} if lengths.batch is not None else {}))
+            if size.free_symbols:  # a size that is not a function of batch and length
+                return None
+            sizes[n] = int(size)
+            continue
+        if n is ids:  # reached through something other than a shape query: depends on the tokens
+            return None
+        needed.add(n)
+        todo.extend(n.all_input_nodes)
+    replace = {**replace, **sizes}
+    uses = {n: sum(1 for u in n.users if u in needed) for n in needed}
+    extra = gm.meta.get("extra_inputs", {})
+    env = dict(replace)
+    for n in gm.graph.nodes:
+        if n not in needed:
+            continue
+        if n.op == "placeholder":
+            env[n] = extra.get(n.target)
+        elif n.op == "get_attr":
+            obj = gm
+            for part in n.target.split("."):
+                obj = getattr(obj, part)
+            env[n] = obj
+        else:
+            args = map_arg(n.args, lambda a: env[a])
+            kwargs = map_arg(n.kwargs, lambda a: env[a])
+            if n.op == "call_function":
+                env[n] = n.target(*args, **kwargs)
+            elif n.op == "call_module":
+                env[n] = gm.get_submodule(n.target)(*args, **kwargs)
+            else:
+                env[n] = getattr(args[0], n.target)(*args[1:], **kwargs)
+        for a in n.all_input_nodes:  # free what no remaining node reads (long masks are large)
+            if a in uses:
+                uses[a] -= 1
+                if uses[a] == 0 and a not in targets:
+                    env.pop(a, None)
+    return [env[t] for t in targets]
+
+
+def _square(m: torch.Tensor, length: int, what: str) -> torch.Tensor:
+    """[..., L, L] with equal leading slices -> [L, L]."""
+    if m.dim() < 2 or m.shape[-1] != length or m.shape[-2] not in (1, length):
+        raise DecodeError(
+            f"{what} has shape {tuple(m.shape)} at {length} tokens, not [.., {length}, {length}] (extra columns such as attention sinks?).",
+            FIX_FULL,
+        )
+    m = m.expand(*m.shape[:-2], length, length)
+    keep = tuple(0 if m.stride(i) == 0 else slice(None) for i in range(m.dim() - 2))
+    flat = m[keep].reshape(-1, length, length)
+    if any(not torch.equal(flat[0], flat[i]) for i in range(1, flat.shape[0])):
+        raise DecodeError(f"{what} differs between batch rows or heads (a per-head position bias such as ALiBi?).", FIX_FULL)
+    return flat[0]
+
+
+def _band(allowed: torch.Tensor, layer: int) -> int | None:
+    """The sliding window of a causal mask (None: full causal at this length)."""
+    n = allowed.shape[0]
+    i = torch.arange(n, device=allowed.device)
+    causal = i[None, :] <= i[:, None]
+    if (allowed & ~causal).any():
+        raise DecodeError(f"Attention {layer} lets tokens see later tokens.", "Only causal attention can be decoded incrementally.")
+    width = int(allowed[-1].sum())
+    if width < 1 or not torch.equal(allowed, causal & (i[:, None] - i[None, :] < width)):
+        raise DecodeError(f"The mask of attention {layer} is neither causal nor a causal sliding window.", FIX_FULL)
+    return None if width == n else width
+
+
+def _threshold(dtype) -> float:
+    """Additive mask entries at or below this are "masked": exp(-1e4) is 0 in every float dtype, so
+    they weigh exactly what -inf does (GPT-1 masks with -1e4, most models with the dtype's min)."""
+    return MASKED if dtype.is_floating_point else 0
+
+
+@dataclass
+class _MaskRule:
+    """How to read a layer's allowed-keys pattern at any length: from a tensor of the graph
+    (`node`) read as a boolean keep-mask ("keep"), its negation ("drop") or an additive 0/-inf mask
+    ("additive"); node None with mode "causal" is SDPA's is_causal flag."""
+
+    node: Node | None
+    mode: str
+
+    def allowed(self, gm, length: int, layer: int, memo: dict | None = None) -> torch.Tensor | None:
+        if self.mode == "causal":
+            i = torch.arange(length)
+            return i[None, :] <= i[:, None]
+        memo = {} if memo is None else memo
+        key = (self.node, length)  # layers share one mask node: evaluate it once per length
+        if key not in memo:
+            memo[key] = _evaluate(gm, [self.node], length)
+        got = memo[key]
+        if got is None:
+            return None
+        m = _square(got[0], length, f"The mask of attention {layer}")
+        if self.mode == "additive":
+            keep = m > _threshold(m.dtype)
+            if (m.masked_fill(~keep, 0) != 0).any():
+                raise DecodeError(f"Attention {layer} adds a position bias to its scores (ALiBi or relative positions).", FIX_FULL)
+            return keep
+        return m.bool() if self.mode == "keep" else ~m.bool()
+
+
+def _heads_view(val, length: int, dim: int):
+    """A [B, n, L, dim] or [B, n, dim, L] tensor as ([B, n, L, dim], transposed?), else None."""
+    if not isinstance(val, torch.Tensor) or val.dim() != 4:
+        return None
+    if tuple(val.shape[2:]) == (length, dim):
+        return val, False
+    if tuple(val.shape[2:]) == (dim, length):
+        return val.transpose(-1, -2), True
+    return None
+
+
+def _cache_source(node: Node, heads: int, run: _Run, length: int, dim: int, kv_map: list):
+    """The narrowest tensor behind an attention input (K or V) that still holds every head it reads:
+    walking back through layout ops undoes repeat_kv, so the cache is KV-heads wide. Returns
+    (node, _Prep, head_map); the map says which cached head each query head reads."""
+    start = _heads_view(run.env.get(node), length, dim)
+    if start is None:
+        return None
+    t0 = start[0]
+    per_head = [t0[:, h * t0.shape[1] // heads] for h in range(heads)]  # SDPA enable_gqa / broadcast semantics
+    best, cur = None, node
+    while isinstance(cur, Node):
+        view = _heads_view(run.env.get(cur), length, dim)
+        if view is not None:
+            t, transposed = view
+            found = [next((j for j in range(t.shape[1]) if torch.equal(per_head[h], t[:, j])), None) for h in range(heads)]
+            if None not in found and (best is None or t.shape[1] < best[3]):
+                best = (cur, transposed, found, t.shape[1])
+        if cur.op == "call_function" and cur.target in LAYOUT_OPS and isinstance(cur.args[0], Node):
+            cur = cur.args[0]
+        else:
+            break
+    if best is None:
+        return None
+    src, transposed, head_map, width = best
+    select = None
+    used = sorted(set(head_map))
+    # heads that are copies of one KV head (a repeat the walk could not undo): keep one of each,
+    # when the site's own head->KV map (read from the projection rows) agrees that they are copies
+    firsts = {}
+    for h, j in enumerate(head_map):
+        firsts.setdefault(kv_map[h], j)
+    if len(firsts) < len(used) and all(torch.equal(per_head[h], per_head[kv_map.index(kv_map[h])]) for h in range(heads)):
+        select = tuple(firsts[u] for u in sorted(firsts))
+        head_map = [sorted(firsts).index(kv_map[h]) for h in range(heads)]
+        width = len(select)
+    elif len(used) < width:
+        select = tuple(used)
+        head_map = [used.index(j) for j in head_map]
+        width = len(used)
+    if list(head_map) == [h * width // heads for h in range(heads)]:
+        head_map = None  # the grouped layout: SDPA's enable_gqa, no copies
+    return src, _Prep(transposed, select), head_map
+
+
+def _tolerance(dtype) -> float:
+    return 1e-3 if dtype in (torch.float32, torch.float64) else 3e-2
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> tuple[bool, float]:
+    diff = (a.float() - b.float()).abs().max().item() if a.numel() else 0.0
+    scale = max(1.0, b.float().abs().max().item() if b.numel() else 1.0)
+    return diff <= _tolerance(b.dtype) * scale, diff
+
+
+@dataclass
+class _Core:
+    """A kept attention site as the decoder needs it."""
+
+    layer: int
+    attn: Node
+    q: Node
+    k: Node
+    v: Node
+    scale: float
+    softcap: float | None
+    rule: _MaskRule | None
+    check_len: int            # the mask's meaning was checked at this length
+    exact_len: int            # the rule is trusted up to this length (mask probe, or the check)
+    window: int | None = None
+
+
+class Decoder:
+    """Incremental decoding of a Graph (teacher or hybrid): reset, prefill, then step token by token.
+
+        dec = Decoder(graph); dec.reset(batch_size=1, capacity=prompt + new)
+        logits = dec.prefill(ids)              # [B, T, V]
+        logits = dec.step(next_ids)            # next_ids [B, 1] -> [B, 1, V]
+
+    Parameters are shared with graph.gm (nothing is copied), so a Decoder is cheap next to the
+    model; graph.gm itself stays stateless. verify=True compares prefill + steps with full
+    recomputation on a short probe at construction and refuses the graph if they disagree."""
+
+    def __init__(self, graph, *, verify: bool = True, mask_probe: int = MASK_PROBE):
+        from tcal.gdn import GatedDeltaNet
+
+        if not graph.sites:
+            raise DecodeError("The graph has no attention sites.", "Capture it with site discovery on (surgery.capture(..., find=True)).")
+        self.graph = graph
+        self.max_length = graph.max_length
+        self.state = DecodeState()
+        gm = fork(graph.gm)
+        self.lengths = _Lengths(gm)
+        vocab = int(getattr(graph.config, "vocab_size", 0) or 0) or _vocab(gm)
+        run = _Run(gm, vocab)  # every node's value on a 7-token probe: shapes, K/V layouts, the site checks
+        self._memo: dict = {}
+        kinds = graph.layer_kinds
+        cores = [self._core(gm, site, run, mask_probe) for site in graph.sites if kinds[site.layer] == "attention"]
+        self.attention: dict[int, KVCacheAttention] = {}
+        for core in cores:  # check every site before the graph is touched
+            self.attention[core.layer] = self._module(core, run, graph.sites[core.layer])
+        for core in cores:
+            module = self.attention[core.layer]
+            inputs = [core.q, module._k_src, module._v_src]
+            splice_module(gm, f"_decode_attn.layer{core.layer}", module, inputs, core.attn)
+            del module._k_src, module._v_src
+        self.gdn: dict[int, GDNDecode] = {}
+        for n in list(gm.graph.nodes):
+            if n.op == "call_module" and isinstance(gm.get_submodule(n.target), GatedDeltaNet):
+                wrapper = GDNDecode(gm.get_submodule(n.target))
+                key = wrapper.layer if wrapper.layer is not None else len(self.gdn)
+                set_submodule(gm, f"_decode_gdn.layer{key}", wrapper)
+                n.target = f"_decode_gdn.layer{key}"
+                self.gdn[key] = wrapper
+        prune(gm)
+        set_submodule(gm, "_decode", self.state)
+        _rewrite_positions(gm, self.lengths, "_decode")
+        prune(gm)
+        gm.graph.lint()
+        gm.recompile()
+        self.gm = gm
+        self.cores = {c.layer: c for c in cores}
+        del self._memo, run
+        self._warned = False
+        self.reset()
+        if verify:
+            self._self_check(vocab)
+
+    # -------------------------------------------------------------------------------- analysis
+
+    def _core(self, gm, site, run: _Run, mask_probe: int) -> _Core:
+        nodes = nodes_by_name(gm)
+        layer = site.layer
+        check = min(self.max_length, MASK_CHECK)
+        if site.kind == "sdpa":
+            attn = nodes[site.attn_node]
+            sig = ["query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa"]
+            a = dict(zip(sig, attn.args)) | dict(attn.kwargs)
+            q, k, v = a["query"], a["key"], a["value"]
+            scale = a.get("scale")
+            scale = float(scale) if scale is not None else run.shape(q)[-1] ** -0.5
+            softcap = None
+            mask = a.get("attn_mask")
+            if isinstance(mask, Node):
+                dtype = mask.meta["val"].dtype
+                rule = _MaskRule(mask, "keep" if dtype == torch.bool else "additive")
+            elif a.get("is_causal"):
+                rule = _MaskRule(None, "causal")
+            else:
+                raise DecodeError(f"Attention {layer} has neither a mask nor is_causal: it is not causal.", "Only causal attention can be decoded incrementally.")
+            allowed = rule.allowed(gm, check, layer, self._memo)
+            if allowed is None:
+                raise DecodeError(f"The mask of attention {layer} depends on the tokens or hidden states.", FIX_FULL)
+        else:
+            softmax = nodes[site.probs_node]
+            found = _eager_core(softmax, run)
+            if found is None:
+                raise DecodeError(f"Attention {layer}: the eager softmax(QK^T)V region could not be read again.", FIX_FULL)
+            is_mm = lambda x: x.op == "call_function" and (x.target in MATMUL_OPS or x.target is aten.baddbmm.default)  # noqa: E731
+            mms = [x for x in ancestors(softmax, stop=is_mm) if is_mm(x) and len(run.shape(x)) >= 3]
+            if len(mms) != 1:
+                raise DecodeError(f"Attention {layer}: no single Q.K^T product before the softmax.", FIX_FULL)
+            logits_mm = mms[0]
+            if logits_mm.target is aten.baddbmm.default:
+                raise DecodeError(f"Attention {layer} adds a bias to its scores inside baddbmm (an ALiBi-style position bias).", FIX_FULL)
+            attn, q, k, v = found.attn, found.q, found.k, found.v
+            region = ((descendants(logits_mm) & ancestors(attn)) | {logits_mm}) - {attn}
+            leaks = [u for n in region for u in n.users if u not in region and u is not attn and not u.is_impure()]
+            if leaks:
+                raise DecodeError(
+                    f"Attention {layer}'s scores also feed '{leaks[0].name}', outside softmax(QK^T)V (attention sinks or a score-dependent gate?).",
+                    FIX_FULL,
+                )
+            softcap, scale = _softcap_and_scale(found)
+            scale *= found.scale or 1.0
+            rule, allowed = self._eager_rule(gm, softmax, logits_mm, found.logits_path, check, layer)
+        window = _band(allowed, layer)
+        exact = check  # the mask is known to be what we think up to this length
+        if window is not None or (rule is not None and rule.mode == "causal"):
+            exact = UNLIMITED  # a window seen, or SDPA's is_causal flag: the same at every length
+        elif rule is not None and self.max_length > check:
+            long = min(self.max_length, mask_probe)
+            key = ("window", rule.node, rule.mode, long)
+            if key not in self._memo:  # one read of a long mask serves every layer that shares it
+                self._memo[key] = _band(rule.allowed(gm, long, layer, self._memo), layer)
+            window = self._memo[key]
+            exact = UNLIMITED if window is not None else long
+        if exact >= self.max_length:
+            exact = UNLIMITED
+        return _Core(layer, attn, q, k, v, float(scale), softcap, rule, check, exact, window)
+
+    def _eager_rule(self, gm, softmax, logits_mm, path, length, layer):
+        """The eager mask: push zero scores through the score path (scale, softcap, mask) at `length`;
+        what is left is the mask itself (0 where allowed, very negative elsewhere) or a bias."""
+        shape = self.lengths.shape_at(logits_mm, length)
+        dtype = logits_mm.meta["val"].dtype
+        zeros = torch.zeros(shape, dtype=dtype, device=self.graph.device)
+        got = _evaluate(gm, [softmax.args[0]], length, replace={logits_mm: zeros})
+        if got is None:
+            raise DecodeError(f"The mask of attention {layer} depends on the tokens or hidden states.", FIX_FULL)
+        x = got[0]
+        if x.shape[-1] != length:
+            raise DecodeError(f"Attention {layer}'s softmax runs over {x.shape[-1]} columns for {length} keys (attention sinks?).", FIX_FULL)
+        heads = x.reshape(-1, length, length)
+        keep = heads > _threshold(x.dtype)
+        if (heads.masked_fill(~keep, 0) != 0).any():
+            raise DecodeError(f"Attention {layer} adds a position bias to its scores (ALiBi or relative positions).", FIX_FULL)
+        allowed = _square(keep, length, f"The mask of attention {layer}")
+        # the same pattern from the one mask tensor on the path, so it can be read at long lengths
+        operands = [a for n in path for a in n.all_input_nodes if a not in path and a is not logits_mm
+                    and isinstance(a.meta.get("val"), torch.Tensor) and a.meta["val"].dim() >= 2]
+        rule = None
+        if len(set(operands)) == 1:
+            node = operands[0]
+            for mode in (("keep", "drop") if node.meta["val"].dtype == torch.bool else ("additive",)):
+                candidate = _MaskRule(node, mode)
+                try:
+                    got = candidate.allowed(gm, length, layer, self._memo)
+                except DecodeError:
+                    continue
+                if got is not None and torch.equal(got, allowed):
+                    rule = candidate
+                    break
+        return rule, allowed
+
+    def _module(self, core: _Core, run: _Run, site) -> KVCacheAttention:
+        """The KVCacheAttention for a core, checked on the probe run against the graph's own output."""
+        heads = run.shape(core.q)[1]
+        length = run.shape(core.q)[2]
+        out = run.env[core.attn]
+        if tuple(out.shape) != (run.shape(core.q)[0], heads, length, out.shape[-1]):
+            raise DecodeError(f"Attention {core.layer}'s output has shape {tuple(out.shape)}, not [B, heads, T, D].", FIX_FULL)
+        k_found = _cache_source(core.k, heads, run, length, run.shape(core.q)[-1], site.kv_map)
+        v_found = _cache_source(core.v, heads, run, length, out.shape[-1], site.kv_map)
+        if k_found is None or v_found is None:
+            raise DecodeError(f"Attention {core.layer}: K or V is not laid out as [B, heads, T, D].", FIX_FULL)
+        (k_src, k_prep, k_map), (v_src, v_prep, v_map) = k_found, v_found
+        module = KVCacheAttention(
+            self.state, core.layer, k_prep=k_prep, v_prep=v_prep, k_map=k_map, v_map=v_map, scale=core.scale,
+            softcap=core.softcap, window=core.window, out_dtype=out.dtype, limit=self.max_length,
+        )
+        module._k_src, module._v_src = k_src, v_src
+        # the probe: the module's prefill of the probe tokens must give the graph's attention output
+        self.state.offset = 0
+        module.reset()
+        with torch.no_grad():
+            mine = module(run.env[core.q], run.env[k_src], run.env[v_src])
+        module.reset()
+        ok, diff = _close(mine, out)
+        if not ok:
+            raise DecodeError(
+                f"Attention {core.layer} cannot be reproduced from Q, K, V with scale {core.scale:.4g}, softcap {core.softcap} and a "
+                f"{'causal' if core.window is None else f'window-{core.window}'} mask (max difference {diff:.3g}): the scores carry something else.",
+                FIX_FULL,
+            )
+        return module
+
+    # -------------------------------------------------------------------------------- decoding
+
+    @property
+    def offset(self) -> int:
+        """Tokens in the caches."""
+        return self.state.offset
+
+    def reset(self, batch_size: int | None = None, capacity: int | None = None) -> "Decoder":
+        """Empty every cache. capacity (prompt + new tokens) preallocates the KV caches; without it
+        they start at the prefill's length and double."""
+        if capacity is not None and capacity > self.max_length:
+            raise DecodeError(f"A capacity of {capacity} tokens exceeds this graph's position limit of {self.max_length}.", "Use a shorter prompt or fewer new tokens.")
+        self.state.offset = 0
+        self.batch_size = batch_size
+        for m in self.attention.values():
+            m.reset(batch_size, capacity)
+        for m in self.gdn.values():
+            m.reset()
+        return self
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Feed T new tokens [B, T] after those already cached; logits [B, T, V]."""
+        if input_ids.dim() == 1:
+            input_ids = input_ids[:, None]
+        if input_ids.dim() != 2 or input_ids.shape[1] < 1:
+            raise DecodeError(f"Token ids must be [batch, length >= 1], got shape {tuple(input_ids.shape)}.", "Pass a 2-D LongTensor.")
+        if self.batch_size is not None and input_ids.shape[0] != self.batch_size:
+            raise DecodeError(f"The decoder was reset for batch {self.batch_size} but got {input_ids.shape[0]} rows.", "Call reset(batch_size) first.")
+        need = self.state.offset + input_ids.shape[1]
+        if need > self.max_length:
+            raise DecodeError(f"{need} tokens exceed this graph's position limit of {self.max_length}.", "Use a shorter prompt or fewer new tokens.")
+        for c in self.cores.values():
+            if need > c.exact_len and c.rule is None:
+                raise DecodeError(f"The mask of attention {c.layer} could only be checked up to {c.exact_len} tokens; {need} were asked for.", FIX_FULL)
+            if need > c.exact_len and not self._warned:
+                warnings.warn(f"Attention {c.layer} looked like full causal attention up to {c.exact_len} tokens; a longer sliding window "
+                              "would not have been seen.", stacklevel=2)
+                self._warned = True
+        with torch.no_grad():
+            out = self.gm(input_ids=input_ids.to(self.graph.device), **self.gm.meta.get("extra_inputs", {}))
+        self.state.offset = need
+        return out.logits if hasattr(out, "logits") else out[0]
+
+    __call__ = forward
+
+    def prefill(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The prompt [B, T] (the whole of it in one call; later calls continue it): logits [B, T, V]."""
+        return self.forward(input_ids)
+
+    def step(self, next_ids: torch.Tensor) -> torch.Tensor:
+        """One new token per row ([B, 1] or [B]): logits [B, 1, V]."""
+        if next_ids.dim() == 2 and next_ids.shape[1] != 1:
+            raise DecodeError(f"step takes one token per row, got shape {tuple(next_ids.shape)}.", "Use prefill for several tokens.")
+        return self.forward(next_ids.reshape(-1, 1))
+
+    def cache_bytes(self, per_layer: bool = False) -> dict:
+        """Bytes held by the caches, by layer kind ({"attention", "gdn", "total"}) or by layer."""
+        layers = {i: m.nbytes() for i, m in self.attention.items()} | {i: m.nbytes() for i, m in self.gdn.items()}
+        if per_layer:
+            return dict(sorted(layers.items()))
+        att = sum(m.nbytes() for m in self.attention.values())
+        gdn = sum(m.nbytes() for m in self.gdn.values())
+        return {"attention": att, "gdn": gdn, "total": att + gdn}
+
+    def _self_check(self, vocab: int) -> None:
+        """Prefill + steps against full recomputation on a short random probe."""
+        n = min(self.max_length, SELF_CHECK)
+        ids = torch.randint(0, vocab, (1, n), generator=torch.Generator().manual_seed(0)).to(self.graph.device)
+        with torch.no_grad():
+            out = self.graph.gm(input_ids=ids, **self.graph.gm.meta.get("extra_inputs", {}))
+        full = out.logits if hasattr(out, "logits") else out[0]
+        first = max(1, n - 4)
+        self.reset(1, n)
+        got = [self.prefill(ids[:, :first])] + [self.step(ids[:, t:t + 1]) for t in range(first, n)]
+        self.reset()
+        ok, diff = _close(torch.cat(got, dim=1), full)
+        if not ok:
+            raise DecodeError(
+                f"Incremental decoding disagrees with full recomputation on a {n}-token probe (max logit difference {diff:.3g}): "
+                "the graph computes something from the sequence that the decoder does not carry over (positions in an unusual form?).",
+                FIX_FULL,
+            )
+
+
+def _vocab(gm) -> int:
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and n.target is aten.embedding.default:
+            return int(gm.get_parameter(n.args[0].target).shape[0])
+    raise DecodeError("The graph has no token embedding.", "Decode a causal language model.")
+
+
+# ------------------------------------------------------------------------------------------------
+# positions
+
+
+def _rewrite_positions(gm, lengths: _Lengths, state_target: str) -> None:
+    """Evaluate what the graph computes from the input's length alone at cache+new length and keep
+    the new tokens' part: every such tensor with one sequence-long dimension that feeds the token
+    computation is recomputed from length + offset and sliced (for positions = arange(T), that is
+    arange(T) + offset). Tensors of the call's tokens only (MoE dispatch over B*T) are left alone."""
+    seq = lengths.seq
+    value = _value_nodes(gm, lengths.ids)
+
+    def dims(n):
+        val = n.meta.get("val")
+        return list(val.shape) if isinstance(val, torch.Tensor) else None
+
+    sources, mixed_sources = set(), set()
+    for n in gm.graph.nodes:
+        expr = _sym(n)
+        if n.op == "call_function" and n.target in SHAPE_QUERIES and expr is not None and seq in expr.free_symbols:
+            (sources if expr == seq else mixed_sources).add(n)
+    tdep, mixed = set(sources | mixed_sources), set(mixed_sources)
+    for n in gm.graph.nodes:
+        if n in value or n in tdep:
+            continue
+        if any(a in tdep for a in n.all_input_nodes):
+            tdep.add(n)
+            if any(a in mixed for a in n.all_input_nodes):
+                mixed.add(n)
+    rewrite = []
+    for n in gm.graph.nodes:
+        if n not in tdep or n in value or not any(u in value for u in n.users) or dims(n) is None:
+            continue
+        shape = dims(n)
+        clean = [i for i, d in enumerate(shape) if isinstance(d, torch.SymInt) and d.node.expr == seq]
+        other = [i for i, d in enumerate(shape) if isinstance(d, torch.SymInt) and seq in d.node.expr.free_symbols and d.node.expr != seq]
+        if len(clean) == 1 and not other:
+            rewrite.append((n, clean[0]))
+        elif len(clean) > 1:
+            raise DecodeError(
+                f"Node '{n.name}' of shape {tuple(shape)} (a mask of an attention the site finder did not see?) still feeds the tokens.",
+                FIX_FULL,
+            )
+        elif clean or not other:
+            raise DecodeError(f"Node '{n.name}' is computed from the sequence length in a way the decoder cannot continue.", FIX_FULL)
+    if not rewrite:
+        return
+    copy = set()
+    for f, _ in rewrite:
+        copy |= (ancestors(f) | {f}) & tdep
+    if copy & mixed:
+        bad = sorted(n.name for n in copy & mixed)[:3]
+        raise DecodeError(f"Positions are computed from a compound size ({bad}).", FIX_FULL)
+    mapping = {}
+    for n in list(gm.graph.nodes):
+        if n not in copy:
+            continue
+        with gm.graph.inserting_after(n):
+            if n in sources:
+                mapping[n] = gm.graph.call_module(state_target, (n,))
+            else:
+                mapping[n] = gm.graph.node_copy(n, lambda a: mapping.get(a, a))
+    for f, dim in rewrite:
+        with gm.graph.inserting_after(mapping[f]):
+            sliced = gm.graph.call_module(state_target, (mapping[f],), {"dim": dim})
+        f.replace_all_uses_with(sliced, delete_user_cb=lambda u: u in value)
+
+
+# ------------------------------------------------------------------------------------------------
+# generation
+
+
+def _eos_ids(graph, eos) -> set:
+    if eos == "auto":
+        eos = getattr(graph.config, "eos_token_id", None)
+        if eos is None and graph.tokenizer is not None:
+            eos = getattr(graph.tokenizer, "eos_token_id", None)
+    if eos is None:
+        return set()
+    return {int(e) for e in (eos if isinstance(eos, (list, tuple, set)) else [eos])}
+
+
+def sample(logits: torch.Tensor, *, temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
+           generator: torch.Generator | None = None) -> torch.Tensor:
+    """Next token per row from logits [B, V]: argmax when temperature is 0/None, else sampling
+    from softmax(logits / temperature) restricted to the top_k tokens and the top_p nucleus."""
+    if not temperature:
+        return logits.argmax(dim=-1)
+    scores = logits.float() / temperature
+    if top_k:
+        kth = scores.topk(min(top_k, scores.shape[-1]), dim=-1).values[..., -1:]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        ordered, index = scores.sort(dim=-1, descending=True)
+        cum = ordered.softmax(-1).cumsum(-1)
+        drop = cum - ordered.softmax(-1) > top_p  # keep the smallest prefix whose mass reaches top_p
+        scores = scores.scatter(-1, index, ordered.masked_fill(drop, float("-inf")))
+    probs = scores.softmax(-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def generate(model, prompts, max_new_tokens: int, *, temperature: float | None = None, top_k: int | None = None,
+             top_p: float | None = None, seed: int | None = None, eos_token_id="auto", stream=None) -> list[list[int]]:
+    """Continue each prompt by up to max_new_tokens tokens; returns the new tokens per prompt (the
+    end-of-sequence token included when one is produced, as transformers does).
+
+    model     a Graph (a Decoder is built) or a Decoder
+    prompts   list of token-id lists, one list, or a [B, T] tensor
+    greedy unless temperature > 0; sampling is reproducible with `seed`
+    eos_token_id  "auto" (the config's, else the tokenizer's), an id or ids, or None (never stop)
+    stream    called as stream(prompt_index, token_id) for each new token as it is chosen
+
+    Prompts of different lengths are grouped by length and each group is decoded as one batch (exact,
+    with no padding inside the caches); a row that has ended keeps being fed but its tokens are
+    dropped."""
+    decoder = model if isinstance(model, Decoder) else Decoder(model)
+    graph = decoder.graph
+    if isinstance(prompts, torch.Tensor):
+        prompts = prompts.tolist() if prompts.dim() == 2 else [prompts.tolist()]
+    elif prompts and isinstance(prompts[0], int):
+        prompts = [prompts]
+    prompts = [list(map(int, p)) for p in prompts]
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise DecodeError("An empty prompt has nothing to continue.", "Give every prompt at least one token.")
+    if max_new_tokens < 0:
+        raise DecodeError(f"max_new_tokens must be >= 0, got {max_new_tokens}.", "Pass a positive number.")
+    longest = max(len(p) for p in prompts) + max_new_tokens
+    if longest > decoder.max_length:
+        raise DecodeError(
+            f"A prompt of {max(len(p) for p in prompts)} tokens plus {max_new_tokens} new ones exceeds this graph's position limit of {decoder.max_length}.",
+            "Use a shorter prompt or fewer new tokens.",
+        )
+    eos = _eos_ids(graph, eos_token_id)
+    generator = None
+    if temperature:
+        generator = torch.Generator(device=graph.device)
+        generator.manual_seed(0 if seed is None else seed)
+    results: list[list[int]] = [[] for _ in prompts]
+    groups: dict[int, list[int]] = {}
+    for i, p in enumerate(prompts):
+        groups.setdefault(len(p), []).append(i)
+    for length, rows in groups.items():
+        if max_new_tokens == 0:
+            continue
+        decoder.reset(len(rows), length + max_new_tokens)
+        ids = torch.tensor([prompts[i] for i in rows], dtype=torch.long, device=graph.device)
+        logits = decoder.prefill(ids)[:, -1]
+        done = torch.zeros(len(rows), dtype=torch.bool)
+        for t in range(max_new_tokens):
+            nxt = sample(logits, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
+            for r, i in enumerate(rows):
+                if not done[r]:
+                    token = int(nxt[r])
+                    results[i].append(token)
+                    if stream is not None:
+                        stream(i, token)
+                    if token in eos:
+                        done[r] = True
+            if bool(done.all()) or t == max_new_tokens - 1:
+                break
+            logits = decoder.step(nxt[:, None])[:, -1]
+    decoder.reset()
+    return results

@@ -1,0 +1,122 @@
+"""Passkey retrieval: can the model copy a 5-digit key it read thousands of tokens earlier?
+
+The prompt (the usual long-context probe, after Mohtashami & Jaggi's landmark-attention test) is a
+task line, corpus text with the sentence "The pass key is NNNNN. Remember it. NNNNN is the pass
+key." spliced in at a chosen depth, then "What is the pass key? The pass key is". A trial is correct
+when greedy decoding continues with exactly the key's tokens. That is scored teacher-forced in ONE
+forward pass over prompt + key: greedy decoding emits the key iff at every key position the argmax
+of the logits is the next key token, so no generation loop is needed and any captured graph (a
+teacher, a hybrid, a distilled hybrid) is measured the same way.
+
+Filler comes from corpus text (the calibration files, or the built-in sample), cut at a seeded
+offset per trial, so the key is the only thing the prompts of one length have in common.
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import torch
+
+from .calibration import token_stream
+from .errors import SurgeryError
+
+TASK = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
+        "I will quiz you about the important information there.\n")
+NEEDLE = "\nThe pass key is {key}. Remember it. {key} is the pass key.\n"
+QUESTION = "\nWhat is the pass key? The pass key is"
+
+
+@dataclass
+class PasskeyTrial:
+    length: int
+    depth: float
+    key: str
+    ids: torch.Tensor        # prompt + key tokens, 1-D
+    answer_start: int        # index of the first key token in ids
+
+
+def _encode(tokenizer, text: str) -> list[int]:
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def build_trial(tokenizer, filler: torch.Tensor, length: int, depth: float, key: str, offset: int) -> PasskeyTrial:
+    """A prompt of exactly `length` tokens (key excluded) with the needle at `depth` of the filler."""
+    head, needle = _encode(tokenizer, TASK), _encode(tokenizer, NEEDLE.format(key=key))
+    question, answer = _encode(tokenizer, QUESTION), _encode(tokenizer, " " + key)
+    budget = length - len(head) - len(needle) - len(question)
+    if budget < 1:
+        fixed = length - budget
+        raise SurgeryError(f"A passkey prompt of {length} tokens leaves no room for filler text: the task, needle "
+                           f"and question alone take {fixed} tokens with this tokenizer.",
+                           f"Use lengths above {fixed} tokens.")
+    if filler.numel() < budget:
+        raise SurgeryError(f"The filler text has {filler.numel()} tokens; a {length}-token prompt needs {budget}.",
+                           "Pass longer corpus text with --text (several files are concatenated).")
+    start = offset % (filler.numel() - budget + 1)
+    body = filler[start:start + budget].tolist()
+    cut = round(depth * budget)
+    ids = head + body[:cut] + needle + body[cut:] + question
+    return PasskeyTrial(length, depth, key, torch.tensor(ids + answer, dtype=torch.long), len(ids))
+
+
+def make_trials(tokenizer, filler_files, lengths, depths: int, trials_per_depth: int, seed: int) -> list[PasskeyTrial]:
+    """`depths` evenly spaced depths in [0, 1] per length, `trials_per_depth` keys at each."""
+    if tokenizer is None:
+        raise SurgeryError("This model has no tokenizer, which the passkey prompts need.",
+                           "Load the model from a directory or GGUF that carries one.")
+    if not lengths or min(lengths) < 1 or depths < 1 or trials_per_depth < 1:
+        raise SurgeryError("Passkey needs at least one length, one depth and one trial per depth.",
+                           "e.g. --lengths 1024,2048,4096 --depths 5 --trials 2")
+    filler = token_stream(tokenizer, [str(f) for f in filler_files] if filler_files else None)
+    rng = random.Random(seed)
+    trials = []
+    for length in lengths:
+        for d in range(depths):
+            depth = d / (depths - 1) if depths > 1 else 0.5
+            for _ in range(trials_per_depth):
+                key = str(rng.randint(10000, 99999))
+                trials.append(build_trial(tokenizer, filler, length, depth, key, rng.randrange(1 << 30)))
+    return trials
+
+
+@torch.no_grad()
+def score(graph, trials: list[PasskeyTrial], batch_size: int = 8) -> list[bool]:
+    """Teacher-forced greedy exact match of the key tokens, trials of equal length batched."""
+    longest = max(t.ids.numel() for t in trials)
+    if longest > graph.max_length:
+        raise SurgeryError(f"A passkey prompt plus its key takes {longest} tokens, over this graph's limit of {graph.max_length}.",
+                           "Use shorter --lengths.")
+    correct = [False] * len(trials)
+    groups: dict[int, list[int]] = {}
+    for i, t in enumerate(trials):
+        groups.setdefault(t.ids.numel(), []).append(i)
+    for indices in groups.values():
+        for s in range(0, len(indices), batch_size):
+            chunk = indices[s:s + batch_size]
+            ids = torch.stack([trials[i].ids for i in chunk]).to(graph.device)
+            logits = graph(ids)
+            for row, i in enumerate(chunk):
+                t = trials[i]
+                predicted = logits[row, t.answer_start - 1:-1].argmax(-1)
+                correct[i] = bool((predicted == ids[row, t.answer_start:]).all())
+    return correct
+
+
+def passkey(graph, filler_files=None, lengths=(1024, 2048, 4096), depths: int = 5, trials_per_depth: int = 2,
+            seed: int = 0, batch_size: int = 8) -> dict:
+    """Accuracy overall, per length and per (length, depth)."""
+    trials = make_trials(graph.tokenizer, filler_files, list(lengths), depths, trials_per_depth, seed)
+    correct = score(graph, trials, batch_size)
+    by_length: dict[int, list[bool]] = {}
+    by_depth: dict[str, list[bool]] = {}
+    for t, ok in zip(trials, correct):
+        by_length.setdefault(t.length, []).append(ok)
+        by_depth.setdefault(f"{t.length}@{t.depth:.2f}", []).append(ok)
+    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+    return {
+        "task": "passkey", "accuracy": mean(correct), "trials": len(trials),
+        "by_length": {str(k): mean(v) for k, v in by_length.items()},
+        "by_depth": {k: mean(v) for k, v in by_depth.items()},
+        "seed": seed,
+    }

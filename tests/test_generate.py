@@ -1,0 +1,290 @@
+"""Incremental decoding (surgery.decode) and `surgery generate`.
+
+The reference for every decoded token and logit is full recomputation: graph.logits on the whole
+growing sequence (the captured graph, which test_capture checks against transformers), and for
+the teacher also transformers' own generate() on the eager model."""
+from __future__ import annotations
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+import surgery
+from surgery import PassManager
+from surgery.cli.app import app
+from surgery.decode import DecodeError, Decoder, generate
+
+ATOL = 1e-4  # float32: incremental and full logits differ by ~1e-6 on the tiny models
+ARCHS = ["llama", "qwen2", "mistral", "gemma2", "phi3", "gpt2", "gpt_neox", "opt"]
+ENV = {"COLUMNS": "240", "TERM": "dumb"}
+
+
+def hybrid(graph, **replace):
+    """select+replace keeping half the layers; short-conv weights randomised so their state matters."""
+    PassManager(["select", "replace"], {"select": {"keep_ratio": 0.5}, "replace": replace})(graph)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in graph.gm.named_parameters():
+            if "conv1d" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+    return graph
+
+
+def full_greedy(graph, prompt: list, n: int):
+    """Greedy tokens and last-position logits by recomputing the whole sequence each step."""
+    seq, logits = list(prompt), []
+    for _ in range(n):
+        last = graph.logits(torch.tensor([seq]))[0, -1]
+        logits.append(last)
+        seq.append(int(last.argmax()))
+    return seq[len(prompt):], torch.stack(logits)
+
+
+def incremental_greedy(decoder, prompt: list, n: int):
+    decoder.reset(1, len(prompt) + n)
+    last = decoder.prefill(torch.tensor([prompt]))[0, -1]
+    tokens, logits = [], []
+    for i in range(n):
+        logits.append(last)
+        tokens.append(int(last.argmax()))
+        if i < n - 1:
+            last = decoder.step(torch.tensor([[tokens[-1]]]))[0, -1]
+    return tokens, torch.stack(logits)
+
+
+def prompt_of(length: int, vocab: int, seed: int = 0) -> list:
+    return torch.randint(3, vocab, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def assert_matches_full(graph, prompt, n):
+    want_tokens, want_logits = full_greedy(graph, prompt, n)
+    decoder = Decoder(graph)
+    tokens, logits = incremental_greedy(decoder, prompt, n)
+    assert tokens == want_tokens
+    torch.testing.assert_close(logits, want_logits, atol=ATOL, rtol=1e-4)
+    assert generate(decoder, [prompt], n, eos_token_id=None) == [want_tokens]
+    return decoder
+
+
+# ------------------------------------------------------------------------------------------------
+# (a) incremental == full recomputation
+
+
+@pytest.mark.parametrize("name", ARCHS)
+def test_incremental_equals_full_teacher_and_hybrid(tiny, name):
+    """24 tokens: past the sliding window (8) of mistral and gemma2's odd layers."""
+    graph = tiny(name).graph
+    tiny(name).require_sites()
+    prompt = prompt_of(7, 128)
+    teacher = assert_matches_full(graph.branch(), prompt, 17)
+    assert teacher.cache_bytes()["gdn"] == 0
+    mixed = assert_matches_full(hybrid(graph.branch()), prompt, 17)
+    assert mixed.gdn and mixed.attention and set(mixed.gdn) | set(mixed.attention) == set(range(graph.num_layers))
+
+
+def test_softcap_that_bites():
+    """The tiny gemma2's cap of 50 barely bends its small scores; a cap of 0.5 dominates them, so
+    a decoder that dropped or misplaced the softcap would fail here."""
+    from archs import attn_implementation, config
+    from transformers import AutoModelForCausalLM
+
+    cfg = config("gemma2")
+    cfg.attn_logit_softcapping = 0.5
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(cfg, attn_implementation=attn_implementation(cfg)).eval()
+        with torch.no_grad():  # scores of order 1-10 (initialised weights give ~1e-3)
+            for name, p in model.named_parameters():
+                if name.endswith(("q_proj.weight", "k_proj.weight")):
+                    p.mul_(40)
+        graph = surgery.capture(model)
+    assert graph.sites[0].softcap == pytest.approx(0.5)
+    assert_matches_full(graph, prompt_of(7, 128), 17)
+
+
+def test_incremental_equals_full_with_short_conv_and_chunked_prefill(tiny):
+    """GDN conv streams carry their last inputs; a 20-token prefill takes the chunked kernel path
+    (T > 16) and must hand its final state to the token loop."""
+    graph = hybrid(tiny("llama").graph.branch(), use_short_conv=True)
+    assert_matches_full(graph, prompt_of(20, 128, seed=1), 9)
+
+
+def test_incremental_equals_full_on_stories(stories):
+    """The real tiny Llama (5 layers, GQA) as teacher and as a hybrid, from a GGUF."""
+    prompt = prompt_of(9, 512, seed=2)
+    assert_matches_full(stories(), prompt, 14)
+    assert_matches_full(hybrid(stories()), prompt, 14)
+
+
+def test_chunked_continuation_matches_full(tiny):
+    """prefill may be called again to continue a sequence with several tokens at once."""
+    graph = hybrid(tiny("mistral").graph.branch())
+    ids = torch.tensor([prompt_of(26, 128, seed=3)])
+    decoder = Decoder(graph).reset(1)
+    got = torch.cat([decoder.prefill(ids[:, :5]), decoder.prefill(ids[:, 5:17]), decoder.step(ids[:, 17]), decoder.prefill(ids[:, 18:])], dim=1)
+    torch.testing.assert_close(got, graph.logits(ids), atol=ATOL, rtol=1e-4)
+
+
+# ------------------------------------------------------------------------------------------------
+# refused forms
+
+
+@pytest.mark.parametrize("name, words", [("bloom", "ALiBi"), ("mpt", "position bias")])
+def test_position_bias_is_refused(tiny, name, words):
+    """ALiBi cannot be reproduced from cached K/V without the bias: refuse with the fix."""
+    with pytest.raises(DecodeError, match=words) as info:
+        Decoder(tiny(name).graph)
+    assert "full recomputation" in info.value.fix
+
+
+def test_self_check_refuses_what_it_cannot_continue(tiny, monkeypatch):
+    """Without the position rewrite, RoPE would see position 0 at every step: the construction-time
+    comparison with full recomputation must catch it rather than decode wrongly."""
+    from surgery import decode
+
+    monkeypatch.setattr(decode, "_rewrite_positions", lambda *args: None)
+    with pytest.raises(DecodeError, match="disagrees with full recomputation"):
+        Decoder(tiny("llama").graph)
+
+
+def test_position_limit(tiny):
+    graph = tiny("llama").graph
+    decoder = Decoder(graph)
+    with pytest.raises(DecodeError, match="position limit"):
+        generate(decoder, [[5, 6, 7]], graph.max_length)
+    decoder.reset(1)
+    decoder.prefill(torch.zeros(1, graph.max_length, dtype=torch.long))
+    with pytest.raises(DecodeError, match="position limit"):
+        decoder.step(torch.tensor([[1]]))
+
+
+# ------------------------------------------------------------------------------------------------
+# (b) the teacher against transformers' own generate
+
+
+@pytest.mark.parametrize("name", ["llama", "mistral", "gpt2", "gemma2"])
+def test_teacher_greedy_equals_transformers_generate(tiny, name):
+    entry = tiny(name)
+    prompt = prompt_of(6, 128, seed=4)
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        want = entry.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=20,
+                                    eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+    assert generate(entry.graph, [prompt], 20, eos_token_id=None) == [want]
+
+
+# ------------------------------------------------------------------------------------------------
+# (c) state sizes
+
+
+def test_gdn_state_does_not_grow_and_kv_cache_is_kv_heads_wide(tiny):
+    graph = hybrid(tiny("llama").graph.branch(), use_short_conv=True)
+    site = graph.sites[0]
+    assert graph.layer_kinds == ["attention", "gdn"] and site.num_kv_heads < site.num_heads
+    decoder = Decoder(graph).reset(1)  # no capacity: the KV cache grows, the GDN state must not
+    decoder.prefill(torch.tensor([prompt_of(5, 128)]))
+    gdn_after_prefill, att_after_prefill = decoder.cache_bytes()["gdn"], decoder.cache_bytes()["attention"]
+    for t in range(40):
+        decoder.step(torch.tensor([[t + 3]]))
+    sizes = decoder.cache_bytes()
+    assert sizes["gdn"] == gdn_after_prefill > 0
+    assert sizes["attention"] > att_after_prefill
+    # recurrent [B, H, Dk, Dv] float32 + three conv streams of conv_size-1 inputs
+    h, d = site.num_heads, site.head_dim
+    assert sizes["gdn"] == h * d * d * 4 + 3 * 3 * h * d * 4
+    decoder.reset(1, capacity=45)
+    decoder.prefill(torch.tensor([prompt_of(5, 128)]))
+    assert decoder.cache_bytes(per_layer=True)[0] == 2 * site.num_kv_heads * 45 * d * 4  # K and V, KV heads only
+
+
+def test_sliding_window_cache_is_bounded(tiny):
+    graph = tiny("mistral").graph  # every layer has a window of 8
+    decoder = Decoder(graph).reset(1, capacity=60)
+    decoder.prefill(torch.tensor([prompt_of(10, 128)]))
+    first = decoder.cache_bytes()["attention"]
+    for t in range(40):
+        decoder.step(torch.tensor([[t + 3]]))
+    assert decoder.cache_bytes()["attention"] == first
+    assert first < 2 * graph.num_layers * 2 * 9 * 16 * 4 + 1024  # about a window, not 60 positions
+
+
+# ------------------------------------------------------------------------------------------------
+# (d) batches
+
+
+@pytest.mark.parametrize("name", ["qwen2", "gemma2"])
+def test_batched_prompts_of_different_lengths(tiny, name):
+    graph = hybrid(tiny(name).graph.branch())
+    prompts = [prompt_of(n, 128, seed=n) for n in (4, 9, 4, 13)]
+    batched = generate(graph, prompts, 12, eos_token_id=None)
+    assert batched == [full_greedy(graph, p, 12)[0] for p in prompts]
+
+
+def test_eos_stops_and_sampling_is_seeded(tiny):
+    graph = tiny("llama").graph
+    decoder = Decoder(graph)
+    prompt = prompt_of(5, 128, seed=5)
+    greedy = generate(decoder, [prompt], 10, eos_token_id=None)[0]
+    stopped = generate(decoder, [prompt, prompt_of(5, 128, seed=6)], 10, eos_token_id=greedy[3])
+    assert stopped[0] == greedy[: greedy.index(greedy[3]) + 1]  # the eos token is kept, nothing after it
+    streamed = []
+    generate(decoder, [prompt], 10, eos_token_id=None, stream=lambda i, t: streamed.append((i, t)))
+    assert streamed == [(0, t) for t in greedy]
+    a = generate(decoder, [prompt], 10, temperature=1.0, seed=7, eos_token_id=None)
+    assert a == generate(decoder, [prompt], 10, temperature=1.0, seed=7, eos_token_id=None)
+    assert a != generate(decoder, [prompt], 10, temperature=5.0, seed=8, eos_token_id=None)
+    # a nucleus or a top-k of one token leaves only the argmax
+    assert generate(decoder, [prompt], 10, temperature=1.0, top_k=1, seed=9, eos_token_id=None)[0] == greedy
+    assert generate(decoder, [prompt], 10, temperature=1.0, top_p=1e-6, seed=9, eos_token_id=None)[0] == greedy
+
+
+# ------------------------------------------------------------------------------------------------
+# (e) the command line
+
+
+@pytest.fixture(scope="module")
+def runner():
+    return CliRunner()
+
+
+def invoke(runner, *args):
+    return runner.invoke(app, ["generate", *[str(a) for a in args]], env=ENV)
+
+
+def assert_clean_failure(result, *words):
+    assert result.exit_code == 2, (result.exit_code, result.output)
+    assert "Traceback" not in result.stdout + result.stderr
+    assert result.stdout == ""
+    for w in words:
+        assert w in result.stderr, f"{w!r} not in {result.stderr!r}"
+
+
+def test_cli_prints_only_the_continuations(runner, stories_path, stories, tmp_path):
+    prompts = ["Once upon a time", "Lily saw a"]
+    (tmp_path / "prompts.txt").write_text(prompts[1] + "\n\n")
+    result = invoke(runner, "--model", stories_path, "--prompt", prompts[0], "--prompt-file", tmp_path / "prompts.txt",
+                    "--max-new-tokens", 24, "--device", "cpu")
+    assert result.exit_code == 0, result.output
+    graph = stories()
+    tok = graph.tokenizer
+    want = ""
+    for text in prompts:
+        ids = tok(text)["input_ids"]
+        new, _ = full_greedy(graph, ids, 24)
+        new = new[: new.index(tok.eos_token_id) + 1] if tok.eos_token_id in new else new
+        whole, head = tok.decode(ids + new, skip_special_tokens=True), tok.decode(ids, skip_special_tokens=True)
+        assert whole.startswith(head)
+        want += whole[len(head):] + "\n"
+    assert result.stdout == want
+    assert "loading" in result.stderr
+
+
+def test_cli_errors(runner, stories_path, tiny, tmp_path):
+    assert_clean_failure(invoke(runner, "--model", stories_path, "--prompt", "  "), "empty")
+    assert_clean_failure(invoke(runner, "--model", stories_path), "No prompt")
+    too_many = 10_000
+    assert_clean_failure(invoke(runner, "--model", stories_path, "--prompt", "Once", "--max-new-tokens", too_many, "--device", "cpu"),
+                         "position limit")
+    saved = tmp_path / "hybrid"
+    surgery.save(hybrid(tiny("llama").graph.branch()), saved)  # a model built from a config: no tokenizer
+    assert_clean_failure(invoke(runner, "--model", saved, "--prompt", "hello", "--device", "cpu"), "tokenizer")
