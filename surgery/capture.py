@@ -56,9 +56,24 @@ def export_model(model: torch.nn.Module, max_length: int, debug: bool = False) -
             "Run with --debug for the full trace; models with data-dependent control flow in forward cannot be captured.",
         ) from failure
     gm = program.module()
+    drop_metadata_asserts(gm)
     gm.meta["max_length"] = max_length
     gm.meta["extra_inputs"] = extra
     return gm
+
+
+def drop_metadata_asserts(gm: torch.fx.GraphModule) -> int:
+    """Remove export's per-tensor dtype/device asserts. They pin every checked intermediate to the
+    dtype seen while tracing, so the graph fails under autocast (bf16 matmuls in a float32 graph, as
+    distillation runs it on CUDA) although nothing is wrong; shapes keep their own guards."""
+    dropped = 0
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target is torch.ops.aten._assert_tensor_metadata.default and not node.users:
+            gm.graph.erase_node(node)
+            dropped += 1
+    if dropped:
+        gm.recompile()
+    return dropped
 
 
 def capture(source, *, tokenizer=None, max_length: int | None = None, dtype: torch.dtype | None = None,

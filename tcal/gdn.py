@@ -208,15 +208,32 @@ class GatedDeltaNet(nn.Module):
     INPUT_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "a_proj", "b_proj", "g_proj")
 
     def _input_projections(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
-        """All six projections of x as ONE matmul (weights concatenated on the fly): at short
-        lengths the layer is launch-bound, and one GEMM replaces six."""
+        """All six projections of x as ONE matmul (weights concatenated): at short lengths the layer is
+        launch-bound, and one GEMM replaces six."""
         layers = [getattr(self, n) for n in self.INPUT_PROJECTIONS]
+        weight, bias = self._fused_weight(layers)
+        parts = F.linear(x, weight, bias).split([l.out_features for l in layers], dim=-1)
+        return dict(zip(self.INPUT_PROJECTIONS, parts))
+
+    def _fused_weight(self, layers) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The concatenated weight and bias. When no gradient is needed (inference, decoding one
+        token at a time) the concatenation is kept until a parameter changes (tensor version counter
+        or storage), so a decode step does not copy every projection matrix again."""
+        params = [p for l in layers for p in (l.weight, l.bias) if p is not None]
+        inference = not (torch.is_grad_enabled() and any(p.requires_grad for p in params))
+        key = tuple((p.data_ptr(), p._version, p.dtype, p.device) for p in params)
+        cached = self.__dict__.get("_fused_cache")
+        if inference and cached is not None and cached[0] == key:
+            return cached[1], cached[2]
         weight = torch.cat([l.weight for l in layers])
         bias = None
         if any(l.bias is not None for l in layers):
             bias = torch.cat([l.bias if l.bias is not None else l.weight.new_zeros(l.out_features) for l in layers])
-        parts = F.linear(x, weight, bias).split([l.out_features for l in layers], dim=-1)
-        return dict(zip(self.INPUT_PROJECTIONS, parts))
+        if inference:
+            self.__dict__["_fused_cache"] = (key, weight, bias)
+        else:
+            self.__dict__.pop("_fused_cache", None)
+        return weight, bias
 
     def _stream(self, y: torch.Tensor, name: str, activation, cache: GDNCache | None = None) -> torch.Tensor:
         """Optional short convolution, activation, split into heads."""

@@ -204,6 +204,19 @@ def test_loss_decreases(stage, loaded, hybrid, files, stories_teacher, tmp_path)
     assert moved == ({"new", "copied"} if stage == "l2" else {"new", "copied", "rest"})
 
 
+@pytest.mark.parametrize("stage", ["kl", "l2"])
+def test_bf16_autocast_trains(stage, loaded, files, stories_teacher, tmp_path):
+    """The CUDA recipe (float32 master weights, bf16 autocast, bf16 teacher) on CPU autocast: the
+    graph runs with mixed dtypes (export's dtype asserts would refuse it) and the loss still falls."""
+    start = fresh(loaded)
+    corpus = TokenCorpus.build([files / "train.txt"], start.tokenizer)
+    config = dataclasses.replace(one_batch_config(len(corpus), stage), autocast=True, tokens=3 * (len(corpus) // L) * L)
+    distill(start, [files / "train.txt"], tmp_path / "run", config, teacher=stories_teacher, progress=False)
+    losses = step_losses(tmp_path / "run")
+    assert len(losses) == 3 and all(math.isfinite(x) for x in losses) and losses[-1] < losses[0], losses
+    assert all(p.dtype == torch.float32 for p in start.gm.parameters())
+
+
 def test_resume_repeats_the_uninterrupted_run(reference, loaded, files, stories_teacher, tmp_path):
     ref_out, ref = reference
     assert ref["steps"] == 6 and [r["stage"] for r in read_log(ref_out) if "stage" in r] == ["l2"] * 2 + ["kl"] * 4

@@ -297,3 +297,27 @@ def test_layer_as_fx_call_module():
     module = torch.fx.GraphModule(torch.nn.ModuleDict({"attn": layer}), graph)
     x = hidden()
     assert torch.equal(module(x), layer(x))
+
+
+def test_fused_projection_cache_follows_weight_updates():
+    """Inference keeps the concatenated projection weight between calls; any change to a projection
+    (an in-place optimiser or calibration write, or a new tensor) must be seen by the next call."""
+    torch.manual_seed(0)
+    layer = GatedDeltaNet(32, 2, 16, q_bias=True)
+    x = torch.randn(1, 5, 32)
+    with torch.no_grad():
+        first = layer(x)
+        assert torch.equal(layer(x), first)                    # served from the cache
+        layer.k_proj.weight.mul_(2.0)                          # in place: version counter moves
+        changed = layer(x)
+        layer.k_proj.weight.div_(2.0)
+        layer.q_proj.bias = torch.nn.Parameter(layer.q_proj.bias + 1.0)   # a new tensor
+        rebound = layer(x)
+    reference = GatedDeltaNet(32, 2, 16, q_bias=True)
+    reference.load_state_dict(layer.state_dict())
+    with torch.no_grad():
+        assert torch.equal(reference(x), rebound)              # a fresh layer with the same weights
+    assert not torch.allclose(changed, first) and not torch.allclose(rebound, first)
+    out = layer(x)                                             # with gradients: no stale cache, grads flow
+    out.square().sum().backward()
+    assert layer.k_proj.weight.grad is not None and "_fused_cache" not in layer.__dict__
