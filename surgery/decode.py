@@ -490,6 +490,27 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> tuple[bool, float]:
     return diff <= _tolerance(b.dtype) * scale, diff
 
 
+# Per-position relative error (||incremental - full|| / ||full|| over the vocabulary, worst position)
+# that bf16/fp16 rounding stays under on the 12-token probe. Measured on CPU in bf16: correct decoders
+# 0.019-0.037 on SmolLM2-135M (uncalibrated hybrids amplify rounding most), 0 on stories260K;
+# decoders with positions left unshifted 0.12-0.14 (stories260K) and 0.39-3.0 (SmolLM2).
+# A coarse guard: over longer probes the rounding of an uncalibrated bf16 hybrid grows as large
+# as a structural error, which is why the probe stays short. float32 gets the tight check.
+LOW_PRECISION_REL_ERROR = 0.1
+
+
+def _agrees(got: torch.Tensor, full: torch.Tensor) -> tuple[bool, str]:
+    """The self-check's criterion: float32/64 as tight as _close; bf16/fp16 by the worst position's
+    relative error, since 30 layers of rounding move single logits by O(1) while a structural
+    mistake moves a position's whole distribution."""
+    if full.dtype in (torch.float32, torch.float64):
+        ok, diff = _close(got, full)
+        return ok, f"max logit difference {diff:.3g}"
+    g, f = got.float(), full.float()
+    rel = ((g - f).norm(dim=-1) / f.norm(dim=-1).clamp_min(1e-6)).max().item()
+    return rel <= LOW_PRECISION_REL_ERROR, f"relative logit error {rel:.3g} at the worst position, in {str(full.dtype).removeprefix('torch.')}"
+
+
 @dataclass
 class _Core:
     """A kept attention site as the decoder needs it."""
@@ -767,10 +788,10 @@ class Decoder:
         self.reset(1, n)
         got = [self.prefill(ids[:, :first])] + [self.step(ids[:, t:t + 1]) for t in range(first, n)]
         self.reset()
-        ok, diff = _close(torch.cat(got, dim=1), full)
+        ok, diff = _agrees(torch.cat(got, dim=1), full)
         if not ok:
             raise DecodeError(
-                f"Incremental decoding disagrees with full recomputation on a {n}-token probe (max logit difference {diff:.3g}): "
+                f"Incremental decoding disagrees with full recomputation on a {n}-token probe ({diff}): "
                 "the graph computes something from the sequence that the decoder does not carry over (positions in an unusual form?).",
                 FIX_FULL,
             )

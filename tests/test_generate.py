@@ -147,6 +147,19 @@ def test_self_check_refuses_what_it_cannot_continue(tiny, monkeypatch):
         Decoder(tiny("llama").graph)
 
 
+def test_self_check_in_bf16_accepts_rounding_and_refuses_wrong_positions(stories_path, monkeypatch):
+    """In bf16 incremental and full logits differ by rounding (more through GDN layers); the check
+    must pass a correct decoder of a bf16 hybrid and still refuse one that keeps positions at 0."""
+    from surgery import PassManager, capture, decode
+
+    graph = capture(stories_path, dtype=torch.bfloat16)
+    PassManager(["select", "replace"], {"select": {"keep_ratio": 0.5}})(graph)
+    Decoder(graph)  # passes its self-check
+    monkeypatch.setattr(decode, "_rewrite_positions", lambda *args: None)
+    with pytest.raises(DecodeError, match="relative logit error"):
+        Decoder(graph)
+
+
 def test_position_limit(tiny):
     graph = tiny("llama").graph
     decoder = Decoder(graph)
