@@ -24,9 +24,10 @@ def builtin_sample() -> Path:
     return Path(str(resources.files("surgery") / "data" / "calibration_sample.txt"))
 
 
-def _cache_dir() -> Path:
+def cache_dir(kind: str = "tokens") -> Path:
+    """Where tokenised text is cached: $SURGERY_CACHE, else $XDG_CACHE_HOME/surgery or ~/.cache/surgery."""
     root = os.environ.get("SURGERY_CACHE") or os.path.join(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"), "surgery")
-    return Path(root) / "tokens"
+    return Path(root) / kind
 
 
 def _tokenizer_key(tokenizer) -> str:
@@ -43,7 +44,7 @@ def token_stream(tokenizer, files: list[str] | None) -> torch.Tensor:
         if not path.exists():
             raise CalibrationError(f"Calibration file '{path}' does not exist.", "Check the path given to --calibration.")
         digest = hashlib.sha256(path.read_bytes()).hexdigest()[:24]
-        cache = _cache_dir() / f"{digest}-{_tokenizer_key(tokenizer)}.pt"
+        cache = cache_dir() / f"{digest}-{_tokenizer_key(tokenizer)}.pt"
         if cache.exists():
             pieces.append(torch.load(cache))
             continue

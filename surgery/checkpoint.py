@@ -24,7 +24,8 @@ DEFAULT_SHARD_BYTES = 2 * 1024**3
 INDEX = "model.safetensors.index.json"
 
 
-def _sha256(path: Path) -> str:
+def sha256_file(path: Path) -> str:
+    """Hex sha256 of a file, read in 4 MiB blocks (weights files can be many GiB)."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 22), b""):
@@ -70,13 +71,13 @@ def save(graph: Graph, out: str | Path, *, force: bool = False, shard_bytes: int
         files = {}
         if len(shards) == 1:
             save_file(shards[0], tmp / "model.safetensors", metadata={"format": "pt"})
-            files["model.safetensors"] = _sha256(tmp / "model.safetensors")
+            files["model.safetensors"] = sha256_file(tmp / "model.safetensors")
         else:
             index = {}
             for i, shard in enumerate(shards, 1):
                 name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
                 save_file(shard, tmp / name, metadata={"format": "pt"})
-                files[name] = _sha256(tmp / name)
+                files[name] = sha256_file(tmp / name)
                 index.update({k: name for k in shard})
             (tmp / INDEX).write_text(json.dumps({"weight_map": index}, indent=1))
         weights = {"files": files, "aliases": aliases, "tensors": len(state)}
@@ -120,7 +121,7 @@ def _load_weights(path: Path, recipe: dict, verify: bool) -> dict:
         file = path / name
         if not file.exists():
             raise CheckpointError(f"Weights file '{file}' is missing.", "The checkpoint is incomplete; write it again.")
-        if verify and _sha256(file) != digest:
+        if verify and sha256_file(file) != digest:
             raise CheckpointError(f"Weights file '{file}' does not match the sha256 in recipe.json (truncated or modified).", "Write the checkpoint again.")
         try:
             state.update(load_file(file))

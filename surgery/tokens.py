@@ -14,6 +14,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .calibration import cache_dir
+from .checkpoint import sha256_file as file_digest
 from .errors import SurgeryError
 
 FORMAT = 1               # bump when the on-disk layout or the tokenisation rule changes
@@ -25,16 +27,7 @@ class DataError(SurgeryError):
 
 
 def cache_root() -> Path:
-    root = os.environ.get("SURGERY_CACHE") or os.path.join(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"), "surgery")
-    return Path(root) / "corpus"
-
-
-def file_digest(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
+    return cache_dir("corpus")
 
 
 def tokenizer_fingerprint(tokenizer) -> str:

@@ -9,11 +9,11 @@ from typer.testing import CliRunner
 
 import surgery
 from surgery import PassManager
-from surgery.cli.app import app
 from surgery.evaluate import perplexity, tokenize
 
+from cli_checks import assert_clean_failure, invoke
+
 # rich wraps tables at the terminal width; a wide one keeps paths and names whole
-ENV = {"COLUMNS": "240", "TERM": "dumb"}
 
 STORY = (
     "Once upon a time, there was a little cat named Tom. Tom liked to play with a red ball in the garden. "
@@ -31,21 +31,6 @@ STORY = (
 @pytest.fixture(scope="module")
 def runner():
     return CliRunner()
-
-
-def invoke(runner, *args):
-    return runner.invoke(app, [str(a) for a in args], env=ENV)
-
-
-def assert_clean_failure(result, *words):
-    """Exit code 2, one Error/Fix paragraph on stderr, no traceback anywhere."""
-    assert result.exit_code == 2, (result.exit_code, result.output)
-    assert isinstance(result.exception, SystemExit)
-    text = result.stdout + result.stderr
-    assert "Traceback" not in text
-    assert "Error:" in result.stderr
-    for w in words:
-        assert w in result.stderr, f"{w!r} not in {result.stderr!r}"
 
 
 @pytest.fixture(scope="module")

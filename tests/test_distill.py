@@ -19,14 +19,14 @@ from typer.testing import CliRunner
 
 import surgery
 from surgery import PassManager
-from surgery.cli.app import app
 from surgery.capture import placeholder_values
 from surgery.distill import (DistillConfig, DistillError, distill, forward_params, gdn_targets, gradient_checkpointing, lr_factor,
                              param_kind, tap_module)
 from surgery.evaluate import perplexity, tokenize
 from surgery.tokens import DataError, TokenCorpus, WindowOrder
 
-ENV = {"COLUMNS": "240", "TERM": "dumb"}
+from cli_checks import assert_clean_failure, invoke
+
 
 # TinyStories-like training text (stories260K is a TinyStories model) and a different paragraph to score.
 TRAIN = "\n\n".join([
@@ -296,17 +296,6 @@ def test_distilled_checkpoint_loads_and_evaluates(reference, files, stories_teac
 @pytest.fixture(scope="module")
 def runner():
     return CliRunner()
-
-
-def invoke(runner, *args):
-    return runner.invoke(app, [str(a) for a in args], env=ENV)
-
-
-def assert_clean_failure(result, *words):
-    assert result.exit_code == 2, (result.exit_code, result.output)
-    assert "Traceback" not in result.stdout + result.stderr and "Error:" in result.stderr and "Fix:" in result.stderr
-    for w in words:
-        assert w in result.stderr, f"{w!r} not in {result.stderr!r}"
 
 
 def test_cli_distills_with_the_teacher_named_in_the_recipe(runner, hybrid, files, tmp_path):
