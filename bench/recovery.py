@@ -38,7 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from surgery import PassManager, capture, save  # noqa: E402
+from surgery import PassManager, capture, load, save  # noqa: E402
 from surgery.distill import DistillConfig, distill  # noqa: E402
 from surgery.evaluate import perplexity, read_text, tokenize  # noqa: E402
 from surgery.load import load_model  # noqa: E402
@@ -104,7 +104,7 @@ def mean_rate(out: Path, key: str) -> float:
     return sum(vals) / len(vals)
 
 
-def plot(curves: dict, teacher_ppl: float, path: Path) -> None:
+def plot(curves: dict, teacher_ppl: float, path: Path, title: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -119,7 +119,7 @@ def plot(curves: dict, teacher_ppl: float, path: Path) -> None:
     ax.set_yscale("log")
     ax.set_xlabel("distillation tokens (millions)")
     ax.set_ylabel("WikiText-2 perplexity (eval subset)")
-    ax.set_title("SmolLM2-135M, 50% GDN: recovery by KL distillation")
+    ax.set_title(title)
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -175,14 +175,18 @@ def main() -> None:
     def dump() -> None:
         (results_dir / "recovery.json").write_text(json.dumps(report, indent=1))
 
+    # The teacher and both inits are built in bf16 on CUDA (as `surgery apply` does: fast), saved, and
+    # reloaded in float32 for training (float32 master weights under bf16 autocast, as distill wants);
+    # reloading also gives each student its own tensors (branches share the teacher's).
     t0 = time.perf_counter()
-    model, tokenizer, _ = load_model(args.model, dtype=torch.float32)
+    build_dtype = torch.bfloat16 if cuda else torch.float32
     teacher_dir = out / "teacher"
     if args.two_gpu and not teacher_dir.exists():  # a plain HF directory: each torchrun rank loads it fast
+        model, tokenizer, _ = load_model(args.model, dtype=torch.float32)
         save_plain(model, tokenizer, teacher_dir)
-    teacher = capture(teacher_dir if args.two_gpu else args.model, device=device, dtype=torch.float32)
+        del model
+    teacher = capture(teacher_dir if args.two_gpu else args.model, device=device, dtype=build_dtype)
     log(f"teacher captured in {time.perf_counter() - t0:.1f} s")
-    del model
 
     calibration = args.calibration or args.data
     students = {}
@@ -198,8 +202,8 @@ def main() -> None:
     PassManager(["select", "replace", "calibrate", "align"], configs)(students["taylor-calibrate"])
     report["calibrate_align_s"] = time.perf_counter() - t
     log(f"Taylor-Calibrate init in {report['calibrate_align_s']:.1f} s")
-    if args.two_gpu:
-        save(students["taylor-calibrate"], out / "tc-init", force=True)
+    for name, graph in students.items():
+        save(graph, out / f"{name}-init", force=True)
 
     lengths = [int(x) for x in args.passkey_lengths.split(",")]
     if args.tiny:
@@ -218,6 +222,9 @@ def main() -> None:
     for name, graph in students.items():
         report["models"][f"{name} (init)"] = measure(f"{name} init", graph)
     dump()
+    t = time.perf_counter()
+    students = {name: load(out / f"{name}-init", device=device, dtype=torch.float32) for name in students}
+    log(f"inits reloaded in float32 in {time.perf_counter() - t:.1f} s")
 
     step_tokens = args.seq_len * args.global_batch
     if args.tokens is None:
@@ -227,7 +234,7 @@ def main() -> None:
         probe = dataclasses.replace(tc, gm=copy.deepcopy(tc.gm), cache={})
         probe_cfg = DistillConfig(tokens=3 * step_tokens, stage="kl", seq_len=args.seq_len, global_batch=args.global_batch,
                                   schedule="constant", warmup=0.0, save_every=0, seed=0)
-        probe_summary = distill(probe, args.data, out / "probe", probe_cfg, force=True, progress=False)
+        probe_summary = distill(probe, args.data, out / "probe", probe_cfg, teacher=teacher, force=True, progress=False)
         rows = [json.loads(x) for x in (out / "probe" / "log.jsonl").read_text().splitlines() if x.strip()]
         rate = max(r["tokens_per_s"] for r in rows if r.get("tokens_per_s"))
         args.tokens = max(int(rate * args.seconds_per_run) // step_tokens, 10) * step_tokens
@@ -243,12 +250,9 @@ def main() -> None:
     report["distill_config"] = cfg
     runs = {}
     for name, graph in students.items():
-        # branches share the teacher's tensors, and stage kl trains the non-GDN ones: give each
-        # student its own weights, or distilling one would move the other (and the teacher)
-        graph.gm = copy.deepcopy(graph.gm)
         run_out = out / f"distill-{name}"
         log(f"distilling {name} for {args.tokens:,} tokens")
-        summary = distill(graph, args.data, run_out, DistillConfig(**cfg), force=True, progress=False)
+        summary = distill(graph, args.data, run_out, DistillConfig(**cfg), teacher=teacher, force=True, progress=False)
         curve = read_curve(run_out)
         runs[name] = {"summary": summary, "curve": curve, "tokens_per_s": mean_rate(run_out, "tokens_per_s"),
                       "flops_per_s": mean_rate(run_out, "flops_per_s"),
@@ -280,13 +284,14 @@ def main() -> None:
     report["plain_step"] = plain_step_flops(graph, ids, args.plain_steps, cuda)
     report["distill_vs_plain_flops"] = runs["taylor-calibrate"]["flops_per_s"] / report["plain_step"]["flops_per_s"]
     dump()
-    plot({k: v["curve"] for k, v in runs.items()}, teacher_subset, results_dir / "recovery.png")
+    plot({k: v["curve"] for k, v in runs.items()}, teacher_subset, results_dir / "recovery.png",
+         f"{Path(args.model).name}, {100 - args.keep_ratio * 100:.0f}% GDN: recovery by KL distillation")
 
     if args.two_gpu:
         tokens2 = args.two_gpu_tokens or args.tokens // 2
         run2 = out / "distill-taylor-calibrate-2gpu"
         cmd = ["torchrun", "--standalone", "--nproc-per-node", "2", "-m", "surgery.cli.app", "distill",
-               "--model", str(out / "tc-init"), "--teacher", str(teacher_dir), "--data", *args.data,
+               "--model", str(out / "taylor-calibrate-init"), "--teacher", str(teacher_dir), "--data", *args.data,
                "--tokens", str(tokens2), "--out", str(run2), "--force", "--stage", "kl", "--seq-len", str(args.seq_len),
                "--batch-size", str(args.global_batch), "--schedule", "constant", "--warmup", "0",
                "--eval-text", args.eval, "--eval-every", str(eval_every), "--eval-tokens", str(args.eval_tokens),
