@@ -20,6 +20,9 @@ neither causal nor banded, masks that depend on the tokens) raises DecodeError w
 built, and a self-check against full recomputation on a short probe guards everything else: a wrong
 answer is refused, never returned.
 
+The modules that run in the decode graph and hold the state are in surgery.kvcache; this module
+reads the graph and places them.
+
 Limits: a sliding window is read from the graph's own mask evaluated at min(max_length, 8192)
 tokens (`mask_probe`); a window longer than that is not seen, and the layer is treated as full
 causal attention past that length (a warning says so when decoding gets there).
@@ -30,12 +33,11 @@ import warnings
 from dataclasses import dataclass
 
 import torch
-import torch.nn as nn
-import torch.nn.functional as F
 from torch.fx import Node
 from torch.fx.node import map_arg
 
-from .errors import SurgeryError
+from .errors import DecodeError
+from .kvcache import DecodeState, GDNDecode, KVCacheAttention, _Prep
 from .rewrite import fork, nodes_by_name, prune, set_submodule, splice_module
 from .sites import MATMUL_OPS, _eager_core, _Run, _softcap_and_scale, ancestors, descendants
 
@@ -57,210 +59,6 @@ UNLIMITED = 1 << 62
 MASKED = -1e4
 SELF_CHECK = 12        # tokens of the construction-time comparison with full recomputation
 FIX_FULL = "Score this model with full recomputation (graph.logits on the growing sequence) instead of the Decoder."
-
-
-class DecodeError(SurgeryError):
-    """The graph cannot be decoded incrementally with exact results, or a decoding call is out of bounds."""
-
-
-# ------------------------------------------------------------------------------------------------
-# modules that live in the decode graph
-
-
-class DecodeState(nn.Module):
-    """How many tokens the caches hold. The graph calls it two ways: on the input's length (an int)
-    it returns the cache+new length; on a position tensor with `dim` it keeps the entries of the new
-    tokens (the last length-offset along dim)."""
-
-    def __init__(self):
-        super().__init__()
-        self.offset = 0
-
-    def forward(self, x, dim: int | None = None):
-        if dim is None:
-            return x + self.offset
-        return x.narrow(dim, self.offset, x.shape[dim] - self.offset)
-
-    def extra_repr(self) -> str:
-        return f"offset={self.offset}"
-
-
-def attend(q, keys, values, allowed, *, scale: float, softcap: float | None, k_map, v_map, causal: bool = False):
-    """Softmax attention of q [B, H, T, D] over keys/values [B, Hc, S, D] as cached.
-
-    allowed [T, S] bool (None: every key); causal=True (T == S, a first prefill) means the plain
-    causal mask, which SDPA's flash kernel applies without materialising it (a 64k-token prefill
-    would otherwise build a 4 G-entry mask). k_map/v_map: the cache head each query head reads, None
-    for the grouped layout h -> h*Hc//H that SDPA's enable_gqa does without materialising copies;
-    with several query tokens K/V are expanded instead, since the kernels that take a mask or a
-    causal flag do not all take enable_gqa (the fallback would build the whole score matrix)."""
-    heads = q.shape[1]
-    grouped = k_map is None and v_map is None and keys.shape[1] == values.shape[1]
-    if softcap is None and grouped and q.shape[2] == 1:
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed, scale=scale, enable_gqa=keys.shape[1] != heads)
-    keys, values = _expand(keys, k_map, heads), _expand(values, v_map, heads)
-    if softcap is None:
-        if causal:
-            return F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=scale)
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed, scale=scale)
-    scores = torch.matmul(q, keys.transpose(-1, -2)) * scale
-    scores = torch.tanh(scores / softcap) * softcap
-    if causal:
-        allowed = torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).tril()
-    if allowed is not None:
-        scores = scores.masked_fill(~allowed, float("-inf"))
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(values.dtype)
-    return torch.matmul(probs, values)
-
-
-def _expand(x, head_map, heads: int):
-    if head_map is None:
-        return x if x.shape[1] == heads else x.repeat_interleave(heads // x.shape[1], dim=1)
-    return x[:, list(head_map)]
-
-
-@dataclass
-class _Prep:
-    """How the K (or V) tensor reaching the attention call becomes cache rows [B, Hc, T, D]."""
-
-    transposed: bool = False         # it arrives as [B, H, D, T] (eager K^T)
-    select: tuple | None = None      # keep only these heads (copies of one KV head dropped)
-
-    def __call__(self, x):
-        if self.transposed:
-            x = x.transpose(-1, -2)
-        if self.select is not None:
-            x = x[:, list(self.select)]
-        return x
-
-
-class KVCacheAttention(nn.Module):
-    """One kept softmax-attention core with its KV cache.
-
-    Full-attention layers keep a linear buffer [B, Hc, C, D] filled up to the offset (C = the capacity
-    given to reset, doubled when exceeded: no per-step concatenation of the whole cache). Sliding-
-    window layers keep a ring of at most `window` positions. The cache is as wide as the layer's KV
-    heads (Hc), not its query heads."""
-
-    def __init__(self, state: DecodeState, layer: int, *, k_prep: _Prep, v_prep: _Prep, k_map, v_map,
-                 scale: float, softcap: float | None, window: int | None, out_dtype: torch.dtype, limit: int):
-        super().__init__()
-        self._state = (state,)  # shared with the graph's DecodeState; a tuple keeps it out of the module tree
-        self.layer, self.k_prep, self.v_prep, self.k_map, self.v_map = layer, k_prep, v_prep, k_map, v_map
-        self.scale, self.softcap, self.window, self.out_dtype, self.limit = scale, softcap, window, out_dtype, limit
-        self.reset()
-
-    def extra_repr(self) -> str:
-        return f"layer={self.layer}, scale={self.scale:.4g}, softcap={self.softcap}, window={self.window}"
-
-    def reset(self, batch: int | None = None, capacity: int | None = None) -> None:
-        self.k_cache = self.v_cache = self.pos = None
-        self.batch, self.capacity = batch, capacity
-
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.k_cache, self.v_cache, self.pos) if t is not None)
-
-    def forward(self, q, k, v):
-        off = self._state[0].offset
-        k, v = self.k_prep(k), self.v_prep(v)
-        if self.batch is not None and k.shape[0] != self.batch:
-            raise DecodeError(f"The decoder was reset for batch {self.batch} but got {k.shape[0]} rows.", "Call reset(batch_size) first.")
-        if self.window is None:
-            keys, values, allowed = self._linear(k, v, off)
-        else:
-            keys, values, allowed = self._ring(k, v, off)
-        causal = off == 0 and self.window is None and k.shape[2] > 1  # a first prefill: plain causal
-        out = attend(q, keys, values, None if causal else allowed, scale=self.scale, softcap=self.softcap,
-                     k_map=self.k_map, v_map=self.v_map, causal=causal)
-        return out.to(self.out_dtype)
-
-    def _alloc(self, like_k, like_v, size: int):
-        b, h, _, d = like_k.shape
-        k = like_k.new_empty(b, h, size, d)
-        v = like_v.new_empty(b, like_v.shape[1], size, like_v.shape[3])
-        return k, v
-
-    def _linear(self, k, v, off: int):
-        t = k.shape[2]
-        need = off + t
-        if self.k_cache is None or need > self.k_cache.shape[2]:
-            size = max(need, self.capacity or 0) if self.k_cache is None else max(need, min(2 * self.k_cache.shape[2], self.limit))
-            kc, vc = self._alloc(k, v, size)
-            if self.k_cache is not None:
-                kc[:, :, :off] = self.k_cache[:, :, :off]
-                vc[:, :, :off] = self.v_cache[:, :, :off]
-            self.k_cache, self.v_cache = kc, vc
-        self.k_cache[:, :, off:need] = k
-        self.v_cache[:, :, off:need] = v
-        allowed = None
-        if t > 1 and off > 0:  # (a first prefill is plain causal: attend's causal flag)
-            q_pos = torch.arange(off, need, device=k.device)
-            allowed = torch.arange(need, device=k.device)[None, :] <= q_pos[:, None]
-        return self.k_cache[:, :, :need], self.v_cache[:, :, :need], allowed
-
-    def _resize_ring(self, size: int, like_k, like_v) -> None:
-        """A ring of `size` slots holding the last `size` positions seen (position p lives at p % size)."""
-        kc, vc = self._alloc(like_k, like_v, size)
-        pos = torch.full((size,), -1, dtype=torch.long, device=like_k.device)
-        if self.k_cache is not None:
-            valid = (self.pos >= 0).nonzero().squeeze(1)
-            valid = valid[self.pos[valid].argsort()][-size:]
-            slots = self.pos[valid] % size
-            kc[:, :, slots] = self.k_cache[:, :, valid]
-            vc[:, :, slots] = self.v_cache[:, :, valid]
-            pos[slots] = self.pos[valid]
-        self.k_cache, self.v_cache, self.pos = kc, vc, pos
-
-    def _ring(self, k, v, off: int):
-        w, t = self.window, k.shape[2]
-        need = off + t
-        size = self.k_cache.shape[2] if self.k_cache is not None else 0
-        if size < min(w, need):
-            grown = max(need, self.capacity or 0) if self.k_cache is None else max(need, 2 * size)
-            self._resize_ring(min(w, grown), k, v)
-            size = self.k_cache.shape[2]
-        if t == 1:
-            slot = off % size
-            self.k_cache[:, :, slot] = k[:, :, 0]
-            self.v_cache[:, :, slot] = v[:, :, 0]
-            self.pos[slot] = off
-            if need < size:  # not wrapped yet: positions 0..off sit in slots 0..off
-                return self.k_cache[:, :, :need], self.v_cache[:, :, :need], None
-            return self.k_cache, self.v_cache, None  # exactly the last `window` positions
-        valid = (self.pos >= 0).nonzero().squeeze(1)
-        keys = torch.cat([self.k_cache[:, :, valid], k], dim=2)  # a prefill: the ring, not the history
-        values = torch.cat([self.v_cache[:, :, valid], v], dim=2)
-        q_pos = torch.arange(off, need, device=k.device)
-        k_pos = torch.cat([self.pos[valid], q_pos])
-        allowed = (k_pos[None, :] <= q_pos[:, None]) & (q_pos[:, None] - k_pos[None, :] < w)
-        n = min(t, size)
-        slots = q_pos[-n:] % size
-        self.k_cache[:, :, slots] = k[:, :, -n:]
-        self.v_cache[:, :, slots] = v[:, :, -n:]
-        self.pos[slots] = q_pos[-n:]
-        return keys, values, allowed
-
-
-class GDNDecode(nn.Module):
-    """A GatedDeltaNet of the graph with the GDNCache it carries between calls (the module itself is
-    shared with the graph, which stays stateless)."""
-
-    def __init__(self, gdn: nn.Module):
-        super().__init__()
-        self.gdn = gdn
-        self.layer = getattr(gdn, "layer_idx", None)
-        self.reset()
-
-    def reset(self) -> None:
-        from tcal.gdn import GDNCache
-
-        self.cache = GDNCache()
-
-    def nbytes(self) -> int:
-        return self.cache.nbytes()
-
-    def forward(self, hidden_states):
-        return self.gdn(hidden_states, cache=self.cache)
 
 
 # ------------------------------------------------------------------------------------------------

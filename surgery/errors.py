@@ -45,3 +45,7 @@ class CheckpointError(SurgeryError):
 
 class CalibrationError(SurgeryError):
     """Calibration data or statistics are unusable (empty text, NaN statistics)."""
+
+
+class DecodeError(SurgeryError):
+    """The graph cannot be decoded incrementally with exact results, or a decoding call is out of bounds."""
