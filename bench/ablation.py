@@ -27,6 +27,7 @@ import torch  # noqa: E402
 
 from surgery import PassManager, capture  # noqa: E402
 from surgery.evaluate import perplexity, read_text, tokenize  # noqa: E402
+from surgery.pass_base import parse_options  # noqa: E402
 
 ZERO_GATE = {"gate": "zero", "decay": False, "write_gate": False, "value_scale": False}
 REFERENCE = {"gate": "reference", "concentration": "minmax"}
@@ -65,11 +66,7 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
-    overrides: dict = {}
-    for item in args.set:
-        key, _, value = item.partition("=")
-        name, _, option = key.partition(".")
-        overrides.setdefault(name, {})[option] = value
+    overrides = parse_options(args.set)
 
     t0 = time.perf_counter()
     teacher = capture(args.model, device=args.device, dtype=getattr(torch, args.dtype))

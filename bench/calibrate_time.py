@@ -21,19 +21,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+from bench._models import qwen15b_shaped  # noqa: E402
 from surgery import PassManager, capture  # noqa: E402
 from surgery.calibration import token_stream  # noqa: E402
 from surgery.load import load_model  # noqa: E402
-
-
-def teacher(tiny: bool, device: str, dtype: torch.dtype):
-    from transformers import AutoModelForCausalLM, Qwen2Config
-
-    size = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2) if tiny else \
-        dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2)
-    config = Qwen2Config(vocab_size=151936, max_position_embeddings=4096, tie_word_embeddings=True, rope_theta=1e6, **size)
-    with torch.device(device):
-        return AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa").eval()
+from surgery.pass_base import parse_options  # noqa: E402
 
 
 def main() -> None:
@@ -47,14 +39,11 @@ def main() -> None:
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    graph = capture(teacher(args.tiny, device, dtype), device=device, dtype=dtype)
+    graph = capture(qwen15b_shaped(device, dtype, 4096, tiny=args.tiny), device=device, dtype=dtype)
     graph.tokenizer = load_model(args.tokenizer_from)[1]
     configs = {"select": {"keep_ratio": args.keep_ratio}, "calibrate": {"calibration": args.calibration},
                "align": {"calibration": args.calibration}}
-    for item in args.set:
-        key, _, value = item.partition("=")
-        name, _, option = key.partition(".")
-        configs.setdefault(name, {})[option] = value
+    parse_options(args.set, into=configs)
     PassManager(["select", "replace"], {"select": configs.pop("select")})(graph)
     # Tokenise the calibration text before the clock starts: the token stream is cached on disk, so
     # every run after a user's first one starts like this.

@@ -27,6 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 from transformers import LogitsProcessor, LogitsProcessorList  # noqa: E402
 
+from bench._models import qwen15b_shaped  # noqa: E402
 from surgery import PassManager, capture  # noqa: E402
 from surgery.decode import DecodeError, Decoder  # noqa: E402
 from surgery.load import load_model  # noqa: E402
@@ -145,17 +146,6 @@ def tiny_model(device, dtype):
 
     config = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
                          num_key_value_heads=2, max_position_embeddings=4096)
-    with torch.device(device):
-        return AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa").eval()
-
-
-def qwen15b_shaped(device, dtype, max_length: int):
-    from transformers import AutoModelForCausalLM, Qwen2Config
-
-    config = Qwen2Config(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
-                         num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=max_length,
-                         tie_word_embeddings=True, rope_theta=1e6)
-    torch.manual_seed(0)
     with torch.device(device):
         return AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa").eval()
 

@@ -43,6 +43,7 @@ from surgery.distill import DistillConfig, distill  # noqa: E402
 from surgery.evaluate import perplexity, read_text, tokenize  # noqa: E402
 from surgery.load import load_model  # noqa: E402
 from surgery.passkey import passkey  # noqa: E402
+from surgery.pass_base import parse_options  # noqa: E402
 
 LADDER = (1.2, 1.5, 2.0, 3.0, 5.0)
 
@@ -195,10 +196,7 @@ def main() -> None:
     t = time.perf_counter()
     students["taylor-calibrate"] = teacher.branch()
     configs = {"select": {"keep_ratio": args.keep_ratio}, "calibrate": {"calibration": calibration}, "align": {"calibration": calibration}}
-    for item in args.set:
-        key, _, value = item.partition("=")
-        name, _, option = key.partition(".")
-        configs.setdefault(name, {})[option] = value
+    parse_options(args.set, into=configs)
     PassManager(["select", "replace", "calibrate", "align"], configs)(students["taylor-calibrate"])
     report["calibrate_align_s"] = time.perf_counter() - t
     log(f"Taylor-Calibrate init in {report['calibrate_align_s']:.1f} s")

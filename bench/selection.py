@@ -24,6 +24,7 @@ import torch  # noqa: E402
 
 from surgery import PassManager, capture  # noqa: E402
 from surgery.evaluate import perplexity, read_text, tokenize  # noqa: E402
+from surgery.pass_base import parse_options  # noqa: E402
 
 
 def main() -> None:
@@ -49,10 +50,7 @@ def main() -> None:
     for policy in args.policies.split(","):
         configs = {"select": {"policy": policy, "keep_ratio": args.keep_ratio, "calibration": args.calibration}}
         configs |= {name: {"calibration": args.calibration} for name in init}
-        for item in args.set:
-            key, _, value = item.partition("=")
-            name, _, option = key.partition(".")
-            configs.setdefault(name, {})[option] = value
+        parse_options(args.set, into=configs)
         graph = teacher.branch()
         start = time.perf_counter()
         PassManager(["select", "replace", *init], configs)(graph)

@@ -19,17 +19,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+from bench._models import qwen15b_shaped  # noqa: E402
 from surgery import PassManager, capture  # noqa: E402
-
-
-def qwen15b_shaped(max_length: int):
-    from transformers import AutoModelForCausalLM, Qwen2Config
-
-    config = Qwen2Config(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
-                         num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=max_length,
-                         tie_word_embeddings=True, rope_theta=1e6)
-    with torch.device("cuda"):
-        return AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa").eval()
 
 
 def timed(graph, length: int, repeats: int, vocab: int) -> tuple[float, float]:
@@ -64,7 +55,7 @@ def main() -> None:
     if args.model:
         sources.append(("SmolLM2-135M", args.model))
     if not args.skip_qwen:
-        sources.append(("Qwen2.5-1.5B-shaped (random)", qwen15b_shaped(longest)))
+        sources.append(("Qwen2.5-1.5B-shaped (random)", qwen15b_shaped("cuda", torch.bfloat16, longest)))
     rows = []
     for name, source in sources:
         teacher = capture(source, device="cuda", dtype=torch.bfloat16, max_length=longest)

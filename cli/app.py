@@ -115,17 +115,6 @@ def render_diff(result: dict, title: str) -> None:
         out.print(f"unchanged: {', '.join(str(k) for k in result['unchanged_layers'])}")
 
 
-def _parse_options(items: List[str]) -> dict:
-    configs: dict = {}
-    for item in items or []:
-        key, sep, value = item.partition("=")
-        name, dot, option = key.partition(".")
-        if not sep or not dot:
-            raise SurgeryError(f"Option '{item}' is not of the form pass.key=value.", "Write e.g. --set align.steps=100.")
-        configs.setdefault(name, {})[option] = value
-    return configs
-
-
 def render_scores(info: dict) -> None:
     """select's per-layer scores (ar, greedy), best first."""
     rows = sorted(info["scores"], key=lambda r: r["rank"])
@@ -155,10 +144,11 @@ def apply(
 ):
     """Run passes on a model and save the hybrid."""
     from surgery import PassManager, capture, diff as graph_diff, save
+    from surgery.pass_base import parse_options
 
     with _guard(debug):
         names = [p.strip() for p in passes.split(",") if p.strip()]
-        configs = _parse_options(options)
+        configs = parse_options(options)
         if "select" in names:
             sel = configs.setdefault("select", {})
             if layers and select_policy:

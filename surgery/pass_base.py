@@ -207,3 +207,16 @@ class PassManager:
             if progress is not None:
                 progress(p.name, result)
         return PassResult(graph, modified, info)
+
+
+def parse_options(items, into: dict | None = None) -> dict:
+    """["align.steps=100", ...] -> {"align": {"steps": "100"}} (values stay text: each pass's config
+    coerces them), merged into `into` when given. The CLI's --set and the benchmarks' use this."""
+    configs = into if into is not None else {}
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        name, dot, option = key.partition(".")
+        if not sep or not dot:
+            raise PassConfigError(f"Option '{item}' is not of the form pass.key=value.", "Write e.g. --set align.steps=100.")
+        configs.setdefault(name, {})[option] = value
+    return configs
