@@ -3,6 +3,7 @@ attention does on them (inputs, outputs, contexts, streaming statistics), read f
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from dataclasses import dataclass
 from importlib import resources
@@ -13,6 +14,7 @@ import torch
 from tcal.stats import AttentionStats, StatsError
 
 from .capture import placeholder_values
+from .checkpoint import sha256_file
 from .errors import CalibrationError
 from .evaluate import read_text, tokenize
 from .rewrite import nodes_by_name
@@ -30,10 +32,13 @@ def cache_dir(kind: str = "tokens") -> Path:
     return Path(root) / kind
 
 
-def _tokenizer_key(tokenizer) -> str:
-    vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
-    probe = tokenizer("The calibration probe, 123 \n\t end.", add_special_tokens=False)["input_ids"]
-    return hashlib.sha256(repr((type(tokenizer).__name__, len(vocab), probe)).encode()).hexdigest()[:16]
+def tokenizer_fingerprint(tokenizer) -> str:
+    """Changes whenever the ids a text gets could change: the class, the whole vocabulary, a probe.
+    Keys every on-disk token cache (calibration streams here, training corpora in surgery.tokens)."""
+    vocab = sorted(tokenizer.get_vocab().items()) if hasattr(tokenizer, "get_vocab") else []
+    probe = tokenizer("The corpus probe, 123 \n\t end. Ünïcödé", add_special_tokens=False)["input_ids"]
+    blob = json.dumps([type(tokenizer).__name__, vocab, probe, getattr(tokenizer, "eos_token_id", None)], ensure_ascii=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:20]
 
 
 def token_stream(tokenizer, files: list[str] | None) -> torch.Tensor:
@@ -43,8 +48,7 @@ def token_stream(tokenizer, files: list[str] | None) -> torch.Tensor:
     for path in paths:
         if not path.exists():
             raise CalibrationError(f"Calibration file '{path}' does not exist.", "Check the path given to --calibration.")
-        digest = hashlib.sha256(path.read_bytes()).hexdigest()[:24]
-        cache = cache_dir() / f"{digest}-{_tokenizer_key(tokenizer)}.pt"
+        cache = cache_dir() / f"{sha256_file(path)[:24]}-{tokenizer_fingerprint(tokenizer)}.pt"
         if cache.exists():
             pieces.append(torch.load(cache))
             continue

@@ -20,6 +20,7 @@ import torch
 
 from .calibration import token_stream
 from .errors import SurgeryError
+from .evaluate import tokenize
 
 TASK = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
         "I will quiz you about the important information there.\n")
@@ -37,7 +38,7 @@ class PasskeyTrial:
 
 
 def _encode(tokenizer, text: str) -> list[int]:
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
+    return tokenize(tokenizer, text).tolist()
 
 
 def build_trial(tokenizer, filler: torch.Tensor, length: int, depth: float, key: str, offset: int) -> PasskeyTrial:

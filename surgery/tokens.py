@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .calibration import cache_dir
+from .calibration import cache_dir, tokenizer_fingerprint
 from .checkpoint import sha256_file as file_digest
 from .errors import SurgeryError
 
@@ -28,14 +28,6 @@ class DataError(SurgeryError):
 
 def cache_root() -> Path:
     return cache_dir("corpus")
-
-
-def tokenizer_fingerprint(tokenizer) -> str:
-    """Changes whenever the ids a text gets could change: the class, the whole vocabulary, a probe."""
-    vocab = sorted(tokenizer.get_vocab().items()) if hasattr(tokenizer, "get_vocab") else []
-    probe = tokenizer("The corpus probe, 123 \n\t end. Ünïcödé", add_special_tokens=False)["input_ids"]
-    blob = json.dumps([type(tokenizer).__name__, vocab, probe, getattr(tokenizer, "eos_token_id", None)], ensure_ascii=True)
-    return hashlib.sha256(blob.encode()).hexdigest()[:20]
 
 
 def _blocks(path: Path):
