@@ -113,7 +113,6 @@ class GDNCache:
     def __init__(self):
         self.recurrent: torch.Tensor | None = None
         self.conv: dict[str, torch.Tensor] = {}
-        self.length = 0  # tokens consumed
 
     def nbytes(self) -> int:
         tensors = [self.recurrent, *self.conv.values()]
@@ -274,7 +273,6 @@ class GatedDeltaNet(nn.Module):
                 q, k, v, g, beta, scale=self.head_dim**-0.5, initial_state=cache.recurrent,
                 output_final_state=True, backend=self.backend,
             )
-            cache.length += hidden_states.shape[1]
         gate = self._split_heads(p["g_proj"])
         normed = self.o_norm(core, gate, backend=self.backend)
         out = self.o_proj(normed.flatten(-2))
