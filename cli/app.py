@@ -12,15 +12,11 @@ from rich.table import Table
 
 from surgery.errors import SurgeryError
 
+from .options import DebugOpt, DeviceOpt, DtypeOpt, ModelOpt
+
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Convert softmax attention to Gated DeltaNet, Taylor-Calibrated.")
 out = Console(width=None if sys.stdout.isatty() else 160)  # pipes and logs get the whole table
 err = Console(stderr=True)
-DEFAULT_MODEL = "smollm2-135m-instruct"
-
-ModelOpt = typer.Option(DEFAULT_MODEL, "--model", "-m", help="Model directory, .gguf file, saved hybrid, or short name.")
-DebugOpt = typer.Option(False, "--debug", help="Show full tracebacks.")
-DeviceOpt = typer.Option(None, "--device", help="cpu, cuda, cuda:1 ... (default: cuda when available).")
-DtypeOpt = typer.Option(None, "--dtype", help="float32, bfloat16, float16 (default: float32 on CPU, bfloat16 on CUDA).")
 
 
 def _fail(exc: SurgeryError) -> None:

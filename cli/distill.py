@@ -10,6 +10,8 @@ import typer
 
 from surgery.errors import SurgeryError
 
+from .options import DebugOpt
+
 _SUFFIXES = {"k": 10**3, "m": 10**6, "g": 10**9, "b": 10**9}
 
 
@@ -54,7 +56,7 @@ def distill(
     device: Optional[str] = typer.Option(None, "--device", help="cpu, cuda, cuda:1 ... (default: cuda when available; cuda:LOCAL_RANK under torchrun)."),
     dtype: Optional[str] = typer.Option(None, "--dtype", help="Dtype of the trained weights (default float32; CUDA computes under bf16 autocast)."),
     as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
-    debug: bool = typer.Option(False, "--debug", help="Show full tracebacks."),
+    debug: bool = DebugOpt,
 ):
     """Continue training a saved hybrid against its teacher (stage l2, kl, or both)."""
     import torch

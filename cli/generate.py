@@ -12,6 +12,8 @@ import typer
 
 from surgery.errors import SurgeryError
 
+from .options import DebugOpt, DeviceOpt, DtypeOpt, ModelOpt
+
 CONTEXT_TOKENS = 8  # prompt tokens decoded with the continuation, so a leading space survives detokenisation
 
 
@@ -66,7 +68,7 @@ def read_prompts(prompt: Optional[List[str]], prompt_file: Optional[Path]) -> li
 
 
 def generate(
-    model: str = typer.Option("smollm2-135m-instruct", "--model", "-m", help="Saved hybrid directory, model directory, .gguf file, or short name."),
+    model: str = ModelOpt,
     prompt: Optional[List[str]] = typer.Option(None, "--prompt", "-p", help="Prompt text (repeatable: one continuation per prompt)."),
     prompt_file: Optional[Path] = typer.Option(None, "--prompt-file", help="File with one prompt per line."),
     max_new_tokens: int = typer.Option(64, "--max-new-tokens", "-n", help="New tokens per prompt at most (fewer at end-of-sequence)."),
@@ -74,9 +76,9 @@ def generate(
     top_k: Optional[int] = typer.Option(None, "--top-k", help="Sample from the k most likely tokens."),
     top_p: Optional[float] = typer.Option(None, "--top-p", help="Sample from the smallest set of tokens whose probability reaches p."),
     seed: Optional[int] = typer.Option(None, "--seed", help="Seed for sampling (reproducible continuations)."),
-    device: Optional[str] = typer.Option(None, "--device", help="cpu, cuda, cuda:1 ... (default: cuda when available)."),
-    dtype: Optional[str] = typer.Option(None, "--dtype", help="float32, bfloat16, float16 (default: float32 on CPU, bfloat16 on CUDA)."),
-    debug: bool = typer.Option(False, "--debug", help="Show full tracebacks."),
+    device: Optional[str] = DeviceOpt,
+    dtype: Optional[str] = DtypeOpt,
+    debug: bool = DebugOpt,
 ):
     """Continue prompts with a teacher or a saved hybrid (KV cache for attention, recurrent state for GDN)."""
     from surgery.cli.app import _guard, _placement, err, open_model

@@ -1,0 +1,12 @@
+"""Options every `surgery` command spells the same way (shared by cli/app.py and the commands in
+their own modules, which app.py imports, so they cannot import these from app.py)."""
+from __future__ import annotations
+
+import typer
+
+from surgery.load import DEFAULT_MODEL
+
+ModelOpt = typer.Option(DEFAULT_MODEL, "--model", "-m", help="Model directory, .gguf file, saved hybrid, or short name.")
+DebugOpt = typer.Option(False, "--debug", help="Show full tracebacks.")
+DeviceOpt = typer.Option(None, "--device", help="cpu, cuda, cuda:1 ... (default: cuda when available).")
+DtypeOpt = typer.Option(None, "--dtype", help="float32, bfloat16, float16 (default: float32 on CPU, bfloat16 on CUDA).")
