@@ -43,16 +43,20 @@ def _guard(debug: bool):
     return Guard()
 
 
+def parse_dtype(name: str):
+    """'bfloat16' -> torch.bfloat16, or the error every command gives for a dtype it does not know."""
+    import torch
+
+    if not isinstance(getattr(torch, name, None), torch.dtype):
+        raise SurgeryError(f"Unknown dtype '{name}'.", "Use float32, bfloat16 or float16.")
+    return getattr(torch, name)
+
+
 def _placement(device: Optional[str], dtype: Optional[str]):
     import torch
 
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if dtype is None:
-        dt = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    else:
-        if not isinstance(getattr(torch, dtype, None), torch.dtype):
-            raise SurgeryError(f"Unknown dtype '{dtype}'.", "Use float32, bfloat16 or float16.")
-        dt = getattr(torch, dtype)
+    dt = parse_dtype(dtype) if dtype is not None else (torch.bfloat16 if dev.type == "cuda" else torch.float32)
     return dev, dt
 
 

@@ -59,9 +59,8 @@ def distill(
     debug: bool = DebugOpt,
 ):
     """Continue training a saved hybrid against its teacher (stage l2, kl, or both)."""
-    import torch
 
-    from surgery.cli.app import _guard, err, out
+    from surgery.cli.app import _guard, err, out, parse_dtype
     from surgery.distill import DistillConfig
     from surgery.distill import distill as run_distill
 
@@ -84,11 +83,10 @@ def distill(
                 raise SurgeryError(f"Option '{item}' is not of the form key=value.", "Write e.g. --set temperature=2.")
             settings[key.strip()] = value
         config = DistillConfig.from_dict(settings)
-        if dtype is not None and not isinstance(getattr(torch, dtype, None), torch.dtype):
-            raise SurgeryError(f"Unknown dtype '{dtype}'.", "Use float32, bfloat16 or float16.")
+        weights_dtype = parse_dtype(dtype) if dtype is not None else None
         files = [str(p) for p in [*data, *(more_data or [])]]
         result = run_distill(str(model), files, out_dir, config, teacher=teacher, resume=resume, force=force, device=device,
-                             dtype=getattr(torch, dtype) if dtype else None, progress=not as_json)
+                             dtype=weights_dtype, progress=not as_json)
         if result["rank"] != 0:
             return
         if as_json:
