@@ -119,26 +119,30 @@ def run_decoder(decoder: Decoder, ids, new_tokens: int, vocab: int) -> dict:
     nxt = logits.argmax(-1, keepdim=True)
     sync(device)
     mid = time.perf_counter()
-    for _ in range(new_tokens - 1):
+    nxt = decoder.step(nxt)[:, -1].argmax(-1, keepdim=True)  # with cuda-graph steps: the capture
+    sync(device)
+    first = time.perf_counter()
+    for _ in range(new_tokens - 2):
         nxt = decoder.step(nxt)[:, -1].argmax(-1, keepdim=True)
     sync(device)
     end = time.perf_counter()
     cache = decoder.cache_bytes()
-    row = {"prefill_s": mid - start, "decode_ms_per_step": (end - mid) / max(new_tokens - 1, 1) * 1e3,
+    row = {"prefill_s": mid - start, "decode_ms_per_step": (end - first) / max(new_tokens - 2, 1) * 1e3,
+           "first_step_ms": (first - mid) * 1e3, "step_mode": decoder.step_mode,
            "cache_gib": cache["total"] / 2**30, "cache_attention_gib": cache["attention"] / 2**30,
            "cache_gdn_gib": cache["gdn"] / 2**30, "peak_gib": peak_gib(device, base), "prefill_chunk": chunk}
     decoder.reset()
     return row
 
 
-def build_decoder(graph) -> Decoder:
+def build_decoder(graph, step_mode: str = "auto") -> Decoder:
     """A Decoder with its self-check; if the check refuses (bf16 rounding of a random-weight model can
     exceed its tolerance), say so and time the decoder anyway: speed does not depend on it."""
     try:
-        return Decoder(graph)
+        return Decoder(graph, step_mode=step_mode)
     except DecodeError as exc:
         print(f"self-check refused ({exc.problem}); timing without it", flush=True)
-        return Decoder(graph, verify=False)
+        return Decoder(graph, verify=False, step_mode=step_mode)
 
 
 def tiny_model(device, dtype):
@@ -158,6 +162,7 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--keep-ratios", default="0.5,0.25")
     ap.add_argument("--graph-teacher", action="store_true", help="also decode the unconverted teacher graph with the Decoder")
+    ap.add_argument("--step-modes", default="auto", help="Decoder step modes to time, e.g. auto,dynamic (auto: CUDA graphs on CUDA)")
     ap.add_argument("--qwen", default="", help="contexts:batches for the 1.5B-shaped model, e.g. 16384,65536:1 (empty: skip)")
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--json", default=None)
@@ -194,14 +199,18 @@ def main() -> None:
         print(f"{name}: captured in {time.perf_counter() - t:.1f} s", flush=True)
         vocab = teacher.config.vocab_size
         variants = []
-        if args.graph_teacher:
-            variants.append(("teacher (Decoder)", build_decoder(teacher)))
+        modes = args.step_modes.split(",")
+        tag = (lambda m: f", {m} steps") if len(modes) > 1 else (lambda m: "")
+        graphs = [("teacher (Decoder)", teacher)] if args.graph_teacher else []
         for ratio in [float(r) for r in args.keep_ratios.split(",")]:
             hybrid = teacher.branch()
             PassManager(["select", "replace"], {"select": {"keep_ratio": ratio}})(hybrid)
-            t = time.perf_counter()
-            variants.append((f"hybrid {100 - ratio * 100:.0f}% GDN", build_decoder(hybrid)))
-            print(f"{name}: Decoder for {variants[-1][0]} built in {time.perf_counter() - t:.1f} s", flush=True)
+            graphs.append((f"hybrid {100 - ratio * 100:.0f}% GDN", hybrid))
+        for label, graph in graphs:
+            for mode in modes:
+                t = time.perf_counter()
+                variants.append((label + tag(mode), build_decoder(graph, mode)))
+                print(f"{name}: Decoder for {variants[-1][0]} built in {time.perf_counter() - t:.1f} s", flush=True)
         gen = torch.Generator().manual_seed(0)
         # warm-up: Triton compiles fla's kernels (chunked prefill, fused recurrent step, norms) on
         # first use, which the first timed row would otherwise carry (seen: 36 s "prefill" at 4k)
@@ -230,11 +239,12 @@ def main() -> None:
             torch.cuda.empty_cache()
 
     print()
-    print("| model | variant | context | batch | prefill s | prefill tok/s | decode ms/step | decode tok/s | decode speed-up | cache GiB | cache vs teacher | peak GiB |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| model | variant | context | batch | prefill s | prefill tok/s | first step ms | decode ms/step | decode tok/s | decode speed-up | cache GiB | cache vs teacher | peak GiB |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
+        first = f"{r['first_step_ms']:.1f}" if "first_step_ms" in r else "-"
         print(f"| {r['model']} | {r['variant']} | {r['context']} | {r['batch']} | {r['prefill_s']:.2f} | "
-              f"{r['context'] * r['batch'] / r['prefill_s']:,.0f} | {r['decode_ms_per_step']:.2f} | "
+              f"{r['context'] * r['batch'] / r['prefill_s']:,.0f} | {first} | {r['decode_ms_per_step']:.2f} | "
               f"{r['batch'] * 1e3 / r['decode_ms_per_step']:,.0f} | {r['decode_speedup']:.2f}x | {r['cache_gib']:.3f} | "
               f"{r['cache_ratio']:.0%} | {r['peak_gib']:.2f} |")
 

@@ -140,6 +140,39 @@ def save_plain(model, tokenizer, path: Path) -> None:
     tokenizer.save_pretrained(path)
 
 
+def two_gpu(args, out: Path, report: dict, dump) -> None:
+    """The Taylor-Calibrate init distilled again under torchrun on two GPUs, same global batch:
+    tokens/s scaling and the curve against the one-GPU run."""
+    runs = report["runs"]
+    teacher_dir = out / "teacher"
+    eval_every = report["distill_config"]["eval_every"]
+    args.tokens = report["distill_config"]["tokens"]
+    tokens2 = args.two_gpu_tokens or args.tokens // 2
+    run2 = out / "distill-taylor-calibrate-2gpu"
+    cmd = ["torchrun", "--standalone", "--nproc-per-node", "2", "-m", "surgery.cli.app", "distill",
+           "--model", str(out / "taylor-calibrate-init"), "--teacher", str(teacher_dir), "--data", *args.data,
+           "--tokens", str(tokens2), "--out", str(run2), "--force", "--stage", "kl", "--seq-len", str(args.seq_len),
+           "--batch-size", str(args.global_batch), "--schedule", "constant", "--warmup", "0",
+           "--eval-text", args.eval, "--eval-every", str(eval_every), "--eval-tokens", str(args.eval_tokens),
+           "--seed", "0", "--json"]
+    if args.lr is not None:
+        cmd += ["--lr", str(args.lr)]
+    log("two GPUs: " + " ".join(cmd))
+    t = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    report["two_gpu"] = {"returncode": proc.returncode, "wall_s": time.perf_counter() - t, "stderr_tail": proc.stderr[-3000:]}
+    if proc.returncode == 0:
+        curve2 = read_curve(run2)
+        rate2 = mean_rate(run2, "tokens_per_s")
+        one = runs["taylor-calibrate"]
+        same = [(t2, p2, dict(one["curve"]).get(t2)) for t2, p2 in curve2]
+        report["two_gpu"] |= {"curve": curve2, "tokens_per_s": rate2, "scaling": rate2 / one["tokens_per_s"], "vs_one_gpu": same}
+        log(f"two GPUs: {rate2:,.0f} tokens/s = {rate2 / one['tokens_per_s']:.2f}x one GPU; curve {same}")
+    else:
+        log("two-GPU run failed:\n" + proc.stderr[-3000:])
+    dump()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
@@ -159,6 +192,10 @@ def main() -> None:
     ap.add_argument("--plain-steps", type=int, default=5)
     ap.add_argument("--two-gpu", action="store_true")
     ap.add_argument("--two-gpu-tokens", type=int, default=None, help="default: half of --tokens")
+    ap.add_argument("--two-gpu-only", action="store_true",
+                    help="only the two-GPU rerun, from the inits and recovery.json an earlier run left in --out")
+    ap.add_argument("--two-gpu-later", action="store_true",
+                    help="prepare the teacher directory for a later --two-gpu-only call instead of running it now")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke run: skip passkey lengths the model cannot hold")
     ap.add_argument("--set", nargs="*", default=[], help="pass.key=value for the Taylor-Calibrate init (e.g. align.steps=30)")
     ap.add_argument("--out", required=True)
@@ -174,7 +211,13 @@ def main() -> None:
     report: dict = {"args": vars(args), "device": torch.cuda.get_device_name() if cuda else "cpu"}
 
     def dump() -> None:
-        (results_dir / "recovery.json").write_text(json.dumps(report, indent=1))
+        for d in {results_dir, out}:
+            (d / "recovery.json").write_text(json.dumps(report, indent=1))
+
+    if args.two_gpu_only:
+        report = json.loads((out / "recovery.json").read_text())
+        two_gpu(args, out, report, dump)
+        return
 
     # The teacher and both inits are built in bf16 on CUDA (as `surgery apply` does: fast), saved, and
     # reloaded in float32 for training (float32 master weights under bf16 autocast, as distill wants);
@@ -182,11 +225,12 @@ def main() -> None:
     t0 = time.perf_counter()
     build_dtype = torch.bfloat16 if cuda else torch.float32
     teacher_dir = out / "teacher"
-    if args.two_gpu and not teacher_dir.exists():  # a plain HF directory: each torchrun rank loads it fast
+    plain_teacher = args.two_gpu or args.two_gpu_later
+    if plain_teacher and not teacher_dir.exists():  # a plain HF directory: each torchrun rank loads it fast
         model, tokenizer, _ = load_model(args.model, dtype=torch.float32)
         save_plain(model, tokenizer, teacher_dir)
         del model
-    teacher = capture(teacher_dir if args.two_gpu else args.model, device=device, dtype=build_dtype)
+    teacher = capture(teacher_dir if plain_teacher else args.model, device=device, dtype=build_dtype)
     log(f"teacher captured in {time.perf_counter() - t0:.1f} s")
 
     calibration = args.calibration or args.data
@@ -286,30 +330,7 @@ def main() -> None:
          f"{Path(args.model).name}, {100 - args.keep_ratio * 100:.0f}% GDN: recovery by KL distillation")
 
     if args.two_gpu:
-        tokens2 = args.two_gpu_tokens or args.tokens // 2
-        run2 = out / "distill-taylor-calibrate-2gpu"
-        cmd = ["torchrun", "--standalone", "--nproc-per-node", "2", "-m", "surgery.cli.app", "distill",
-               "--model", str(out / "taylor-calibrate-init"), "--teacher", str(teacher_dir), "--data", *args.data,
-               "--tokens", str(tokens2), "--out", str(run2), "--force", "--stage", "kl", "--seq-len", str(args.seq_len),
-               "--batch-size", str(args.global_batch), "--schedule", "constant", "--warmup", "0",
-               "--eval-text", args.eval, "--eval-every", str(eval_every), "--eval-tokens", str(args.eval_tokens),
-               "--seed", "0", "--json"]
-        if args.lr is not None:
-            cmd += ["--lr", str(args.lr)]
-        log("two GPUs: " + " ".join(cmd))
-        t = time.perf_counter()
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        report["two_gpu"] = {"returncode": proc.returncode, "wall_s": time.perf_counter() - t, "stderr_tail": proc.stderr[-3000:]}
-        if proc.returncode == 0:
-            curve2 = read_curve(run2)
-            rate2 = mean_rate(run2, "tokens_per_s")
-            one = runs["taylor-calibrate"]
-            same = [(t2, p2, dict(one["curve"]).get(t2)) for t2, p2 in curve2]
-            report["two_gpu"] |= {"curve": curve2, "tokens_per_s": rate2, "scaling": rate2 / one["tokens_per_s"], "vs_one_gpu": same}
-            log(f"two GPUs: {rate2:,.0f} tokens/s = {rate2 / one['tokens_per_s']:.2f}x one GPU; curve {same}")
-        else:
-            log("two-GPU run failed:\n" + proc.stderr[-3000:])
-        dump()
+        two_gpu(args, out, report, dump)
 
     # the table
     log("\n| model | WikiText-2 ppl | passkey " + " | ".join(f"{x}" for x in lengths) + " |")

@@ -57,6 +57,7 @@ def export_model(model: torch.nn.Module, max_length: int, debug: bool = False) -
         ) from failure
     gm = program.module()
     drop_metadata_asserts(gm)
+    pin_position_precision(gm)
     gm.meta["max_length"] = max_length
     gm.meta["extra_inputs"] = extra
     return gm
@@ -74,6 +75,45 @@ def drop_metadata_asserts(gm: torch.fx.GraphModule) -> int:
     if dropped:
         gm.recompile()
     return dropped
+
+
+# Ops that autocast runs in bf16/fp16 (torch's lower-precision cast list, as aten packets).
+_AUTOCAST_LOWERED = {
+    getattr(torch.ops.aten, name) for name in (
+        "mm", "bmm", "matmul", "addmm", "baddbmm", "addbmm", "addmv", "addr", "mv", "linear", "einsum", "prelu",
+        "conv1d", "conv2d", "conv3d", "convolution", "_convolution", "chain_matmul",
+    ) if hasattr(torch.ops.aten, name)
+}
+
+
+def without_autocast(op, *args, **kwargs):
+    """Run one captured op with autocast off, in the dtype it was captured in."""
+    device = next((a.device.type for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), "cpu")
+    with torch.autocast(device_type=device, enabled=False):
+        return op(*args, **kwargs)
+
+
+def pin_position_precision(gm: torch.fx.GraphModule) -> int:
+    """Keep what the graph computes from positions alone out of autocast. Models compute RoPE angles
+    with a matmul inside `autocast(enabled=False)`; export traces through that context and drops it,
+    so under an outer bf16 autocast (distillation, bf16 evaluation) inv_freq @ positions would run in
+    bf16, where positions above 256 are rounded (SmolLM2: WikiText perplexity 63 instead of 22).
+    Every autocast-lowered op that does not depend on the token values gets autocast switched off."""
+    from .rewrite import token_dependent
+
+    ids = next((n for n in gm.graph.nodes if n.op == "placeholder"), None)
+    if ids is None:
+        return 0
+    value = token_dependent(gm, ids)
+    pinned = 0
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and n not in value and getattr(n.target, "overloadpacket", None) in _AUTOCAST_LOWERED:
+            n.args = (n.target, *n.args)
+            n.target = without_autocast
+            pinned += 1
+    if pinned:
+        gm.recompile()
+    return pinned
 
 
 def capture(source, *, tokenizer=None, max_length: int | None = None, dtype: torch.dtype | None = None,

@@ -38,13 +38,13 @@ from torch.fx.node import map_arg
 
 from .errors import DecodeError
 from .kvcache import DecodeState, GDNDecode, KVCacheAttention, _Prep
-from .rewrite import fork, nodes_by_name, prune, set_submodule, splice_module
+from .rewrite import SHAPE_QUERIES, fork, nodes_by_name, prune, set_submodule, splice_module
+from .rewrite import token_dependent as _value_nodes
+from .stepgraph import StaticStep
 from .sites import MATMUL_OPS, _eager_core, _Run, _softcap_and_scale, ancestors, descendants
 
 aten = torch.ops.aten
 
-# Queries of a tensor's shape: they depend on the input's length, never on its values.
-SHAPE_QUERIES = {aten.sym_size.int, aten.sym_numel.default, aten.sym_stride.int, aten.sym_storage_offset.default}
 # Ops that move K/V between the projection and the attention op without changing values: walking
 # back through them from the attention's K finds the tensor before repeat_kv.
 LAYOUT_OPS = {
@@ -58,6 +58,7 @@ MASK_PROBE = 8192      # longest length at which a mask is read to find a slidin
 UNLIMITED = 1 << 62
 MASKED = -1e4
 SELF_CHECK = 12        # tokens of the construction-time comparison with full recomputation
+STEP_MODES = ("auto", "dynamic", "static", "cuda-graph")
 FIX_FULL = "Score this model with full recomputation (graph.logits on the growing sequence) instead of the Decoder."
 
 
@@ -75,18 +76,6 @@ def _ids_node(gm) -> Node:
 def _sym(n: Node):
     v = n.meta.get("val") if isinstance(n, Node) else None
     return v.node.expr if isinstance(v, torch.SymInt) else None
-
-
-def _value_nodes(gm, ids: Node) -> set:
-    """Nodes whose result depends on the token values (or on anything computed from them); shape
-    queries of the input do not, so positions and masks built from its length stay out."""
-    value = {ids}
-    for n in gm.graph.nodes:
-        if n.op in ("placeholder", "get_attr") or (n.op == "call_function" and n.target in SHAPE_QUERIES):
-            continue
-        if n.op == "output" or any(a in value for a in n.all_input_nodes):
-            value.add(n)
-    return value
 
 
 class _Lengths:
@@ -335,11 +324,25 @@ class Decoder:
 
     Parameters are shared with graph.gm (nothing is copied), so a Decoder is cheap next to the
     model; graph.gm itself stays stateless. verify=True compares prefill + steps with full
-    recomputation on a short probe at construction and refuses the graph if they disagree."""
+    recomputation on a short probe at construction and refuses the graph if they disagree.
 
-    def __init__(self, graph, *, verify: bool = True, mask_probe: int = MASK_PROBE):
+    step_mode: how `step` runs once reset was given a capacity. "dynamic": the graph on exactly the
+    tokens cached so far (shapes grow each step). "static": fixed shapes (KV buffers at capacity with
+    a position mask, positions picked by a device index, GDN states updated in place; surgery.stepgraph).
+    "cuda-graph": static steps captured once per reset and replayed (CUDA only). "auto": cuda-graph on
+    CUDA, dynamic elsewhere."""
+
+    def __init__(self, graph, *, verify: bool = True, mask_probe: int = MASK_PROBE, step_mode: str = "auto"):
         from tcal.gdn import GatedDeltaNet
 
+        if step_mode not in STEP_MODES:
+            raise DecodeError(f"Unknown step_mode {step_mode!r}.", f"Use one of: {', '.join(STEP_MODES)}.")
+        if step_mode == "cuda-graph" and graph.device.type != "cuda":
+            raise DecodeError(f"step_mode 'cuda-graph' needs the graph on a CUDA device, not {graph.device}.", "Use step_mode 'static' or 'auto'.")
+        if step_mode == "auto":
+            step_mode = "cuda-graph" if graph.device.type == "cuda" else "dynamic"
+        self.step_mode = step_mode
+        self.capacity: int | None = None
         if not graph.sites:
             raise DecodeError("The graph has no attention sites.", "Capture it with site discovery on (surgery.capture(..., find=True)).")
         self.graph = graph
@@ -363,7 +366,7 @@ class Decoder:
         self.gdn: dict[int, GDNDecode] = {}
         for n in list(gm.graph.nodes):
             if n.op == "call_module" and isinstance(gm.get_submodule(n.target), GatedDeltaNet):
-                wrapper = GDNDecode(gm.get_submodule(n.target))
+                wrapper = GDNDecode(gm.get_submodule(n.target), self.state)
                 key = wrapper.layer if wrapper.layer is not None else len(self.gdn)
                 set_submodule(gm, f"_decode_gdn.layer{key}", wrapper)
                 n.target = f"_decode_gdn.layer{key}"
@@ -378,6 +381,7 @@ class Decoder:
         self.cores = {c.layer: c for c in cores}
         del self._memo, run
         self._warned = False
+        self._static = StaticStep(self, cuda_graph=step_mode == "cuda-graph")
         self.reset()
         if verify:
             self._self_check(vocab)
@@ -523,8 +527,9 @@ class Decoder:
         they start at the prefill's length and double."""
         if capacity is not None and capacity > self.max_length:
             raise DecodeError(f"A capacity of {capacity} tokens exceeds this graph's position limit of {self.max_length}.", "Use a shorter prompt or fewer new tokens.")
+        self._static.release()
         self.state.offset = 0
-        self.batch_size = batch_size
+        self.batch_size, self.capacity = batch_size, capacity
         for m in self.attention.values():
             m.reset(batch_size, capacity)
         for m in self.gdn.values():
@@ -533,6 +538,16 @@ class Decoder:
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Feed T new tokens [B, T] after those already cached; logits [B, T, V]."""
+        input_ids = self._checked(input_ids)
+        with torch.no_grad():
+            out = self.gm(input_ids=input_ids, **self.gm.meta.get("extra_inputs", {}))
+        self.state.offset += input_ids.shape[1]
+        return out.logits if hasattr(out, "logits") else out[0]
+
+    __call__ = forward
+
+    def _checked(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids on the graph's device, after every check of what the caches can take."""
         if input_ids.dim() == 1:
             input_ids = input_ids[:, None]
         if input_ids.dim() != 2 or input_ids.shape[1] < 1:
@@ -549,12 +564,7 @@ class Decoder:
                 warnings.warn(f"Attention {c.layer} looked like full causal attention up to {c.exact_len} tokens; a longer sliding window "
                               "would not have been seen.", stacklevel=2)
                 self._warned = True
-        with torch.no_grad():
-            out = self.gm(input_ids=input_ids.to(self.graph.device), **self.gm.meta.get("extra_inputs", {}))
-        self.state.offset = need
-        return out.logits if hasattr(out, "logits") else out[0]
-
-    __call__ = forward
+        return input_ids.to(self.graph.device)
 
     def prefill(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The prompt [B, T] (the whole of it in one call; later calls continue it): logits [B, T, V]."""
@@ -564,7 +574,10 @@ class Decoder:
         """One new token per row ([B, 1] or [B]): logits [B, 1, V]."""
         if next_ids.dim() == 2 and next_ids.shape[1] != 1:
             raise DecodeError(f"step takes one token per row, got shape {tuple(next_ids.shape)}.", "Use prefill for several tokens.")
-        return self.forward(next_ids.reshape(-1, 1))
+        ids = self._checked(next_ids.reshape(-1, 1))
+        if self.step_mode != "dynamic" and self._static.ready(ids):
+            return self._static(ids)
+        return self.forward(ids)
 
     def cache_bytes(self, per_layer: bool = False) -> dict:
         """Bytes held by the caches, by layer kind ({"attention", "gdn", "total"}) or by layer."""
@@ -752,9 +765,10 @@ def generate(model, prompts, max_new_tokens: int, *, temperature: float | None =
         done = torch.zeros(len(rows), dtype=torch.bool)
         for t in range(max_new_tokens):
             nxt = sample(logits, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
+            chosen = nxt.tolist()  # one device-to-host copy per step, not one per row
             for r, i in enumerate(rows):
                 if not done[r]:
-                    token = int(nxt[r])
+                    token = chosen[r]
                     results[i].append(token)
                     if stream is not None:
                         stream(i, token)

@@ -16,19 +16,44 @@ from .errors import DecodeError
 class DecodeState(nn.Module):
     """How many tokens the caches hold. The graph calls it two ways: on the input's length (an int)
     it returns the cache+new length; on a position tensor with `dim` it keeps the entries of the new
-    tokens (the last length-offset along dim)."""
+    tokens (the last length-offset along dim).
+
+    Static steps (one token per row, every shape fixed, as a CUDA graph needs): `static_length` is
+    the caches' capacity, every length-derived table is built at that length, and the new token's
+    row is picked with `index`, a device tensor holding the offset, so nothing the step launches
+    depends on a Python number that changes from step to step."""
 
     def __init__(self):
         super().__init__()
         self.offset = 0
+        self.static_length: int | None = None
+        self.index: torch.Tensor | None = None
+
+    @property
+    def static(self) -> bool:
+        return self.static_length is not None
 
     def forward(self, x, dim: int | None = None):
         if dim is None:
-            return x + self.offset
+            return x + self.offset if self.static_length is None else self.static_length
+        if self.static_length is not None:
+            return x.index_select(dim, self.index)
         return x.narrow(dim, self.offset, x.shape[dim] - self.offset)
 
     def extra_repr(self) -> str:
         return f"offset={self.offset}"
+
+
+_INDEX_TENSORS: dict = {}
+
+
+def _index_tensor(items: tuple, device) -> torch.Tensor:
+    """A device tensor of head indices, made once: indexing with a Python list copies it to the
+    device on every call, which a CUDA graph capture does not allow."""
+    key = (items, str(device))
+    if key not in _INDEX_TENSORS:
+        _INDEX_TENSORS[key] = torch.tensor(items, dtype=torch.long, device=device)
+    return _INDEX_TENSORS[key]
 
 
 def attend(q, keys, values, allowed, *, scale: float, softcap: float | None, k_map, v_map, causal: bool = False):
@@ -62,7 +87,7 @@ def attend(q, keys, values, allowed, *, scale: float, softcap: float | None, k_m
 def _expand(x, head_map, heads: int):
     if head_map is None:
         return x if x.shape[1] == heads else x.repeat_interleave(heads // x.shape[1], dim=1)
-    return x[:, list(head_map)]
+    return x.index_select(1, _index_tensor(tuple(head_map), x.device))
 
 
 @dataclass
@@ -76,7 +101,7 @@ class _Prep:
         if self.transposed:
             x = x.transpose(-1, -2)
         if self.select is not None:
-            x = x[:, list(self.select)]
+            x = x.index_select(1, _index_tensor(tuple(self.select), x.device))
         return x
 
 
@@ -107,10 +132,13 @@ class KVCacheAttention(nn.Module):
         return sum(t.numel() * t.element_size() for t in (self.k_cache, self.v_cache, self.pos) if t is not None)
 
     def forward(self, q, k, v):
-        off = self._state[0].offset
+        state = self._state[0]
+        off = state.offset
         k, v = self.k_prep(k), self.v_prep(v)
         if self.batch is not None and k.shape[0] != self.batch:
             raise DecodeError(f"The decoder was reset for batch {self.batch} but got {k.shape[0]} rows.", "Call reset(batch_size) first.")
+        if state.static:
+            return self._static_step(q, k, v, state.index)
         if self.window is None:
             keys, values, allowed = self._linear(k, v, off)
         else:
@@ -120,10 +148,43 @@ class KVCacheAttention(nn.Module):
                      k_map=self.k_map, v_map=self.v_map, causal=causal)
         return out.to(self.out_dtype)
 
+    def _static_step(self, q, k, v, index):
+        """One token per row written at its slot through a device index and attention over the whole
+        buffer under a position mask: the same kernels and shapes at every offset. The buffer was
+        allocated at full capacity by the prefill (linear) or holds the ring (sliding window)."""
+        size = self.k_cache.shape[2]
+        slot = index if self.window is None else index.remainder(size)
+        self.k_cache.index_copy_(2, slot, k)
+        self.v_cache.index_copy_(2, slot, v)
+        if self.window is None:
+            allowed = self._slots(size, index.device) <= index[:, None]
+        else:
+            self.pos.index_copy_(0, slot, index)
+            allowed = (self.pos >= 0) & (self.pos <= index[:, None]) & (index[:, None] - self.pos < self.window)
+        out = attend(q, self.k_cache, self.v_cache, allowed, scale=self.scale, softcap=self.softcap, k_map=self.k_map, v_map=self.v_map)
+        return out.to(self.out_dtype)
+
+    def static_ready(self, capacity: int) -> bool:
+        """Whether the buffers can take static steps up to `capacity` tokens without growing."""
+        if self.k_cache is None:
+            return False
+        if self.window is None:
+            return self.k_cache.shape[2] >= capacity
+        return self.pos is not None and self.k_cache.shape[2] == min(self.window, capacity)
+
+    def _slots(self, size: int, device) -> torch.Tensor:
+        cached = self.__dict__.get("_slot_ids")
+        if cached is None or cached.shape[0] != size or cached.device != device:
+            cached = torch.arange(size, device=device)
+            self.__dict__["_slot_ids"] = cached
+        return cached
+
     def _alloc(self, like_k, like_v, size: int):
+        """Zeroed buffers: static steps attend over every slot under a mask, and a masked slot's
+        weight of 0 times a NaN left in uninitialised memory would still be NaN."""
         b, h, _, d = like_k.shape
-        k = like_k.new_empty(b, h, size, d)
-        v = like_v.new_empty(b, like_v.shape[1], size, like_v.shape[3])
+        k = like_k.new_zeros(b, h, size, d)
+        v = like_v.new_zeros(b, like_v.shape[1], size, like_v.shape[3])
         return k, v
 
     def _linear(self, k, v, off: int):
@@ -189,11 +250,13 @@ class KVCacheAttention(nn.Module):
 
 class GDNDecode(nn.Module):
     """A GatedDeltaNet of the graph with the GDNCache it carries between calls (the module itself is
-    shared with the graph, which stays stateless)."""
+    shared with the graph, which stays stateless). In static steps the new state is copied into the
+    tensors that held the old one, so a captured step reads and writes the same memory each replay."""
 
-    def __init__(self, gdn: nn.Module):
+    def __init__(self, gdn: nn.Module, state: DecodeState | None = None):
         super().__init__()
         self.gdn = gdn
+        self._state = (state,)
         self.layer = getattr(gdn, "layer_idx", None)
         self.reset()
 
@@ -206,4 +269,26 @@ class GDNDecode(nn.Module):
         return self.cache.nbytes()
 
     def forward(self, hidden_states):
-        return self.gdn(hidden_states, cache=self.cache)
+        state = self._state[0]
+        if state is None or not state.static or self.cache.recurrent is None:
+            return self.gdn(hidden_states, cache=self.cache)
+        from tcal.gdn import GDNCache
+
+        work = GDNCache()
+        work.recurrent, work.conv = self.cache.recurrent, dict(self.cache.conv)
+        out = self.gdn(hidden_states, cache=work)
+        self.cache.recurrent.copy_(work.recurrent)
+        for name, tensor in work.conv.items():
+            self.cache.conv[name].copy_(tensor)
+        return out
+
+    def snapshot(self) -> list:
+        """Copies of the state tensors (restored by `restore` into the same tensors)."""
+        return [t.clone() for t in self._tensors()]
+
+    def restore(self, saved: list) -> None:
+        for t, s in zip(self._tensors(), saved):
+            t.copy_(s)
+
+    def _tensors(self) -> list:
+        return [t for t in (self.cache.recurrent, *self.cache.conv.values()) if t is not None]

@@ -8,6 +8,25 @@ import torch
 from torch.fx import GraphModule, Node
 
 
+# Queries of a tensor's shape: they depend on the input's length, never on its values.
+SHAPE_QUERIES = {
+    torch.ops.aten.sym_size.int, torch.ops.aten.sym_numel.default, torch.ops.aten.sym_stride.int,
+    torch.ops.aten.sym_storage_offset.default,
+}
+
+
+def token_dependent(gm: GraphModule, ids: Node) -> set:
+    """Nodes whose result depends on the token values (or on anything computed from them); shape
+    queries of the input do not, so positions and masks built from its length stay out."""
+    value = {ids}
+    for n in gm.graph.nodes:
+        if n.op in ("placeholder", "get_attr") or (n.op == "call_function" and n.target in SHAPE_QUERIES):
+            continue
+        if n.op == "output" or any(a in value for a in n.all_input_nodes):
+            value.add(n)
+    return value
+
+
 def fork(gm: GraphModule) -> GraphModule:
     """A new GraphModule with a copy of gm's graph that shares gm's parameter tensors.
 

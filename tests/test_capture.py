@@ -6,6 +6,8 @@ independent references: the eager model's logits, the eager attention module's i
 """
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -383,3 +385,45 @@ def test_capture_drops_dtype_asserts_so_autocast_runs(stories):
         mixed = graph(ids)
     assert mixed.dtype == torch.bfloat16
     torch.testing.assert_close(mixed.float(), graph(ids), atol=0.5, rtol=0.1)
+
+
+class _RotaryLM(torch.nn.Module):
+    """A toy LM that computes its position angles as transformers' RoPE does: a float32 matmul of
+    inv_freq and the positions inside maybe_autocast(enabled=False), which is a no-op context (and
+    so leaves nothing in the exported graph) when autocast is off while tracing."""
+
+    def __init__(self, vocab: int = 40, dim: int = 16):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, dim)
+        self.head = torch.nn.Linear(dim, vocab)
+        self.register_buffer("inv_freq", 1.0 / 10000 ** (torch.arange(0, dim, 2).float() / dim))
+
+    def get_input_embeddings(self):
+        return self.embed
+
+    def forward(self, input_ids):
+        pos = torch.arange(input_ids.shape[1], device=input_ids.device).float()
+        device = input_ids.device.type
+        off = torch.autocast(device, enabled=False) if torch.is_autocast_enabled(device) else contextlib.nullcontext()
+        with off:
+            angles = (self.inv_freq[:, None].float() @ pos[None, :]).t()
+        return self.head(self.embed(input_ids) + torch.cat([angles.cos(), angles.sin()], dim=-1))
+
+
+def test_positions_stay_float32_under_autocast():
+    """export drops the model's autocast(enabled=False) around the RoPE matmul; capture switches
+    autocast off again for every autocast-lowered op computed from positions alone, so a bf16
+    autocast run matches the eager model's (the unpinned export rounds positions above 256)."""
+    from surgery.capture import export_model, without_autocast
+
+    torch.manual_seed(0)
+    model = _RotaryLM().eval()
+    gm = export_model(model, max_length=4096)
+    assert any(n.target is without_autocast for n in gm.graph.nodes)
+    ids = torch.randint(0, 40, (1, 2048))
+    unpinned = torch.export.export(model, (), {"input_ids": ids}, strict=False).module()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        eager, pinned, raw = model(ids), gm(input_ids=ids), unpinned(input_ids=ids)
+    good = (pinned.float() - eager.float()).abs().max().item()
+    bad = (raw.float() - eager.float()).abs().max().item()
+    assert good < 0.05 < bad

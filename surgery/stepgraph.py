@@ -1,0 +1,98 @@
+"""Decode steps with every shape fixed, replayed as one CUDA graph.
+
+A decode step of a small model launches about a thousand tiny kernels; issued from Python (the FX
+graph, or transformers' generate) the step is bound by the host: 50-150 ms per step for a 135M model
+on the H200 machine, whatever the context length. With the KV buffers at full capacity, the new
+token's slot and position given by a device tensor (DecodeState.index) and the GDN states updated in
+place, a step launches the same kernels on the same memory at every offset, so it is captured once
+per reset (batch, capacity) and then replayed: one launch per token.
+
+The capture runs two warm-up steps first (compiling kernels, filling the fused-weight caches); they
+write the KV slot of the current offset, which the real step rewrites with the same values, and
+advance the GDN states, which are restored afterwards."""
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+WARMUP = 2
+
+
+class StaticStep:
+    """One-token steps of a Decoder through the static path, as a CUDA graph when `cuda_graph`."""
+
+    def __init__(self, decoder, cuda_graph: bool):
+        self.decoder = decoder
+        self.cuda_graph = cuda_graph
+        self.release()
+
+    def release(self) -> None:
+        """Drop the captured graph (a reset reallocates the buffers it reads)."""
+        self.graph = self.ids = self.logits = None
+
+    def ready(self, ids: torch.Tensor) -> bool:
+        """Static steps need a capacity from reset, a prefill that allocated the buffers at that
+        capacity, and one token per row of the batch the buffers hold."""
+        dec = self.decoder
+        if dec.capacity is None or dec.state.offset == 0 or dec.state.offset >= dec.capacity:
+            return False
+        if ids.shape[1] != 1 or (dec.batch_size is not None and ids.shape[0] != dec.batch_size):
+            return False
+        if any(m.cache.recurrent is None for m in dec.gdn.values()):
+            return False
+        return all(m.static_ready(dec.capacity) for m in dec.attention.values())
+
+    def _run(self, ids: torch.Tensor) -> torch.Tensor:
+        dec = self.decoder
+        dec.state.static_length = dec.capacity
+        try:
+            out = dec.gm(input_ids=ids, **dec.gm.meta.get("extra_inputs", {}))
+        finally:
+            dec.state.static_length = None
+        return out.logits if hasattr(out, "logits") else out[0]
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        """Logits [B, 1, V] of one new token per row; advances the decoder's offset."""
+        dec = self.decoder
+        state = dec.state
+        if state.index is None or state.index.device != ids.device:
+            state.index = torch.zeros(1, dtype=torch.long, device=ids.device)
+        state.index.fill_(state.offset)
+        with torch.no_grad():
+            if self.cuda_graph and self.graph is None:
+                self._capture(ids)
+            if self.graph is None:
+                logits = self._run(ids)
+            else:
+                self.ids.copy_(ids)
+                self.graph.replay()
+                logits = self.logits.clone()
+        state.offset += 1
+        return logits
+
+    def _capture(self, ids: torch.Tensor) -> None:
+        dec = self.decoder
+        saved = {key: m.snapshot() for key, m in dec.gdn.items()}
+        self.ids = ids.clone()
+        current = torch.cuda.current_stream(ids.device)
+        side = torch.cuda.Stream(device=ids.device)
+        side.wait_stream(current)
+        try:
+            with torch.cuda.stream(side):
+                for _ in range(WARMUP):
+                    self._run(self.ids)
+            current.wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                self.logits = self._run(self.ids)
+            self.graph = graph
+        except Exception as exc:  # a kernel that cannot be captured: the same static steps, eagerly
+            current.wait_stream(side)
+            self.release()
+            self.cuda_graph = False
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            warnings.warn(f"Capturing the decode step as a CUDA graph failed ({first}); decoding without it.", stacklevel=3)
+        finally:
+            for key, m in dec.gdn.items():
+                m.restore(saved[key])
