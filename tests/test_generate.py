@@ -234,6 +234,21 @@ def test_batched_prompts_of_different_lengths(tiny, name):
     prompts = [prompt_of(n, 128, seed=n) for n in (4, 9, 4, 13)]
     batched = generate(graph, prompts, 12, eos_token_id=None)
     assert batched == [full_greedy(graph, p, 12)[0] for p in prompts]
+    assert generate(Decoder(graph, step_mode="static"), prompts, 12, eos_token_id=None) == batched
+
+
+def test_static_steps_fall_back_without_capacity_and_modes_are_checked(tiny):
+    """Static steps need buffers at a known capacity; without one the decoder grows its caches
+    (dynamic steps) and still matches. A CUDA graph on a CPU graph is a clear error."""
+    graph = hybrid(tiny("llama").graph.branch())
+    ids = torch.tensor([prompt_of(12, 128, seed=4)])
+    decoder = Decoder(graph, step_mode="static").reset(1)
+    got = torch.cat([decoder.prefill(ids[:, :6])] + [decoder.step(ids[:, t]) for t in range(6, 12)], dim=1)
+    torch.testing.assert_close(got, graph.logits(ids), atol=ATOL, rtol=1e-4)
+    with pytest.raises(DecodeError, match="step_mode"):
+        Decoder(graph, step_mode="fast")
+    with pytest.raises(DecodeError, match="CUDA"):
+        Decoder(graph, step_mode="cuda-graph")
 
 
 def test_eos_stops_and_sampling_is_seeded(tiny):
