@@ -173,6 +173,52 @@ def two_gpu(args, out: Path, report: dict, dump) -> None:
     dump()
 
 
+def build_inits(args, teacher, calibration, out: Path, report: dict, measure) -> None:
+    """Both students from the teacher (copy-only baseline; Taylor-Calibrate with the defaults plus
+    --set), saved as hybrids, and measured with the teacher."""
+    students = {"baseline": teacher.branch()}
+    PassManager(["select", "replace"], {"select": {"keep_ratio": args.keep_ratio}})(students["baseline"])
+    t = time.perf_counter()
+    students["taylor-calibrate"] = teacher.branch()
+    configs = {"select": {"keep_ratio": args.keep_ratio}, "calibrate": {"calibration": calibration}, "align": {"calibration": calibration}}
+    parse_options(args.set, into=configs)
+    PassManager(["select", "replace", "calibrate", "align"], configs)(students["taylor-calibrate"])
+    report["calibrate_align_s"] = time.perf_counter() - t
+    log(f"Taylor-Calibrate init in {report['calibrate_align_s']:.1f} s")
+    for name, graph in students.items():
+        save(graph, out / f"{name}-init", force=True)
+    report["models"] = {"teacher": measure("teacher", teacher.branch())}
+    for name, graph in students.items():
+        report["models"][f"{name} (init)"] = measure(f"{name} init", graph)
+
+
+def distill_config(args, students: dict, teacher, out: Path, report: dict, step_tokens: int) -> dict:
+    """The stage-2 KL config both students get; with --seconds-per-run the token budget comes from
+    timing three steps of the Taylor-Calibrate student first."""
+    if args.tokens is None:
+        if args.seconds_per_run is None:
+            raise SystemExit("give --tokens or --seconds-per-run")
+        tc = students["taylor-calibrate"]
+        probe = dataclasses.replace(tc, gm=copy.deepcopy(tc.gm), cache={})
+        probe_cfg = DistillConfig(tokens=3 * step_tokens, stage="kl", seq_len=args.seq_len, global_batch=args.global_batch,
+                                  schedule="constant", warmup=0.0, save_every=0, seed=0)
+        probe_summary = distill(probe, args.data, out / "probe", probe_cfg, teacher=teacher, force=True, progress=False)
+        rows = [json.loads(x) for x in (out / "probe" / "log.jsonl").read_text().splitlines() if x.strip()]
+        rate = max(r["tokens_per_s"] for r in rows if r.get("tokens_per_s"))
+        args.tokens = max(int(rate * args.seconds_per_run) // step_tokens, 10) * step_tokens
+        report["probe"] = {"tokens_per_s": rate, "tokens": args.tokens, "summary": probe_summary}
+        log(f"probe: {rate:,.0f} tokens/s -> {args.tokens:,} tokens per init")
+    eval_every = args.eval_every or max(args.tokens // 10, 1)
+    # checkpoints every ~tenth of the run, so a call that runs out of time leaves one to --resume from
+    save_every = max(args.tokens // 10 // step_tokens, 1) * step_tokens
+    cfg = dict(tokens=args.tokens, stage="kl", seq_len=args.seq_len, global_batch=args.global_batch, schedule="constant",
+               warmup=0.0, eval_text=args.eval, eval_tokens=args.eval_tokens, eval_every=eval_every, save_every=save_every,
+               seed=0, keep_checkpoints=1)
+    if args.lr is not None:
+        cfg |= {"lr_kl_new": args.lr, "lr_kl_copied": args.lr}
+    return cfg
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
@@ -194,6 +240,9 @@ def main() -> None:
     ap.add_argument("--two-gpu-tokens", type=int, default=None, help="default: half of --tokens")
     ap.add_argument("--two-gpu-only", action="store_true",
                     help="only the two-GPU rerun, from the inits and recovery.json an earlier run left in --out")
+    ap.add_argument("--resume", action="store_true",
+                    help="continue the run in --out (inits, finished runs and the distillation checkpoints are kept): "
+                         "a run longer than one device call is several calls")
     ap.add_argument("--two-gpu-later", action="store_true",
                     help="prepare the teacher directory for a later --two-gpu-only call instead of running it now")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke run: skip passkey lengths the model cannot hold")
@@ -218,6 +267,10 @@ def main() -> None:
         report = json.loads((out / "recovery.json").read_text())
         two_gpu(args, out, report, dump)
         return
+    resuming = args.resume and (out / "recovery.json").exists()
+    if resuming:
+        report = json.loads((out / "recovery.json").read_text())
+        log(f"resuming the run in {out}: {', '.join(report.get('runs', {})) or 'no distillation'} finished")
 
     # The teacher and both inits are built in bf16 on CUDA (as `surgery apply` does: fast), saved, and
     # reloaded in float32 for training (float32 master weights under bf16 autocast, as distill wants);
@@ -234,19 +287,6 @@ def main() -> None:
     log(f"teacher captured in {time.perf_counter() - t0:.1f} s")
 
     calibration = args.calibration or args.data
-    students = {}
-    students["baseline"] = teacher.branch()
-    PassManager(["select", "replace"], {"select": {"keep_ratio": args.keep_ratio}})(students["baseline"])
-    t = time.perf_counter()
-    students["taylor-calibrate"] = teacher.branch()
-    configs = {"select": {"keep_ratio": args.keep_ratio}, "calibrate": {"calibration": calibration}, "align": {"calibration": calibration}}
-    parse_options(args.set, into=configs)
-    PassManager(["select", "replace", "calibrate", "align"], configs)(students["taylor-calibrate"])
-    report["calibrate_align_s"] = time.perf_counter() - t
-    log(f"Taylor-Calibrate init in {report['calibrate_align_s']:.1f} s")
-    for name, graph in students.items():
-        save(graph, out / f"{name}-init", force=True)
-
     lengths = [int(x) for x in args.passkey_lengths.split(",")]
     if args.tiny:
         lengths = [x for x in lengths if x + 16 <= teacher.max_length]
@@ -260,41 +300,29 @@ def main() -> None:
         log(f"{name}: wikitext ppl {ppl['perplexity']:.2f}" + (f", passkey {pk['accuracy']:.0%} {pk['by_length']}" if pk else ""))
         return row
 
-    report["models"] = {"teacher": measure("teacher", teacher.branch())}
-    for name, graph in students.items():
-        report["models"][f"{name} (init)"] = measure(f"{name} init", graph)
-    dump()
+    names = ("baseline", "taylor-calibrate")
+    if not (resuming and all((out / f"{name}-init").exists() for name in names) and "models" in report):
+        build_inits(args, teacher, calibration, out, report, measure)
+        dump()
     t = time.perf_counter()
-    students = {name: load(out / f"{name}-init", device=device, dtype=torch.float32) for name in students}
+    done = report.get("runs", {})
+    students = {name: load(out / f"{name}-init", device=device, dtype=torch.float32) for name in names if name not in done}
     log(f"inits reloaded in float32 in {time.perf_counter() - t:.1f} s")
 
     step_tokens = args.seq_len * args.global_batch
-    if args.tokens is None:
-        if args.seconds_per_run is None:
-            raise SystemExit("give --tokens or --seconds-per-run")
-        tc = students["taylor-calibrate"]
-        probe = dataclasses.replace(tc, gm=copy.deepcopy(tc.gm), cache={})
-        probe_cfg = DistillConfig(tokens=3 * step_tokens, stage="kl", seq_len=args.seq_len, global_batch=args.global_batch,
-                                  schedule="constant", warmup=0.0, save_every=0, seed=0)
-        probe_summary = distill(probe, args.data, out / "probe", probe_cfg, teacher=teacher, force=True, progress=False)
-        rows = [json.loads(x) for x in (out / "probe" / "log.jsonl").read_text().splitlines() if x.strip()]
-        rate = max(r["tokens_per_s"] for r in rows if r.get("tokens_per_s"))
-        args.tokens = max(int(rate * args.seconds_per_run) // step_tokens, 10) * step_tokens
-        report["probe"] = {"tokens_per_s": rate, "tokens": args.tokens, "summary": probe_summary}
-        log(f"probe: {rate:,.0f} tokens/s -> {args.tokens:,} tokens per init")
-        del probe
-    eval_every = args.eval_every or max(args.tokens // 10, 1)
-    cfg = dict(tokens=args.tokens, stage="kl", seq_len=args.seq_len, global_batch=args.global_batch, schedule="constant",
-               warmup=0.0, eval_text=args.eval, eval_tokens=args.eval_tokens, eval_every=eval_every, save_every=0, seed=0,
-               keep_checkpoints=1)
-    if args.lr is not None:
-        cfg |= {"lr_kl_new": args.lr, "lr_kl_copied": args.lr}
+    if resuming and "distill_config" in report:
+        cfg = report["distill_config"]  # the same config, so the checkpoints resume
+    else:
+        cfg = distill_config(args, students, teacher, out, report, step_tokens)
     report["distill_config"] = cfg
-    runs = {}
+    runs = dict(done)
     for name, graph in students.items():
         run_out = out / f"distill-{name}"
-        log(f"distilling {name} for {args.tokens:,} tokens")
-        summary = distill(graph, args.data, run_out, DistillConfig(**cfg), teacher=teacher, force=True, progress=False)
+        again = resuming and any(run_out.glob("checkpoint-*"))
+        log(f"distilling {name} for {cfg['tokens']:,} tokens" + (" (resumed)" if again else ""))
+        summary = distill(graph, args.data, run_out, DistillConfig(**cfg), teacher=teacher, resume=again, force=not again, progress=False)
+        if again:  # resume trains the checkpoint, not this graph
+            graph = load(summary["checkpoint"], device=device, dtype=torch.float32)
         curve = read_curve(run_out)
         runs[name] = {"summary": summary, "curve": curve, "tokens_per_s": mean_rate(run_out, "tokens_per_s"),
                       "flops_per_s": mean_rate(run_out, "flops_per_s"),
@@ -303,6 +331,7 @@ def main() -> None:
         report["models"][f"{name} (distilled)"] = measure(f"{name} distilled", graph)
         report["runs"] = runs
         dump()
+    args.tokens = cfg["tokens"]
 
     # tokens-to-target on the eval subset, relative to the teacher's perplexity on the same subset
     teacher_subset = runs["taylor-calibrate"]["teacher_ppl_subset"]
@@ -320,10 +349,11 @@ def main() -> None:
         ladder.append({"multiple": m, "target_ppl": target, "baseline_tokens": b, "tc_tokens": tc, "ratio": ratio})
     report["tokens_to_target"] = ladder
 
-    graph = students["taylor-calibrate"]
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, teacher.config.vocab_size, (args.global_batch, args.seq_len), generator=g).to(device)
-    report["plain_step"] = plain_step_flops(graph, ids, args.plain_steps, cuda)
+    if "plain_step" not in report:  # the same hybrid (its weights do not change the FLOP/s)
+        graph = students.get("taylor-calibrate") or load(out / "taylor-calibrate-init", device=device, dtype=torch.float32)
+        g = torch.Generator().manual_seed(0)
+        ids = torch.randint(0, teacher.config.vocab_size, (args.global_batch, args.seq_len), generator=g).to(device)
+        report["plain_step"] = plain_step_flops(graph, ids, args.plain_steps, cuda)
     report["distill_vs_plain_flops"] = runs["taylor-calibrate"]["flops_per_s"] / report["plain_step"]["flops_per_s"]
     dump()
     plot({k: v["curve"] for k, v in runs.items()}, teacher_subset, results_dir / "recovery.png",

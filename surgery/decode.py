@@ -539,6 +539,7 @@ class Decoder:
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Feed T new tokens [B, T] after those already cached; logits [B, T, V]."""
         input_ids = self._checked(input_ids)
+        self._static.release()  # this call may move the GDN states to new tensors a captured step would not read
         with torch.no_grad():
             out = self.gm(input_ids=input_ids, **self.gm.meta.get("extra_inputs", {}))
         self.state.offset += input_ids.shape[1]
