@@ -317,3 +317,38 @@ def test_cli_errors(runner, stories_path, tiny, tmp_path):
     saved = tmp_path / "hybrid"
     surgery.save(hybrid(tiny("llama").graph.branch()), saved)  # a model built from a config: no tokenizer
     assert_clean_failure(invoke(runner, "--model", saved, "--prompt", "hello", "--device", "cpu"), "tokenizer")
+
+
+def test_cuda_graph_capture_logic_with_a_stand_in_graph(tiny, monkeypatch):
+    """The capture path of surgery.stepgraph on the CPU, with torch.cuda's stream and graph API
+    replaced by stand-ins whose replay reruns the static step on the captured input buffer: the
+    warm-up steps must not advance the GDN states (they are restored), and each replay must read
+    the ids copied into that buffer and the offset set before it."""
+    import contextlib
+
+    from surgery import stepgraph
+
+    graph = hybrid(tiny("llama").graph.branch(), use_short_conv=True)
+    decoder = Decoder(graph, step_mode="static")
+    step = decoder._static
+    replays = []
+
+    class StandInGraph:
+        def replay(self):
+            replays.append(decoder.state.offset)
+            step.logits.copy_(step._run(step.ids))
+
+    fake_cuda = type("cuda", (), {
+        "current_stream": staticmethod(lambda device=None: type("S", (), {"wait_stream": lambda self, other: None})()),
+        "Stream": staticmethod(lambda device=None: type("S", (), {"wait_stream": lambda self, other: None})()),
+        "stream": staticmethod(lambda s: contextlib.nullcontext()),
+        "CUDAGraph": StandInGraph,
+        "graph": staticmethod(lambda g: contextlib.nullcontext()),
+    })
+    monkeypatch.setattr(stepgraph.torch, "cuda", fake_cuda)
+    step.cuda_graph = True
+    ids = torch.tensor([prompt_of(14, 128, seed=8)])
+    decoder.reset(1, 14)
+    got = [decoder.prefill(ids[:, :6])] + [decoder.step(ids[:, t]) for t in range(6, 14)]
+    torch.testing.assert_close(torch.cat(got, dim=1), graph.logits(ids), atol=ATOL, rtol=1e-4)
+    assert isinstance(step.graph, StandInGraph) and replays == list(range(6, 14))
