@@ -310,7 +310,6 @@ class _Core:
     scale: float
     softcap: float | None
     rule: _MaskRule | None
-    check_len: int            # the mask's meaning was checked at this length
     exact_len: int            # the rule is trusted up to this length (mask probe, or the check)
     window: int | None = None
 
@@ -366,7 +365,7 @@ class Decoder:
         self.gdn: dict[int, GDNDecode] = {}
         for n in list(gm.graph.nodes):
             if n.op == "call_module" and isinstance(gm.get_submodule(n.target), GatedDeltaNet):
-                wrapper = GDNDecode(gm.get_submodule(n.target), self.state)
+                wrapper = GDNDecode(gm.get_submodule(n.target))
                 key = wrapper.layer if wrapper.layer is not None else len(self.gdn)
                 set_submodule(gm, f"_decode_gdn.layer{key}", wrapper)
                 n.target = f"_decode_gdn.layer{key}"
@@ -447,7 +446,7 @@ class Decoder:
             exact = UNLIMITED if window is not None else long
         if exact >= self.max_length:
             exact = UNLIMITED
-        return _Core(layer, attn, q, k, v, float(scale), softcap, rule, check, exact, window)
+        return _Core(layer, attn, q, k, v, float(scale), softcap, rule, exact, window)
 
     def _eager_rule(self, gm, softmax, logits_mm, path, length, layer):
         """The eager mask: push zero scores through the score path (scale, softcap, mask) at `length`;
@@ -537,20 +536,22 @@ class Decoder:
         return self
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Feed T new tokens [B, T] after those already cached; logits [B, T, V]."""
-        input_ids = self._checked(input_ids)
-        self._static.release()  # this call may move the GDN states to new tensors a captured step would not read
+        """Feed T new tokens [B, T] (or one row [T]) after those already cached; logits [B, T, V]."""
+        return self._run(self._checked(input_ids))
+
+    __call__ = forward
+
+    def _run(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The graph on checked ids (see _checked), advancing the offset."""
         with torch.no_grad():
             out = self.gm(input_ids=input_ids, **self.gm.meta.get("extra_inputs", {}))
         self.state.offset += input_ids.shape[1]
         return out.logits if hasattr(out, "logits") else out[0]
 
-    __call__ = forward
-
     def _checked(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids on the graph's device, after every check of what the caches can take."""
         if input_ids.dim() == 1:
-            input_ids = input_ids[:, None]
+            input_ids = input_ids[None]
         if input_ids.dim() != 2 or input_ids.shape[1] < 1:
             raise DecodeError(f"Token ids must be [batch, length >= 1], got shape {tuple(input_ids.shape)}.", "Pass a 2-D LongTensor.")
         if self.batch_size is not None and input_ids.shape[0] != self.batch_size:
@@ -578,7 +579,7 @@ class Decoder:
         ids = self._checked(next_ids.reshape(-1, 1))
         if self.step_mode != "dynamic" and self._static.ready(ids):
             return self._static(ids)
-        return self.forward(ids)
+        return self._run(ids)
 
     def cache_bytes(self, per_layer: bool = False) -> dict:
         """Bytes held by the caches, by layer kind ({"attention", "gdn", "total"}) or by layer."""
@@ -752,7 +753,10 @@ def generate(model, prompts, max_new_tokens: int, *, temperature: float | None =
     generator = None
     if temperature:
         generator = torch.Generator(device=graph.device)
-        generator.manual_seed(0 if seed is None else seed)
+        if seed is None:
+            generator.seed()  # a fresh draw each call, as transformers samples without a seed
+        else:
+            generator.manual_seed(seed)
     results: list[list[int]] = [[] for _ in prompts]
     groups: dict[int, list[int]] = {}
     for i, p in enumerate(prompts):

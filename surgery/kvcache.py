@@ -10,6 +10,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from tcal.gdn import GDNCache
+
 from .errors import DecodeError
 
 
@@ -250,36 +252,33 @@ class KVCacheAttention(nn.Module):
 
 class GDNDecode(nn.Module):
     """A GatedDeltaNet of the graph with the GDNCache it carries between calls (the module itself is
-    shared with the graph, which stays stateless). In static steps the new state is copied into the
-    tensors that held the old one, so a captured step reads and writes the same memory each replay."""
+    shared with the graph, which stays stateless). Its state tensors keep their memory from the
+    prefill on, so a captured step reads and writes the same memory each replay."""
 
-    def __init__(self, gdn: nn.Module, state: DecodeState | None = None):
+    def __init__(self, gdn: nn.Module):
         super().__init__()
         self.gdn = gdn
-        self._state = (state,)
         self.layer = getattr(gdn, "layer_idx", None)
         self.reset()
 
     def reset(self) -> None:
-        from tcal.gdn import GDNCache
-
         self.cache = GDNCache()
 
     def nbytes(self) -> int:
         return self.cache.nbytes()
 
     def forward(self, hidden_states):
-        state = self._state[0]
-        if state is None or not state.static or self.cache.recurrent is None:
-            return self.gdn(hidden_states, cache=self.cache)
-        from tcal.gdn import GDNCache
-
+        """The layer continued from the cache. A new state is copied into the tensors that held the
+        old one (when shapes agree), so their memory stays where a captured step reads it."""
         work = GDNCache()
         work.recurrent, work.conv = self.cache.recurrent, dict(self.cache.conv)
         out = self.gdn(hidden_states, cache=work)
-        self.cache.recurrent.copy_(work.recurrent)
-        for name, tensor in work.conv.items():
-            self.cache.conv[name].copy_(tensor)
+        if self.cache.recurrent is not None and self.cache.recurrent.shape == work.recurrent.shape:
+            self.cache.recurrent.copy_(work.recurrent)
+            for name, tensor in work.conv.items():
+                self.cache.conv[name].copy_(tensor)
+        else:
+            self.cache = work
         return out
 
     def snapshot(self) -> list:

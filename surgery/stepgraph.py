@@ -39,6 +39,8 @@ class StaticStep:
             return False
         if ids.shape[1] != 1 or (dec.batch_size is not None and ids.shape[0] != dec.batch_size):
             return False
+        if self.graph is not None:  # captured on these buffers, which keep their memory until reset
+            return ids.shape[0] == self.ids.shape[0]
         if any(m.cache.recurrent is None for m in dec.gdn.values()):
             return False
         return all(m.static_ready(dec.capacity) for m in dec.attention.values())
