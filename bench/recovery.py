@@ -39,7 +39,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from surgery import PassManager, capture, load, save  # noqa: E402
-from surgery.distill import DistillConfig, distill  # noqa: E402
+from surgery.distill import DistillConfig, distill, forward_params  # noqa: E402
 from surgery.evaluate import perplexity, read_text, tokenize  # noqa: E402
 from surgery.load import load_model  # noqa: E402
 from surgery.passkey import passkey  # noqa: E402
@@ -67,7 +67,7 @@ def plain_step_flops(graph, ids: torch.Tensor, steps: int, autocast: bool) -> di
     flags = [p.requires_grad for p in params]
     for p in params:
         p.requires_grad_(True)
-    n = sum(p.numel() for name, p in gm.named_parameters() if "embed" not in name or p.dim() != 2)
+    n = forward_params(gm)  # the same count distillation's FLOP/s uses (a tied embedding is the LM head too)
     opt = torch.optim.AdamW(params, lr=1e-6)
     extra = gm.meta.get("extra_inputs", {})
     ctx = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if autocast else (lambda: torch.autocast("cpu", enabled=False))

@@ -3,6 +3,7 @@ command; only rank 0 prints."""
 from __future__ import annotations
 
 import json
+from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import List, Optional
 
@@ -19,11 +20,11 @@ def count(text: str, option: str) -> int:
     """'100M', '1.5k', '4096' -> an integer number of tokens."""
     raw = str(text).strip().replace("_", "").replace(",", "")
     scale = _SUFFIXES.get(raw[-1:].lower(), 1)
-    try:
-        value = float(raw[:-1] if scale != 1 else raw) * scale
-    except ValueError:
+    try:  # Decimal: '16.1k' is exactly 16100 (a float product is 16100.000000000002)
+        value = Decimal(raw[:-1] if scale != 1 else raw) * scale
+    except InvalidOperation:
         raise SurgeryError(f"{option} '{text}' is not a number of tokens.", f"Write e.g. {option} 100M, 2.5k or 4096.") from None
-    if value != int(value):
+    if not value.is_finite() or value != value.to_integral_value():
         raise SurgeryError(f"{option} '{text}' is not a whole number of tokens.", f"Write e.g. {option} 100M.")
     return int(value)
 

@@ -86,10 +86,9 @@ _AUTOCAST_LOWERED = {
 }
 
 
-def without_autocast(op, *args, **kwargs):
-    """Run one captured op with autocast off, in the dtype it was captured in."""
-    device = next((a.device.type for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), "cpu")
-    with torch.autocast(device_type=device, enabled=False):
+def without_autocast(op, device_type: str, *args, **kwargs):
+    """Run one captured op with autocast for `device_type` off, in the dtype it was captured in."""
+    with torch.autocast(device_type=device_type, enabled=False):
         return op(*args, **kwargs)
 
 
@@ -107,8 +106,9 @@ def pin_position_precision(gm: torch.fx.GraphModule) -> int:
     value = token_dependent(gm, ids)
     pinned = 0
     for n in gm.graph.nodes:
-        if n.op == "call_function" and n not in value and getattr(n.target, "overloadpacket", None) in _AUTOCAST_LOWERED:
-            n.args = (n.target, *n.args)
+        if (n.op == "call_function" and n not in value and getattr(n.target, "overloadpacket", None) in _AUTOCAST_LOWERED
+                and isinstance(n.meta.get("val"), torch.Tensor)):
+            n.args = (n.target, n.meta["val"].device.type, *n.args)  # the device it was traced on
             n.target = without_autocast
             pinned += 1
     if pinned:

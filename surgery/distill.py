@@ -567,7 +567,9 @@ class _Run:
         if not self.resume and out.exists():
             shutil.rmtree(out)
         out.mkdir(parents=True, exist_ok=True)
-        for stale in out.glob(f".{PREFIX}*"):  # temporary checkpoint directories of a killed run
+        # temporary checkpoint directories of a killed run: ours (.checkpoint-N.pid) and the one
+        # checkpoint.save makes beside it (..checkpoint-N.pid.XXXX)
+        for stale in out.glob(f".*{PREFIX}*"):
             shutil.rmtree(stale, ignore_errors=True)
         if not self.resume or self.saved_run is None:
             _write_json_atomic(out / RUN_FILE, {
@@ -695,7 +697,7 @@ class _Run:
             _set_rng_state(state["rng"])
         else:
             torch.manual_seed(c.seed)
-        reporter = _Reporter(progress and place.main, c.tokens, total_steps)
+        reporter = _Reporter(progress and place.main, total_steps * c.tokens_per_step, total_steps)  # whole steps: at most c.tokens
         summary = dict(state["summary"]) if state else {"loss": None, "eval_ppl": None, "teacher_ppl": None}
         last_path = checkpoints(self.out)[-1][1] if state else None
         if state is None:
@@ -812,7 +814,8 @@ def distill(model, data, out, config: DistillConfig, *, teacher=None, resume: bo
     resume    continue from out's last checkpoint (same config, data and teacher); a Graph `model` is
               then ignored in favour of the checkpoint
     dtype     of the student's (master) weights, float32 by default; on CUDA, compute runs under bf16
-              autocast and the teacher is held in bf16
+              autocast and a teacher captured here (a source, or the recipe's) is held in bf16;
+              a Graph or in-memory teacher keeps the dtype it has
     on_step   called with each step's log record after its checkpoint (if any) is written
     Under torchrun (WORLD_SIZE > 1) each process runs this with the same arguments; it joins or starts
     the process group (nccl on CUDA, gloo on CPU) and trains with DDP.
