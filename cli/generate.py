@@ -82,14 +82,13 @@ def generate(
 ):
     """Continue prompts with a teacher or a saved hybrid (KV cache for attention, recurrent state for GDN)."""
     from surgery.cli.app import _guard, _placement, err, open_model
-    from surgery.decode import Decoder, generate as decode_generate
+    from surgery.decode import Decoder, check_sampling, generate as decode_generate
 
     with _guard(debug):
         prompts = read_prompts(prompt, prompt_file)
         if max_new_tokens < 1:
             raise SurgeryError(f"--max-new-tokens must be at least 1, got {max_new_tokens}.", "Pass e.g. --max-new-tokens 64.")
-        if temperature < 0 or (top_p is not None and not 0 < top_p <= 1) or (top_k is not None and top_k < 1):
-            raise SurgeryError("Sampling options out of range.", "Use --temperature >= 0, --top-k >= 1 and 0 < --top-p <= 1.")
+        check_sampling(temperature, top_k, top_p)  # before the model loads
         dev, dt = _placement(device, dtype)
         err.print(f"loading {model} on {dev} ({str(dt).removeprefix('torch.')})")
         graph = open_model(model, dev, dt, debug)

@@ -699,6 +699,13 @@ def _eos_ids(graph, eos) -> set:
     return {int(e) for e in (eos if isinstance(eos, (list, tuple, set)) else [eos])}
 
 
+def check_sampling(temperature: float | None, top_k: int | None, top_p: float | None) -> None:
+    """Refuse sampling options that do not describe a distribution."""
+    if (temperature is not None and temperature < 0) or (top_p is not None and not 0 < top_p <= 1) or (top_k is not None and top_k < 1):
+        raise DecodeError(f"Sampling options out of range (temperature {temperature}, top_k {top_k}, top_p {top_p}).",
+                          "Use temperature >= 0, top_k >= 1 and 0 < top_p <= 1.")
+
+
 def sample(logits: torch.Tensor, *, temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
            generator: torch.Generator | None = None) -> torch.Tensor:
     """Next token per row from logits [B, V]: argmax when temperature is 0/None, else sampling
@@ -732,6 +739,7 @@ def generate(model, prompts, max_new_tokens: int, *, temperature: float | None =
     Prompts of different lengths are grouped by length and each group is decoded as one batch (exact,
     with no padding inside the caches); a row that has ended keeps being fed but its tokens are
     dropped."""
+    check_sampling(temperature, top_k, top_p)
     decoder = model if isinstance(model, Decoder) else Decoder(model)
     graph = decoder.graph
     if isinstance(prompts, torch.Tensor):

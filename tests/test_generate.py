@@ -352,3 +352,21 @@ def test_cuda_graph_capture_logic_with_a_stand_in_graph(tiny, monkeypatch):
     got = [decoder.prefill(ids[:, :6])] + [decoder.step(ids[:, t]) for t in range(6, 14)]
     torch.testing.assert_close(torch.cat(got, dim=1), graph.logits(ids), atol=ATOL, rtol=1e-4)
     assert isinstance(step.graph, StandInGraph) and replays == list(range(6, 14))
+
+
+def test_sampling_options_are_checked_and_unseeded_sampling_varies(tiny):
+    graph = tiny("llama").graph
+    decoder = Decoder(graph)
+    prompt = prompt_of(5, 128, seed=5)
+    for bad in ({"temperature": -1.0}, {"temperature": 1.0, "top_p": 0.0}, {"temperature": 1.0, "top_k": 0}):
+        with pytest.raises(DecodeError, match="Sampling options"):
+            generate(decoder, [prompt], 4, **bad)
+    draws = {tuple(generate(decoder, [prompt], 12, temperature=5.0, eos_token_id=None)[0]) for _ in range(4)}
+    assert len(draws) > 1  # no seed: not the same draw every call
+
+
+def test_a_one_dimensional_prompt_is_one_row(tiny):
+    graph = tiny("llama").graph
+    ids = torch.tensor(prompt_of(6, 128, seed=3))
+    got = Decoder(graph).reset(1, 8).prefill(ids)
+    torch.testing.assert_close(got, graph.logits(ids[None]), atol=ATOL, rtol=1e-4)
