@@ -45,10 +45,11 @@ def token_stream(tokenizer, files: list[str] | None) -> torch.Tensor:
     """All files tokenised and concatenated (1-D), cached on disk by content and tokenizer."""
     paths = [Path(f) for f in files] if files else [builtin_sample()]
     pieces = []
+    fingerprint = tokenizer_fingerprint(tokenizer)  # hashes the whole vocabulary: once, not per file
     for path in paths:
         if not path.exists():
             raise CalibrationError(f"Calibration file '{path}' does not exist.", "Check the path given to --calibration.")
-        cache = cache_dir() / f"{sha256_file(path)[:24]}-{tokenizer_fingerprint(tokenizer)}.pt"
+        cache = cache_dir() / f"{sha256_file(path)[:24]}-{fingerprint}.pt"
         if cache.exists():
             pieces.append(torch.load(cache))
             continue

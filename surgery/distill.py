@@ -510,10 +510,10 @@ class _Run:
                 raise DistillError(f"seq_len {c.seq_len} exceeds what the {who} graph takes ({g.max_length} tokens).", f"Use --seq-len {g.max_length} or less.")
         tokenizer = self.teacher.tokenizer or self.student.tokenizer
         if self.place.main:  # rank 0 tokenises; the others then find the cache
-            corpus = TokenCorpus.build(data, tokenizer)
+            corpus = TokenCorpus.build(data, tokenizer, digests=self.digests)
         self.place.barrier()
         if not self.place.main:
-            corpus = TokenCorpus.build(data, tokenizer)
+            corpus = TokenCorpus.build(data, tokenizer, digests=self.digests)
         self.corpus = corpus
         self.order = WindowOrder(corpus, c.seq_len, c.global_batch, c.seed)
         if resume and self.saved_run and self.saved_run["corpus"] != corpus.key:

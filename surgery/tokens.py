@@ -78,13 +78,14 @@ class TokenCorpus:
         return int(self.ids.shape[0])
 
     @classmethod
-    def build(cls, files, tokenizer, *, cache_dir: Path | None = None) -> "TokenCorpus":
-        """Tokenise (or find in the cache) the files; raise DataError for missing or empty data."""
+    def build(cls, files, tokenizer, *, digests: list[str] | None = None, cache_dir: Path | None = None) -> "TokenCorpus":
+        """Tokenise (or find in the cache) the files; raise DataError for missing or empty data.
+        `digests`: the files' sha256 when the caller has them already (a large corpus is read once)."""
         paths = check_files(files)
         if tokenizer is None:
             raise DataError("Neither the teacher nor the hybrid has a tokenizer to read the training text with.", "Use a teacher source that carries one (a GGUF or a model directory with tokenizer files).")
         dtype = _token_dtype(tokenizer)
-        digests = [file_digest(p) for p in paths]
+        digests = digests or [file_digest(p) for p in paths]
         key = hashlib.sha256(json.dumps([FORMAT, digests, tokenizer_fingerprint(tokenizer)]).encode()).hexdigest()[:24]
         folder = cache_dir or cache_root()
         target = folder / f"{key}.{dtype.name}"
