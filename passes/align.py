@@ -13,7 +13,6 @@ from surgery.pass_base import Pass, PassResult, register
 from tcal.align import AlignOptions, align_layers
 
 from ._calibration_data import CalibrationDataConfig, teacher_data
-from .calibrate import gdn_modules
 
 
 @dataclass
@@ -43,7 +42,7 @@ class Align(Pass):
     def run(self, graph: Graph) -> PassResult:
         start = time.perf_counter()
         data = teacher_data(graph, self.config)
-        modules = gdn_modules(graph)
+        modules = graph.gdn_modules()
         pairs = {l: (data[l].x, data[l].target) for l in modules}
         show = self.config.progress and sys.stderr.isatty()
         with Progress(TextColumn("align"), BarColumn(), TextColumn("{task.completed}/{task.total} steps"),

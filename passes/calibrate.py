@@ -30,11 +30,6 @@ class CalibrateConfig(CalibrationDataConfig, Phase1Options):
         return Phase1Options(**{f.name: getattr(self, f.name) for f in fields(Phase1Options)})
 
 
-def gdn_modules(graph: Graph) -> dict:
-    modules = graph.meta["replace"]["modules"]
-    return {int(l): graph.gm.get_submodule(entry["target"]) for l, entry in modules.items()}
-
-
 @register
 class Calibrate(Pass):
     name = "calibrate"
@@ -47,7 +42,7 @@ class Calibrate(Pass):
         data = teacher_data(graph, self.config)
         options = self.config.phase1()
         reports = {}
-        for layer, gdn in gdn_modules(graph).items():
+        for layer, gdn in graph.gdn_modules().items():
             d = data[layer]
             try:
                 reports[layer] = calibrate_layer(gdn, d.x, d.ctx, d.target, d.stats, options)

@@ -197,8 +197,7 @@ class Select(Pass):
         layers = list(range(graph.num_layers))
         configs = {"select": {"policy": "convert", "layers": layers}} | {n: self.init_config(n).to_dict() for n in ["replace", *init]}
         PassManager(["select", "replace", *init], configs)(branch)
-        modules = branch.meta["replace"]["modules"]
-        return {l: (modules[str(l)]["target"], branch.gm.get_submodule(modules[str(l)]["target"])) for l in layers}
+        return {l: (t, branch.gm.get_submodule(t)) for l, t in branch.gdn_targets().items()}
 
     def replay(self, graph: Graph, decisions: dict) -> None:
         graph.meta["select"] = decisions

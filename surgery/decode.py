@@ -332,8 +332,6 @@ class Decoder:
     CUDA, dynamic elsewhere."""
 
     def __init__(self, graph, *, verify: bool = True, mask_probe: int = MASK_PROBE, step_mode: str = "auto"):
-        from tcal.gdn import GatedDeltaNet
-
         if step_mode not in STEP_MODES:
             raise DecodeError(f"Unknown step_mode {step_mode!r}.", f"Use one of: {', '.join(STEP_MODES)}.")
         if step_mode == "cuda-graph" and graph.device.type != "cuda":
@@ -363,13 +361,13 @@ class Decoder:
             splice_module(gm, f"_decode_attn.layer{core.layer}", module, inputs, core.attn)
             del module._k_src, module._v_src
         self.gdn: dict[int, GDNDecode] = {}
+        layer_of = {t: l for l, t in graph.gdn_targets().items()}  # the fork keeps the module paths
         for n in list(gm.graph.nodes):
-            if n.op == "call_module" and isinstance(gm.get_submodule(n.target), GatedDeltaNet):
-                wrapper = GDNDecode(gm.get_submodule(n.target))
-                key = wrapper.layer if wrapper.layer is not None else len(self.gdn)
-                set_submodule(gm, f"_decode_gdn.layer{key}", wrapper)
-                n.target = f"_decode_gdn.layer{key}"
-                self.gdn[key] = wrapper
+            if n.op == "call_module" and n.target in layer_of:
+                layer = layer_of[n.target]
+                self.gdn[layer] = GDNDecode(gm.get_submodule(n.target))
+                set_submodule(gm, f"_decode_gdn.layer{layer}", self.gdn[layer])
+                n.target = f"_decode_gdn.layer{layer}"
         prune(gm)
         set_submodule(gm, "_decode", self.state)
         _rewrite_positions(gm, self.lengths, "_decode")

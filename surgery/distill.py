@@ -177,12 +177,6 @@ def lr_factor(step: int, steps: int, warmup: float, schedule: str, min_ratio: fl
 # the graph side: parameter groups, teacher taps, FLOP counts
 
 
-def gdn_targets(graph: Graph) -> dict[int, str]:
-    """layer -> module path of its GDN, in layer order."""
-    modules = graph.meta.get("replace", {}).get("modules", {})
-    return {int(l): modules[str(l)]["target"] for l in sorted(int(k) for k in modules)}
-
-
 def param_kind(name: str, targets) -> str:
     for target in targets:
         if name.startswith(target + "."):
@@ -194,7 +188,7 @@ def param_groups(graph: Graph, lrs: dict[str, float], weight_decay: float) -> li
     """AdamW groups per kind (new / copied / rest) with lr > 0; 1-D tensors and parameters marked
     _no_weight_decay (A_log, dt_bias) get no weight decay. Order follows named_parameters, which a
     reloaded hybrid reproduces, so optimizer states line up on resume."""
-    targets = list(gdn_targets(graph).values())
+    targets = list(graph.gdn_targets().values())
     buckets: dict[tuple[str, bool], list] = {}
     for name, p in graph.gm.named_parameters():
         kind = param_kind(name, targets)
@@ -335,7 +329,7 @@ def open_student(model, device, dtype) -> tuple[Graph, str]:
         if not (path.is_dir() and (path / "recipe.json").exists()):
             raise DistillError(f"'{path}' is not a saved hybrid (no recipe.json).", "Convert the teacher first (`surgery apply --model M --out DIR`), then distill DIR.")
         graph, name = load(path, device=device, dtype=dtype), str(path.resolve())
-    if not gdn_targets(graph):
+    if not graph.gdn_targets():
         raise DistillError(f"'{name}' has no GDN layers: its recipe converts nothing.", "Run `surgery apply` with select and replace first.")
     return graph, name
 
@@ -387,7 +381,7 @@ def open_teacher(student: Graph, teacher, device, dtype) -> tuple[Graph, str]:
 def _check_teacher(student: Graph, teacher: Graph, name: str) -> None:
     if len(teacher.sites) != len(student.sites):
         raise DistillError(f"The teacher {name} has {len(teacher.sites)} attention layers, the hybrid {len(student.sites)}.", "Pass the teacher the hybrid was converted from (--teacher).")
-    targets = list(gdn_targets(student).values())
+    targets = list(student.gdn_targets().values())
     mine = {n: p for n, p in student.gm.named_parameters() if param_kind(n, targets) == "rest"}
     theirs = dict(teacher.gm.named_parameters())
     common = set(mine) & set(theirs)
@@ -528,7 +522,7 @@ class _Run:
             self.eval_ids = ids
         self.extra_s = self.student.gm.meta.get("extra_inputs", {})
         self.extra_t = self.teacher.gm.meta.get("extra_inputs", {})
-        self.layers = gdn_targets(self.student)
+        self.layers = self.student.gdn_targets()
         self.gdn = {l: self.student.gm.get_submodule(t) for l, t in self.layers.items()}
         if self.place.main:
             self._start_files(data)

@@ -46,6 +46,15 @@ class Graph:
     def num_layers(self) -> int:
         return len(self.sites)
 
+    def gdn_targets(self) -> dict[int, str]:
+        """layer -> module path of the GDN the replace pass put there, in layer order."""
+        modules = self.meta.get("replace", {}).get("modules", {})
+        return {int(l): modules[str(l)]["target"] for l in sorted(int(k) for k in modules)}
+
+    def gdn_modules(self) -> dict[int, torch.nn.Module]:
+        """layer -> the GatedDeltaNet module placed there, in layer order."""
+        return {l: self.gm.get_submodule(t) for l, t in self.gdn_targets().items()}
+
     @property
     def layer_kinds(self) -> list[str]:
         """'attention' or 'gdn' per layer, as the passes left it."""

@@ -258,7 +258,6 @@ class GDNDecode(nn.Module):
     def __init__(self, gdn: nn.Module):
         super().__init__()
         self.gdn = gdn
-        self.layer = getattr(gdn, "layer_idx", None)
         self.reset()
 
     def reset(self) -> None:

@@ -20,7 +20,7 @@ from typer.testing import CliRunner
 import surgery
 from surgery import PassManager
 from surgery.capture import placeholder_values
-from surgery.distill import (DistillConfig, DistillError, distill, forward_params, gdn_targets, gradient_checkpointing, lr_factor,
+from surgery.distill import (DistillConfig, DistillError, distill, forward_params, gradient_checkpointing, lr_factor,
                              param_kind, tap_module)
 from surgery.evaluate import perplexity, tokenize
 from surgery.tokens import DataError, TokenCorpus, WindowOrder
@@ -156,7 +156,7 @@ def test_parameter_groups_and_schedule():
 
 
 def test_gradient_checkpointing_keeps_gradients_and_drops_saved_activations(loaded):
-    gdn = fresh(loaded).gm.get_submodule(gdn_targets(loaded)[1])
+    gdn = fresh(loaded).gm.get_submodule(loaded.gdn_targets()[1])
     x = torch.randn(2, 40, gdn.hidden_size, generator=torch.Generator().manual_seed(0))
 
     def run(enabled):
@@ -198,7 +198,7 @@ def test_loss_decreases(stage, loaded, hybrid, files, stories_teacher, tmp_path)
     assert result["tokens_per_s"] > 0 and result["flops_per_s"] > result["tokens_per_s"] * 6 * 1000
     trained = dict(start.gm.named_parameters())
     original = load_file(hybrid / "model.safetensors")
-    targets = list(gdn_targets(start).values())
+    targets = list(start.gdn_targets().values())
     moved = {param_kind(n, targets) for n, p in trained.items() if n in original and not torch.equal(p.detach(), original[n])}
     # stage l2 fits the GDN layers only; stage kl moves the rest of the model too
     assert moved == ({"new", "copied"} if stage == "l2" else {"new", "copied", "rest"})
