@@ -44,7 +44,7 @@ class SelectConfig(CalibrationDataConfig):
     calibration, samples, length, seed, batch_size   the scoring text (ar, greedy), as for calibrate
     init            greedy: passes applied after replace in every probe (default: the pipeline's
                     calibrate/align, else calibrate,align); "calibrate" alone skips Phase 2 for speed
-    init_configs    greedy: {"replace"|"calibrate"|"align": options} for the probes (default: the pipeline's)"""
+    init_configs    greedy: {"replace"|"calibrate"|"align": options} for the probes, over the pipeline's"""
 
     policy: str = "uniform"
     keep_ratio: float | None = 0.5
@@ -128,7 +128,9 @@ class Select(Pass):
         if c.policy != "greedy":
             return
         names = [p.name for p in pipeline]
-        updates = {"init_configs": {p.name: p.config.to_dict() for p in pipeline if p.name in INIT_CONFIGS} | (c.init_configs or {})}
+        base = {p.name: p.config.to_dict() for p in pipeline if p.name in INIT_CONFIGS}
+        user = c.init_configs or {}  # given options win one by one, the pipeline's others stay
+        updates = {"init_configs": {n: base.get(n, {}) | user.get(n, {}) for n in [*base, *(n for n in user if n not in base)]}}
         if c.init is None and "replace" in names:
             updates["init"] = [n for n in names if n in DEFAULT_INIT]
         self.config = self.config_cls.from_dict(c.to_dict() | updates)
