@@ -69,7 +69,6 @@ def plain_step_flops(graph, ids: torch.Tensor, steps: int, autocast: bool) -> di
         p.requires_grad_(True)
     n = forward_params(gm)  # the same count distillation's FLOP/s uses (a tied embedding is the LM head too)
     opt = torch.optim.AdamW(params, lr=1e-6)
-    extra = gm.meta.get("extra_inputs", {})
     ctx = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if autocast else (lambda: torch.autocast("cpu", enabled=False))
     times = []
     for i in range(steps + 2):
@@ -78,8 +77,7 @@ def plain_step_flops(graph, ids: torch.Tensor, steps: int, autocast: bool) -> di
         t = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         with ctx():
-            out = gm(input_ids=ids, **extra)
-            logits = out.logits if hasattr(out, "logits") else out[0]
+            logits = graph(ids)
             loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
         loss.backward()
         opt.step()

@@ -151,7 +151,14 @@ def run_graph(graph: Graph, input_ids: torch.Tensor) -> torch.Tensor:
             f"A sequence of {length} tokens does not fit this graph, which takes 1 to {graph.max_length} tokens.",
             "Split the input into chunks of at most that length (surgery eval does this).",
         )
-    out = graph.gm(input_ids=input_ids, **graph.gm.meta.get("extra_inputs", {}))
+    return graph_logits(graph.gm, input_ids)
+
+
+def graph_logits(module, input_ids: torch.Tensor, extra_inputs: dict | None = None) -> torch.Tensor:
+    """Logits of a captured forward: a GraphModule (its own extra inputs) or a wrapper of one such
+    as DDP (pass the graph's extra inputs), whatever output structure the model returns."""
+    extra = extra_inputs if extra_inputs is not None else module.meta.get("extra_inputs", {})
+    out = module(input_ids=input_ids, **extra)
     return out.logits if hasattr(out, "logits") else out[0]
 
 

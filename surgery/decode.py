@@ -36,6 +36,7 @@ import torch
 from torch.fx import Node
 from torch.fx.node import map_arg
 
+from .capture import graph_logits
 from .errors import DecodeError
 from .kvcache import DecodeState, GDNDecode, KVCacheAttention, _Prep
 from .rewrite import SHAPE_QUERIES, fork, nodes_by_name, prune, set_submodule, splice_module
@@ -542,9 +543,9 @@ class Decoder:
     def _run(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The graph on checked ids (see _checked), advancing the offset."""
         with torch.no_grad():
-            out = self.gm(input_ids=input_ids, **self.gm.meta.get("extra_inputs", {}))
+            logits = graph_logits(self.gm, input_ids)
         self.state.offset += input_ids.shape[1]
-        return out.logits if hasattr(out, "logits") else out[0]
+        return logits
 
     def _checked(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids on the graph's device, after every check of what the caches can take."""
@@ -593,8 +594,7 @@ class Decoder:
         n = min(self.max_length, SELF_CHECK)
         ids = torch.randint(0, vocab, (1, n), generator=torch.Generator().manual_seed(0)).to(self.graph.device)
         with torch.no_grad():
-            out = self.graph.gm(input_ids=ids, **self.graph.gm.meta.get("extra_inputs", {}))
-        full = out.logits if hasattr(out, "logits") else out[0]
+            full = self.graph.logits(ids)
         first = max(1, n - 4)
         self.reset(1, n)
         got = [self.prefill(ids[:, :first])] + [self.step(ids[:, t:t + 1]) for t in range(first, n)]

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .capture import placeholder_values
+from .capture import graph_logits, placeholder_values
 from .checkpoint import _swap_in, save
 from .errors import SurgeryError
 from .graph import Graph
@@ -234,10 +234,6 @@ def forward_params(gm: torch.nn.Module) -> int:
                 lookup_only[key] = lookup_only.get(key, True) and only
     unique = {id(p): p for p in gm.parameters()}
     return sum(p.numel() for key, p in unique.items() if not lookup_only.get(key, False))
-
-
-def _logits(out) -> torch.Tensor:
-    return out.logits if hasattr(out, "logits") else out[0]
 
 
 class _Layers(torch.nn.Module):
@@ -521,9 +517,8 @@ class _Run:
                 raise DistillError(f"The evaluation text '{c.eval_text}' holds {ids.numel()} token(s).", "Use a longer --eval-text.")
             self.eval_ids = ids
         self.extra_s = self.student.gm.meta.get("extra_inputs", {})
-        self.extra_t = self.teacher.gm.meta.get("extra_inputs", {})
         self.layers = self.student.gdn_targets()
-        self.gdn = {l: self.student.gm.get_submodule(t) for l, t in self.layers.items()}
+        self.gdn = self.student.gdn_modules()
         if self.place.main:
             self._start_files(data)
         self.place.barrier()
@@ -621,9 +616,9 @@ class _Run:
 
         def loss(ids):
             with torch.no_grad(), self._autocast():
-                teacher = _logits(self.teacher.gm(input_ids=ids, **self.extra_t))
+                teacher = graph_logits(self.teacher.gm, ids)
             with self._autocast():
-                student = _logits(wrapped(input_ids=ids, **self.extra_s))
+                student = graph_logits(wrapped, ids, self.extra_s)
             t = F.log_softmax(teacher.float() / temperature, dim=-1)
             s = F.log_softmax(student.float() / temperature, dim=-1)
             return (t.exp() * (t - s)).sum(-1).mean() * temperature**2

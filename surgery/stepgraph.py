@@ -16,6 +16,8 @@ import warnings
 
 import torch
 
+from .capture import graph_logits
+
 WARMUP = 2
 
 
@@ -49,10 +51,9 @@ class StaticStep:
         dec = self.decoder
         dec.state.static_length = dec.capacity
         try:
-            out = dec.gm(input_ids=ids, **dec.gm.meta.get("extra_inputs", {}))
+            return graph_logits(dec.gm, ids)
         finally:
             dec.state.static_length = None
-        return out.logits if hasattr(out, "logits") else out[0]
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
         """Logits [B, 1, V] of one new token per row; advances the decoder's offset."""
