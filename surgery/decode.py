@@ -42,7 +42,7 @@ from .kvcache import DecodeState, GDNDecode, KVCacheAttention, _Prep
 from .rewrite import SHAPE_QUERIES, fork, nodes_by_name, prune, set_submodule, splice_module
 from .rewrite import token_dependent as _value_nodes
 from .stepgraph import StaticStep
-from .sites import MATMUL_OPS, _eager_core, _Run, _softcap_and_scale, ancestors, descendants
+from .sites import MATMUL_OPS, _eager_core, _Run, _softcap_and_scale, ancestors, descendants, vocab_size
 
 aten = torch.ops.aten
 
@@ -348,7 +348,7 @@ class Decoder:
         self.state = DecodeState()
         gm = fork(graph.gm)
         self.lengths = _Lengths(gm)
-        vocab = int(getattr(graph.config, "vocab_size", 0) or 0) or _vocab(gm)
+        vocab = vocab_size(graph.config, gm)
         run = _Run(gm, vocab)  # every node's value on a 7-token probe: shapes, K/V layouts, the site checks
         self._memo: dict = {}
         kinds = graph.layer_kinds
@@ -606,13 +606,6 @@ class Decoder:
                 "the graph computes something from the sequence that the decoder does not carry over (positions in an unusual form?).",
                 FIX_FULL,
             )
-
-
-def _vocab(gm) -> int:
-    for n in gm.graph.nodes:
-        if n.op == "call_function" and n.target is aten.embedding.default:
-            return int(gm.get_parameter(n.args[0].target).shape[0])
-    raise DecodeError("The graph has no token embedding.", "Decode a causal language model.")
 
 
 # ------------------------------------------------------------------------------------------------

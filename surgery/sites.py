@@ -528,7 +528,7 @@ def _site(layer: int, core: _Core, gm, run: _Run, params: set[str]) -> Attention
 def find_sites(graph) -> list[AttentionSite]:
     """All softmax-attention sites of a captured graph, in execution order."""
     gm = graph.gm
-    vocab = int(getattr(graph.config, "vocab_size", 0) or 0) or _vocab_from_graph(gm)
+    vocab = vocab_size(graph.config, gm)
     run = _Run(gm, vocab)
     params = _params(gm)
     cores = _find_cores(gm, run)
@@ -540,6 +540,11 @@ def find_sites(graph) -> list[AttentionSite]:
     sites = [_site(i, c, gm, run, params) for i, c in enumerate(cores)]
     _check_causal(graph, vocab)
     return sites
+
+
+def vocab_size(config, gm) -> int:
+    """The config's vocab_size, else the rows of the graph's token embedding."""
+    return int(getattr(config, "vocab_size", 0) or 0) or _vocab_from_graph(gm)
 
 
 def _vocab_from_graph(gm) -> int:
