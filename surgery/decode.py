@@ -582,12 +582,11 @@ class Decoder:
 
     def cache_bytes(self, per_layer: bool = False) -> dict:
         """Bytes held by the caches, by layer kind ({"attention", "gdn", "total"}) or by layer."""
-        layers = {i: m.nbytes() for i, m in self.attention.items()} | {i: m.nbytes() for i, m in self.gdn.items()}
+        att = {i: m.nbytes() for i, m in self.attention.items()}
+        gdn = {i: m.nbytes() for i, m in self.gdn.items()}
         if per_layer:
-            return dict(sorted(layers.items()))
-        att = sum(m.nbytes() for m in self.attention.values())
-        gdn = sum(m.nbytes() for m in self.gdn.values())
-        return {"attention": att, "gdn": gdn, "total": att + gdn}
+            return dict(sorted((att | gdn).items()))
+        return {"attention": sum(att.values()), "gdn": sum(gdn.values()), "total": sum(att.values()) + sum(gdn.values())}
 
     def _self_check(self, vocab: int) -> None:
         """Prefill + steps against full recomputation on a short random probe."""
