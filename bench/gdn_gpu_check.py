@@ -4,7 +4,10 @@ For each batch, length and input dtype it runs fla, our chunked PyTorch path, an
 T <= 2048) a float64 token recurrence as ground truth, then checks GatedDeltaNet with
 backend="fla" against backend="torch" in bf16. Exits 1 when an error exceeds its tolerance.
 
-    python bench/gdn_gpu_check.py
+    python bench/gdn_gpu_check.py [--backward-only]
+
+Where this Triton lets fla's backward run (>= 3.7.1 on Hopper), its gradients are checked against
+the PyTorch path's too, and both are timed forward+backward.
 """
 
 import sys
@@ -143,6 +146,38 @@ def check_auto_backward(batch=1, seq_len=512):
     return [] if finite else [("auto backward", batch, seq_len)]
 
 
+def check_backward(shapes=((2, 1024), (32, 1024))):
+    """fla's backward (when this Triton allows it) against our chunked PyTorch path in float32:
+    gradients of every input, and the forward+backward time of both (the training cost per layer)."""
+    from tcal.kernels import _fla_backward_supported
+
+    if not _fla_backward_supported():
+        print(f"fla backward: refused on triton {importlib.metadata.version('triton')} (training uses the torch path)")
+        return []
+    failures = []
+    print(f"{'B':>3} {'T':>5} | " + " ".join(f"{'d' + n + ' err':>9}" for n in ("q", "k", "v", "g", "beta"))
+          + f" | {'fla fwd+bwd ms':>14} {'torch fwd+bwd ms':>16}")
+    for batch, seq_len in shapes:
+        inputs = [x.float().requires_grad_(True) for x in make_inputs(batch, seq_len, torch.float32, seed=2)]
+        weight = torch.randn(batch, seq_len, HEADS, HEAD_DIM, device="cuda")
+
+        def run(backend):
+            for x in inputs:
+                x.grad = None
+            o, _ = gated_delta_rule(*inputs, backend=backend)
+            (o * weight).sum().backward()
+            return [x.grad.clone() for x in inputs]
+
+        grads = {backend: run(backend) for backend in ("fla", "torch")}
+        errors = [rel_err(a, b) for a, b in zip(grads["fla"], grads["torch"])]
+        ms = {backend: time_ms(lambda b=backend: run(b)) for backend in ("fla", "torch")}
+        print(f"{batch:>3} {seq_len:>5} | " + " ".join(f"{e:9.2e}" for e in errors)
+              + f" | {ms['fla']:14.2f} {ms['torch']:16.2f}")
+        if max(errors) > 2e-2:
+            failures.append(("backward", batch, seq_len, errors))
+    return failures
+
+
 def main() -> int:
     if not torch.cuda.is_available():
         print("no CUDA device")
@@ -152,7 +187,10 @@ def main() -> int:
         return 2
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton "
           f"{importlib.metadata.version('triton')}, fla {importlib.metadata.version('fla-core')}")
-    failures = check_kernels() + check_state_handoff() + check_layer() + check_auto_backward()
+    if "--backward-only" in sys.argv:  # the quick check before a training run
+        failures = check_backward() + check_auto_backward()
+    else:
+        failures = check_backward() + check_kernels() + check_state_handoff() + check_layer() + check_auto_backward()
     for failure in failures:
         print("FAIL", failure)
     print("FAILED" if failures else "OK")

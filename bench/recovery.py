@@ -97,10 +97,10 @@ def read_curve(out: Path) -> list[tuple[int, float]]:
 
 
 def mean_rate(out: Path, key: str) -> float:
+    """The median over steps: robust to the warm-up steps at the start of each (resumed) process."""
     rows = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines() if line.strip()]
-    vals = [r[key] for r in rows if r.get(key) is not None]
-    vals = vals[len(vals) // 5:] or vals  # drop the warm-up steps
-    return sum(vals) / len(vals)
+    vals = sorted(r[key] for r in rows if r.get(key) is not None)
+    return vals[len(vals) // 2]
 
 
 def plot(curves: dict, teacher_ppl: float, path: Path, title: str) -> None:
@@ -142,19 +142,12 @@ def two_gpu(args, out: Path, report: dict, dump) -> None:
     """The Taylor-Calibrate init distilled again under torchrun on two GPUs, same global batch:
     tokens/s scaling and the curve against the one-GPU run."""
     runs = report["runs"]
-    teacher_dir = out / "teacher"
-    eval_every = report["distill_config"]["eval_every"]
     args.tokens = report["distill_config"]["tokens"]
     tokens2 = args.two_gpu_tokens or args.tokens // 2
     run2 = out / "distill-taylor-calibrate-2gpu"
-    cmd = ["torchrun", "--standalone", "--nproc-per-node", "2", "-m", "surgery.cli.app", "distill",
-           "--model", str(out / "taylor-calibrate-init"), "--teacher", str(teacher_dir), "--data", *args.data,
-           "--tokens", str(tokens2), "--out", str(run2), "--force", "--stage", "kl", "--seq-len", str(args.seq_len),
-           "--batch-size", str(args.global_batch), "--schedule", "constant", "--warmup", "0",
-           "--eval-text", args.eval, "--eval-every", str(eval_every), "--eval-tokens", str(args.eval_tokens),
-           "--seed", "0", "--json"]
-    if args.lr is not None:
-        cmd += ["--lr", str(args.lr)]
+    cfg2 = dict(report["distill_config"], tokens=tokens2)
+    cmd = distill_command(args, out / "taylor-calibrate-init", run2, cfg2, False, ["torchrun", "--standalone", "--nproc-per-node", "2"],
+                          time_limit=None)
     log("two GPUs: " + " ".join(cmd))
     t = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -214,7 +207,165 @@ def distill_config(args, students: dict, teacher, out: Path, report: dict, step_
                seed=0, keep_checkpoints=1)
     if args.lr is not None:
         cfg |= {"lr_kl_new": args.lr, "lr_kl_copied": args.lr}
+    if args.lr_rest is not None:
+        cfg["lr_kl_rest"] = args.lr_rest
+    if args.micro_batch:
+        cfg["micro_batch"] = args.micro_batch
     return cfg
+
+
+def fixed_config(args, step_tokens: int) -> dict:
+    """The stage-2 KL config of a --concurrent run: a fixed budget (--tokens), evaluated every
+    --eval-every tokens, checkpointed every --save-every (default: each evaluation)."""
+    if args.tokens is None or args.eval_every is None:
+        raise SystemExit("--concurrent needs --tokens and --eval-every")
+    steps = lambda n: max(n // step_tokens, 1) * step_tokens  # noqa: E731
+    cfg = dict(tokens=steps(args.tokens), stage="kl", seq_len=args.seq_len, global_batch=args.global_batch, schedule="constant",
+               warmup=0.0, eval_text=args.eval, eval_tokens=args.eval_tokens, eval_every=args.eval_every,
+               save_every=steps(args.save_every or args.eval_every), seed=0, keep_checkpoints=1)
+    if args.lr is not None:
+        cfg |= {"lr_kl_new": args.lr, "lr_kl_copied": args.lr}
+    if args.lr_rest is not None:
+        cfg["lr_kl_rest"] = args.lr_rest
+    if args.micro_batch:
+        cfg["micro_batch"] = args.micro_batch
+    return cfg
+
+
+def distill_command(args, init: Path, run_out: Path, cfg: dict, resume: bool, launcher: list[str], time_limit="args") -> list[str]:
+    """`surgery distill` with the config cfg, as a command line."""
+    cmd = [*launcher, "-m", "surgery.cli.app", "distill", "--model", str(init), "--teacher", str(init.parent / "teacher"),
+           "--data", *args.data, "--tokens", str(cfg["tokens"]), "--out", str(run_out), "--resume" if resume else "--force",
+           "--stage", "kl", "--seq-len", str(cfg["seq_len"]), "--batch-size", str(cfg["global_batch"]),
+           "--schedule", cfg["schedule"], "--warmup", str(cfg["warmup"]), "--eval-text", cfg["eval_text"],
+           "--eval-every", str(cfg["eval_every"]), "--eval-tokens", str(cfg["eval_tokens"]), "--seed", str(cfg["seed"]), "--json"]
+    if cfg.get("save_every"):
+        cmd += ["--save-every", str(cfg["save_every"]), "--set", f"keep_checkpoints={cfg.get('keep_checkpoints', 2)}"]
+    if "lr_kl_new" in cfg:
+        cmd += ["--lr", str(cfg["lr_kl_new"])]
+    if "lr_kl_rest" in cfg:
+        cmd += ["--lr-rest", str(cfg["lr_kl_rest"])]
+    if cfg.get("micro_batch"):
+        cmd += ["--micro-batch", str(cfg["micro_batch"])]
+    time_limit = args.stop_after if time_limit == "args" else time_limit
+    if time_limit:
+        cmd += ["--time-limit", str(time_limit)]
+    return cmd
+
+
+def run_record(run_out: Path, summary: dict) -> dict:
+    curve = read_curve(run_out)
+    first = json.loads((run_out / "log.jsonl").read_text().splitlines()[0])
+    return {"summary": summary, "curve": curve, "tokens_per_s": mean_rate(run_out, "tokens_per_s"),
+            "flops_per_s": mean_rate(run_out, "flops_per_s"), "teacher_ppl_subset": first.get("teacher_ppl"),
+            "complete": bool(summary.get("complete", True))}
+
+
+def concurrent(args, out: Path, report: dict, cfg: dict, dump) -> None:
+    """Both students distilled at once, each by its own `surgery distill` process on its own GPU
+    (round-robin over the visible ones); with --stop-after each stops cleanly after that many
+    seconds of training and a later call with --resume continues from its checkpoint."""
+    gpus = max(torch.cuda.device_count(), 1)
+    runs = report.setdefault("runs", {})
+    procs = {}
+    for index, name in enumerate(("baseline", "taylor-calibrate")):
+        if runs.get(name, {}).get("complete"):
+            continue
+        run_out = out / f"distill-{name}"
+        resume = any(run_out.glob("checkpoint-*"))
+        cmd = distill_command(args, out / f"{name}-init", run_out, cfg, resume, [sys.executable])
+        env = dict(os.environ, CUDA_VISIBLE_DEVICES=str(index % gpus)) if torch.cuda.is_available() else dict(os.environ)
+        log(f"distilling {name}" + (" (resumed)" if resume else "") + ": " + " ".join(cmd))
+        procs[name] = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=open(out / f"distill-{name}.stderr", "a"), text=True)
+    for name, proc in procs.items():
+        stdout, _ = proc.communicate()
+        if proc.returncode != 0:
+            tail = (out / f"distill-{name}.stderr").read_text()[-3000:]
+            raise SystemExit(f"distilling {name} failed ({proc.returncode}):\n{tail}")
+        summary = json.loads(stdout.strip().splitlines()[-1])
+        runs[name] = run_record(out / f"distill-{name}", summary)
+        curve = runs[name]["curve"]
+        log(f"{name}: {summary['tokens']:,} tokens so far, {runs[name]['tokens_per_s']:,.0f} tokens/s, curve {[(t, round(p, 2)) for t, p in curve]}")
+    dump()
+
+
+def plain_and_plot(args, out: Path, report: dict, device, cuda: bool, dump, results_dir: Path, graph=None) -> None:
+    """The plain-step FLOP/s (once) and the curves' PNG."""
+    runs = report["runs"]
+    if "plain_step" not in report:  # the same hybrid (its weights do not change the FLOP/s)
+        graph = graph or load(out / "taylor-calibrate-init", device=device, dtype=torch.float32)
+        g = torch.Generator().manual_seed(0)
+        ids = torch.randint(0, graph.config.vocab_size, (args.micro_batch or args.global_batch, args.seq_len), generator=g).to(device)
+        report["plain_step"] = plain_step_flops(graph, ids, args.plain_steps, cuda)
+    report["distill_vs_plain_flops"] = runs["taylor-calibrate"]["flops_per_s"] / report["plain_step"]["flops_per_s"]
+    dump()
+    plot({k: v["curve"] for k, v in runs.items()}, runs["taylor-calibrate"]["teacher_ppl_subset"], results_dir / "recovery.png",
+         f"{Path(args.model).name}, {100 - args.keep_ratio * 100:.0f}% GDN: recovery by KL distillation")
+
+
+def tokens_to_target(runs: dict) -> list[dict]:
+    """Tokens to each multiple of the teacher's subset perplexity; where the baseline never gets
+    there, the ratio is a lower bound from the tokens it was trained on."""
+    teacher_subset = runs["taylor-calibrate"]["teacher_ppl_subset"]
+    baseline_budget = max(t for t, _ in runs["baseline"]["curve"])
+    ladder = []
+    for m in LADDER:
+        target = teacher_subset * m
+        b = tokens_to(runs["baseline"]["curve"], target)
+        tc = tokens_to(runs["taylor-calibrate"]["curve"], target)
+        if tc is not None and b is not None:
+            ratio = f"{b / max(tc, 1):.1f}x" if tc > 0 else "inf (TC starts there)"
+        elif tc is not None:
+            ratio = f"> {baseline_budget / max(tc, 1):.1f}x (baseline not reached)" if tc > 0 else "TC starts below; baseline not reached"
+        else:
+            ratio = "not reached by TC"
+        ladder.append({"multiple": m, "target_ppl": target, "baseline_tokens": b, "tc_tokens": tc, "ratio": ratio})
+    return ladder
+
+
+def matched_tokens(runs: dict) -> list[dict]:
+    """For each evaluation of the Taylor-Calibrate run, the tokens the baseline needed to reach the
+    same perplexity (None where it never did): the token saving at equal quality, along the curve."""
+    rows = []
+    for tokens, ppl in runs["taylor-calibrate"]["curve"]:
+        if tokens == 0:
+            continue
+        b = tokens_to(runs["baseline"]["curve"], ppl)
+        rows.append({"tc_tokens": tokens, "ppl": ppl, "baseline_tokens": b, "ratio": b / tokens if b is not None else None})
+    return rows
+
+
+def summarize(args, report: dict, lengths: list[int], dump, results_dir: Path) -> None:
+    """Tokens-to-target and the tables, from whatever the runs reached so far."""
+    runs = report["runs"]
+    if not all(name in runs for name in ("baseline", "taylor-calibrate")):
+        return
+    report["tokens_to_target"] = ladder = tokens_to_target(runs)
+    report["matched_tokens"] = matched = matched_tokens(runs)
+    dump()
+    if not report.get("plain_step"):
+        plot({k: v["curve"] for k, v in runs.items()}, runs["taylor-calibrate"]["teacher_ppl_subset"], results_dir / "recovery.png",
+             f"{Path(args.model).name}, {100 - args.keep_ratio * 100:.0f}% GDN: recovery by KL distillation")
+    log("\n| model | WikiText-2 ppl | passkey " + " | ".join(f"{x}" for x in lengths) + " |")
+    log("|---|---|" + "---|" * len(lengths))
+    for name, row in report["models"].items():
+        pk = row["passkey"]["by_length"] if row["passkey"] else {}
+        log(f"| {name} | {row['wikitext_ppl']:.2f} | " + " | ".join(f"{pk.get(str(x), 0):.0%}" for x in lengths) + " |")
+    log(f"\nteacher on the eval subset: {runs['taylor-calibrate']['teacher_ppl_subset']:.2f}; tokens trained: "
+        + ", ".join(f"{k} {v['summary']['tokens']:,}" for k, v in runs.items()))
+    log("| target | baseline tokens | TC tokens | ratio |\n|---|---|---|---|")
+    for r in ladder:
+        log(f"| {r['multiple']}x ({r['target_ppl']:.1f}) | {r['baseline_tokens']} | {r['tc_tokens']} | {r['ratio']} |")
+    log("| TC tokens | TC ppl | baseline tokens to the same ppl | ratio |\n|---|---|---|---|")
+    for r in matched:
+        if r["ratio"] is None:  # later points are lower still: the baseline reaches none of them
+            trained = max(t for t, _ in runs["baseline"]["curve"])
+            log(f"| {r['tc_tokens']:,} on | {r['ppl']:.2f} and below | not in the baseline's {trained:,} | > {trained / r['tc_tokens']:.1f}x |")
+            break
+        log(f"| {r['tc_tokens']:,} | {r['ppl']:.2f} | {r['baseline_tokens']:,} | {r['ratio']:.1f}x |")
+    if report.get("plain_step"):
+        log(f"distill FLOP/s {runs['taylor-calibrate']['flops_per_s']:.3e} vs plain step {report['plain_step']['flops_per_s']:.3e}: "
+            f"{report['distill_vs_plain_flops']:.0%}")
 
 
 def main() -> None:
@@ -230,6 +381,7 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=1024)
     ap.add_argument("--global-batch", type=int, default=16)
     ap.add_argument("--lr", type=float, default=None, help="stage-2 lr of the GDN layers (default: DistillConfig's)")
+    ap.add_argument("--lr-rest", type=float, default=None, help="stage-2 lr outside the GDN layers (default: DistillConfig's)")
     ap.add_argument("--eval-every", type=int, default=None, help="tokens (default: tokens / 10)")
     ap.add_argument("--eval-tokens", type=int, default=65536)
     ap.add_argument("--passkey-lengths", default="1024,2048,4096")
@@ -243,6 +395,14 @@ def main() -> None:
                          "a run longer than one device call is several calls")
     ap.add_argument("--two-gpu-later", action="store_true",
                     help="prepare the teacher directory for a later --two-gpu-only call instead of running it now")
+    ap.add_argument("--concurrent", action="store_true",
+                    help="distil the two inits at once, one `surgery distill` process per GPU (needs --tokens, --eval-every)")
+    ap.add_argument("--stop-after", type=float, default=None,
+                    help="with --concurrent: seconds of training per call; the runs checkpoint and stop, --resume continues")
+    ap.add_argument("--finish", action="store_true",
+                    help="with --concurrent: measure the runs as they stand (whole file, passkey, plain step) even if unfinished")
+    ap.add_argument("--micro-batch", type=int, default=None, help="sequences per forward on one process (default: its whole share)")
+    ap.add_argument("--save-every", type=int, default=None, help="with --concurrent: tokens between checkpoints (default: --eval-every)")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke run: skip passkey lengths the model cannot hold")
     ap.add_argument("--set", nargs="*", default=[], help="pass.key=value for the Taylor-Calibrate init (e.g. align.steps=30)")
     ap.add_argument("--out", required=True)
@@ -268,7 +428,7 @@ def main() -> None:
     resuming = args.resume and (out / "recovery.json").exists()
     if resuming:
         report = json.loads((out / "recovery.json").read_text())
-        log(f"resuming the run in {out}: {', '.join(report.get('runs', {})) or 'no distillation'} finished")
+        log(f"resuming the run in {out}: {', '.join(k for k, v in report.get('runs', {}).items() if v.get('complete', True)) or 'no distillation'} finished")
 
     # The teacher and both inits are built in bf16 on CUDA (as `surgery apply` does: fast), saved, and
     # reloaded in float32 for training (float32 master weights under bf16 autocast, as distill wants);
@@ -276,38 +436,63 @@ def main() -> None:
     t0 = time.perf_counter()
     build_dtype = torch.bfloat16 if cuda else torch.float32
     teacher_dir = out / "teacher"
-    plain_teacher = args.two_gpu or args.two_gpu_later
-    if plain_teacher and not teacher_dir.exists():  # a plain HF directory: each torchrun rank loads it fast
+    plain_teacher = args.two_gpu or args.two_gpu_later or args.concurrent
+    if plain_teacher and not teacher_dir.exists():  # a plain HF directory: each process loads it fast
         model, tokenizer, _ = load_model(args.model, dtype=torch.float32)
         save_plain(model, tokenizer, teacher_dir)
         del model
-    teacher = capture(teacher_dir if plain_teacher else args.model, device=device, dtype=build_dtype)
-    log(f"teacher captured in {time.perf_counter() - t0:.1f} s")
+    names = ("baseline", "taylor-calibrate")
+    inits_ready = resuming and all((out / f"{name}-init").exists() for name in names) and "models" in report
+    teacher = None
+    if not (args.concurrent and inits_ready):  # concurrent distillation captures the teacher in its own processes
+        teacher = capture(teacher_dir if plain_teacher else args.model, device=device, dtype=build_dtype)
+        log(f"teacher captured in {time.perf_counter() - t0:.1f} s")
 
     calibration = args.calibration or args.data
     lengths = [int(x) for x in args.passkey_lengths.split(",")]
-    if args.tiny:
-        lengths = [x for x in lengths if x + 16 <= teacher.max_length]
-    eval_ids = tokenize(teacher.tokenizer, read_text(args.eval))
+    eval_text = read_text(args.eval)
 
     def measure(name: str, graph) -> dict:
+        usable = [x for x in lengths if x + 16 <= graph.max_length] if args.tiny else lengths
         with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):
-            ppl = perplexity(graph, eval_ids, batch_size=4)
-            pk = passkey(graph, calibration, lengths, depths=5, trials_per_depth=2, batch_size=4) if lengths else None
+            ppl = perplexity(graph, tokenize(graph.tokenizer, eval_text), batch_size=4)
+            pk = passkey(graph, calibration, usable, depths=5, trials_per_depth=2, batch_size=4) if usable else None
         row = {"wikitext_ppl": ppl["perplexity"], "wikitext_tokens": ppl["tokens"], "passkey": pk}
         log(f"{name}: wikitext ppl {ppl['perplexity']:.2f}" + (f", passkey {pk['accuracy']:.0%} {pk['by_length']}" if pk else ""))
         return row
 
-    names = ("baseline", "taylor-calibrate")
-    if not (resuming and all((out / f"{name}-init").exists() for name in names) and "models" in report):
+    if not inits_ready:
         build_inits(args, teacher, calibration, out, report, measure)
         dump()
+    step_tokens = args.seq_len * args.global_batch
+    if args.concurrent:
+        del teacher
+        if "distill_config" not in report:
+            report["distill_config"] = fixed_config(args, step_tokens)
+        cfg = report["distill_config"]
+        args.tokens = cfg["tokens"]
+        if not (args.finish and all(name in report.get("runs", {}) for name in names)):  # --finish trains no further
+            concurrent(args, out, report, cfg, dump)
+        if not args.finish and not all(r.get("complete") for r in report["runs"].values()):
+            log("not finished: run the same command with --resume to continue (--finish to measure the runs as they stand)")
+            summarize(args, report, lengths, dump, results_dir)
+            return
+        for name in names:
+            if f"{name} (distilled)" not in report["models"] or args.finish:
+                graph = load(report["runs"][name]["summary"]["checkpoint"], device=device, dtype=torch.float32)
+                report["models"][f"{name} (distilled)"] = measure(f"{name} distilled", graph)
+                del graph
+        dump()
+        plain_and_plot(args, out, report, device, cuda, dump, results_dir)
+        if args.two_gpu:
+            two_gpu(args, out, report, dump)
+        summarize(args, report, lengths, dump, results_dir)
+        return
     t = time.perf_counter()
     done = report.get("runs", {})
     students = {name: load(out / f"{name}-init", device=device, dtype=torch.float32) for name in names if name not in done}
     log(f"inits reloaded in float32 in {time.perf_counter() - t:.1f} s")
 
-    step_tokens = args.seq_len * args.global_batch
     if resuming and "distill_config" in report:
         cfg = report["distill_config"]  # the same config, so the checkpoints resume
     else:
@@ -321,57 +506,17 @@ def main() -> None:
         summary = distill(graph, args.data, run_out, DistillConfig(**cfg), teacher=teacher, resume=again, force=not again, progress=False)
         if again:  # resume trains the checkpoint, not this graph
             graph = load(summary["checkpoint"], device=device, dtype=torch.float32)
-        curve = read_curve(run_out)
-        runs[name] = {"summary": summary, "curve": curve, "tokens_per_s": mean_rate(run_out, "tokens_per_s"),
-                      "flops_per_s": mean_rate(run_out, "flops_per_s"),
-                      "teacher_ppl_subset": json.loads((run_out / "log.jsonl").read_text().splitlines()[0]).get("teacher_ppl")}
+        runs[name] = run_record(run_out, summary)
+        curve = runs[name]["curve"]
         log(f"{name}: {runs[name]['tokens_per_s']:,.0f} tokens/s, curve {[(t, round(p, 2)) for t, p in curve]}")
         report["models"][f"{name} (distilled)"] = measure(f"{name} distilled", graph)
         report["runs"] = runs
         dump()
     args.tokens = cfg["tokens"]
-
-    # tokens-to-target on the eval subset, relative to the teacher's perplexity on the same subset
-    teacher_subset = runs["taylor-calibrate"]["teacher_ppl_subset"]
-    ladder = []
-    for m in LADDER:
-        target = teacher_subset * m
-        b = tokens_to(runs["baseline"]["curve"], target)
-        tc = tokens_to(runs["taylor-calibrate"]["curve"], target)
-        if tc is not None and b is not None:
-            ratio = f"{b / max(tc, 1):.1f}x" if tc > 0 else "inf (TC starts there)"
-        elif tc is not None:
-            ratio = f"> {args.tokens / max(tc, 1):.1f}x (baseline not reached)" if tc > 0 else "TC starts below; baseline not reached"
-        else:
-            ratio = "not reached by TC"
-        ladder.append({"multiple": m, "target_ppl": target, "baseline_tokens": b, "tc_tokens": tc, "ratio": ratio})
-    report["tokens_to_target"] = ladder
-
-    if "plain_step" not in report:  # the same hybrid (its weights do not change the FLOP/s)
-        graph = students.get("taylor-calibrate") or load(out / "taylor-calibrate-init", device=device, dtype=torch.float32)
-        g = torch.Generator().manual_seed(0)
-        ids = torch.randint(0, teacher.config.vocab_size, (args.global_batch, args.seq_len), generator=g).to(device)
-        report["plain_step"] = plain_step_flops(graph, ids, args.plain_steps, cuda)
-    report["distill_vs_plain_flops"] = runs["taylor-calibrate"]["flops_per_s"] / report["plain_step"]["flops_per_s"]
-    dump()
-    plot({k: v["curve"] for k, v in runs.items()}, teacher_subset, results_dir / "recovery.png",
-         f"{Path(args.model).name}, {100 - args.keep_ratio * 100:.0f}% GDN: recovery by KL distillation")
-
+    plain_and_plot(args, out, report, device, cuda, dump, results_dir, students.get("taylor-calibrate"))
     if args.two_gpu:
         two_gpu(args, out, report, dump)
-
-    # the table
-    log("\n| model | WikiText-2 ppl | passkey " + " | ".join(f"{x}" for x in lengths) + " |")
-    log("|---|---|" + "---|" * len(lengths))
-    for name, row in report["models"].items():
-        pk = row["passkey"]["by_length"] if row["passkey"] else {}
-        log(f"| {name} | {row['wikitext_ppl']:.2f} | " + " | ".join(f"{pk.get(str(x), 0):.0%}" for x in lengths) + " |")
-    log(f"\nteacher on the eval subset: {teacher_subset:.2f}")
-    log("| target | baseline tokens | TC tokens | ratio |\n|---|---|---|---|")
-    for r in ladder:
-        log(f"| {r['multiple']}x ({r['target_ppl']:.1f}) | {r['baseline_tokens']} | {r['tc_tokens']} | {r['ratio']} |")
-    log(f"distill FLOP/s {runs['taylor-calibrate']['flops_per_s']:.3e} vs plain step {report['plain_step']['flops_per_s']:.3e}: "
-        f"{report['distill_vs_plain_flops']:.0%}")
+    summarize(args, report, lengths, dump, results_dir)
 
 
 if __name__ == "__main__":

@@ -53,6 +53,7 @@ def distill(
     save_every: Optional[str] = typer.Option(None, "--save-every", help="Checkpoint every N tokens (default 0: at the end only)."),
     seed: Optional[int] = typer.Option(None, "--seed", help="Seeds the data order (default 0)."),
     grad_checkpoint: bool = typer.Option(False, "--grad-checkpoint", help="Recompute GDN layers in backward (less memory)."),
+    time_limit: Optional[float] = typer.Option(None, "--time-limit", help="Seconds of training in this call; then a checkpoint and a clean stop (--resume continues)."),
     options: Optional[List[str]] = typer.Option(None, "--set", help="Any DistillConfig field, key=value (repeatable), e.g. --set temperature=2."),
     device: Optional[str] = typer.Option(None, "--device", help="cpu, cuda, cuda:1 ... (default: cuda when available; cuda:LOCAL_RANK under torchrun)."),
     dtype: Optional[str] = typer.Option(None, "--dtype", help="Dtype of the trained weights (default float32; CUDA computes under bf16 autocast)."),
@@ -67,7 +68,7 @@ def distill(
 
     with _guard(debug):
         given = {"stage": stage, "seq_len": seq_len, "global_batch": batch_size, "micro_batch": micro_batch, "warmup": warmup,
-                 "schedule": schedule, "seed": seed, "eval_text": str(eval_text) if eval_text else None}
+                 "schedule": schedule, "seed": seed, "eval_text": str(eval_text) if eval_text else None, "time_limit": time_limit}
         settings = {k: v for k, v in given.items() if v is not None}
         settings.update(tokens=count(tokens, "--tokens"), grad_checkpoint=grad_checkpoint)
         for key, text, option in (("l2_tokens", l2_tokens, "--l2-tokens"), ("eval_every", eval_every, "--eval-every"),
@@ -93,6 +94,8 @@ def distill(
         if as_json:
             print(json.dumps(result))
             return
+        if result.get("stopped"):
+            err.print(f"stopped by --time-limit after {result['tokens']:,} tokens; run the same command with --resume to continue")
         rate = f"{result['tokens_per_s']:,.0f} tokens/s, {result['flops_per_s'] / 1e12:.3g} model TFLOP/s" if result["tokens_per_s"] else "nothing left to train"
         ppl = f", eval perplexity {result['eval_ppl']:.4g}" if result.get("eval_ppl") is not None else ""
         out.print(f"distilled {result['tokens']:,} tokens in {result['steps']} steps ({rate}); loss {result['loss'] if result['loss'] is None else format(result['loss'], '.4g')}{ppl}")

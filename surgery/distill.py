@@ -48,7 +48,7 @@ KINDS = ("new", "copied", "rest")
 COPIED = ("q_proj", "k_proj", "v_proj", "o_proj")  # what replace.transfer_weights fills from the teacher
 # Fields that change how a run is executed or reported but not the numbers it trains on; --resume
 # accepts new values for these (micro_batch changes only the float summation order).
-OPERATIONAL = ("micro_batch", "save_every", "keep_checkpoints", "grad_checkpoint", "eval_every", "eval_text", "eval_tokens")
+OPERATIONAL = ("micro_batch", "save_every", "keep_checkpoints", "grad_checkpoint", "eval_every", "eval_text", "eval_tokens", "time_limit")
 RUN_FILE, LOG_FILE, STATE_FILE, PREFIX, LAST = "distill.json", "log.jsonl", "trainer_state.pt", "checkpoint-", "last"
 STATE_VERSION = 1
 
@@ -70,7 +70,10 @@ class DistillConfig(PassConfig):
                    Defaults from METHOD.md: stage 1 lr 1e-3 on the GDN layers; stage 2 1e-4 / 7e-6.
     warmup         fraction of each stage's steps with a linear warmup; schedule: cosine | constant
     eval_every, save_every  in tokens; 0 = only at the start (eval) and at the end
-    autocast       bf16 autocast (None: on CUDA); float32 master weights stay in the model's dtype"""
+    autocast       bf16 autocast (None: on CUDA); float32 master weights stay in the model's dtype
+    time_limit     seconds of training in this process (0: none); when they are up the run writes a
+                   checkpoint at the next step boundary and stops, and --resume continues it: a long run
+                   fits job slots or time-limited machines, and its curve is that of an uninterrupted one"""
 
     tokens: int = 0
     stage: str = "kl"
@@ -99,6 +102,7 @@ class DistillConfig(PassConfig):
     keep_checkpoints: int = 2
     grad_checkpoint: bool = False
     autocast: bool | None = None
+    time_limit: float = 0.0
 
     def validate(self) -> None:
         def bad(problem: str, fix: str):
@@ -115,7 +119,7 @@ class DistillConfig(PassConfig):
             bad("seq_len must be >= 2 tokens.", "Use e.g. --seq-len 512.")
         if self.micro_batch is not None and self.micro_batch < 1:
             bad(f"micro_batch must be >= 1, got {self.micro_batch}.", "Use a positive number, or leave it unset.")
-        for key in ("eval_every", "save_every", "weight_decay", "clip", "min_lr_ratio") + tuple(f.name for f in dataclasses.fields(self) if f.name.startswith("lr_")):
+        for key in ("eval_every", "save_every", "weight_decay", "clip", "min_lr_ratio", "time_limit") + tuple(f.name for f in dataclasses.fields(self) if f.name.startswith("lr_")):
             if getattr(self, key) < 0:
                 bad(f"{key} must be >= 0, got {getattr(self, key)}.", "Use 0 or a positive number.")
         if not 0 <= self.warmup < 1:
@@ -675,7 +679,8 @@ class _Run:
         if self.complete:
             done = self.state["step"]
             return {"out": str(self.out), "checkpoint": str(self.last_path), "steps": done, "tokens": done * c.tokens_per_step,
-                    **self.state["summary"], "rank": place.rank, "world": place.world, "tokens_per_s": None, "flops_per_s": None, "seconds": 0.0}
+                    **self.state["summary"], "rank": place.rank, "world": place.world, "tokens_per_s": None, "flops_per_s": None, "seconds": 0.0,
+                    "complete": True, "stopped": None}
         self.stages = c.steps()
         total_steps = sum(s for _, s in self.stages)
         state = self.state
@@ -696,7 +701,7 @@ class _Run:
                 summary.update(eval_ppl=ppl, teacher_ppl=teacher_ppl)
                 reporter.note(f"start: perplexity {ppl:.4g} (teacher {teacher_ppl:.4g})")
         trained_tokens, train_seconds, flops_total = 0, 0.0, 0.0
-        first = 0
+        first, stopped = 0, False
         params_before = {p: p.requires_grad for p in self.student.gm.parameters()}
         try:
             for index, (stage, steps) in enumerate(self.stages):
@@ -742,12 +747,19 @@ class _Run:
                                 record["eval_ppl"] = summary["eval_ppl"] = ppl
                         self._log(record)
                         reporter.update(record, tokens)
-                        if c.save_every and before // c.save_every < tokens // c.save_every or final:
+                        saving = c.save_every and before // c.save_every < tokens // c.save_every or final
+                        stopped = not final and self._out_of_time()
+                        if saving or stopped:
                             last_path = self._save(done, index, stage_step + 1, optimizer, scheduler, summary) or last_path
                         if self.on_step is not None:
                             self.on_step(record)
+                        if stopped:
+                            reporter.note(f"time limit ({c.time_limit:g} s) reached after {tokens:,} tokens: checkpoint written; --resume continues")
+                            break
                 del wrapped, loss_fn
                 gc.collect()  # a DDP wrapper's gradient hooks must be gone before the next stage's
+                if stopped:
+                    break
                 first += steps
         finally:
             reporter.close()
@@ -761,8 +773,18 @@ class _Run:
             "tokens_per_s": trained_tokens / train_seconds if train_seconds else None,
             "flops_per_s": flops_total / train_seconds if train_seconds else None,
             "seconds": round(time.perf_counter() - self.started, 3),
+            "complete": done == total_steps, "stopped": "time_limit" if stopped else None,
         }
         return result
+
+    def _out_of_time(self) -> bool:
+        """Whether time_limit has passed; every rank takes rank 0's answer, so all stop at one step."""
+        if not self.config.time_limit:
+            return False
+        late = torch.tensor(float(time.perf_counter() - self.started >= self.config.time_limit), device=self.place.device)
+        if self.place.world > 1:
+            dist.broadcast(late, 0)
+        return bool(late.item())
 
     def _step(self, step: int, optimizer, wrapped, loss_fn, trainable) -> dict:
         """One optimizer step over this rank's share of the global batch, in micro-batches. Each

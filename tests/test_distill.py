@@ -243,6 +243,30 @@ def test_resume_repeats_the_uninterrupted_run(reference, loaded, files, stories_
     assert again["steps"] == 6 and again["tokens_per_s"] is None and again["eval_ppl"] == result["eval_ppl"]
 
 
+def test_time_limit_stops_with_a_checkpoint_and_resume_repeats_the_run(reference, loaded, files, stories_teacher, tmp_path):
+    """A run sliced by time_limit (here: out of time after every step) stops cleanly at each step
+    boundary with a checkpoint, and resuming slice after slice gives the uninterrupted run."""
+    ref_out, _ = reference
+    out = tmp_path / "run"
+    sliced = both_config(files, time_limit=1e-9)
+    first = distill(fresh(loaded), [files / "train.txt"], out, sliced, teacher=stories_teacher, progress=False)
+    assert first["stopped"] == "time_limit" and not first["complete"] and first["steps"] == 1
+    assert [p.name for p in sorted(out.glob("checkpoint-*"))] == ["checkpoint-00000001"]
+    slices = 1
+    while True:  # each resume trains one more step: the stage switch (step 2 -> 3) and the save points included
+        result = distill(loaded, [files / "train.txt"], out, sliced, teacher=stories_teacher, progress=False, resume=True)
+        slices += 1
+        if result["complete"]:
+            break
+        assert result["stopped"] == "time_limit" and result["steps"] == slices
+    assert slices == 6 and result["stopped"] is None and result["steps"] == 6
+    assert step_losses(out) == step_losses(ref_out)
+    mine, theirs = final_weights(out), final_weights(ref_out)
+    assert all(torch.equal(mine[k], theirs[k]) for k in theirs)
+    with pytest.raises(DistillError, match="time_limit"):
+        both_config(files, time_limit=-1).validate()
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
