@@ -21,7 +21,9 @@ class TextStream:
     """Incremental detokenisation: decode(context + new tokens) minus what was already printed.
 
     Decoding the new tokens alone drops SentencePiece's leading space and splits multi-byte
-    characters; a trailing U+FFFD means an incomplete character, so it waits for the next token."""
+    characters; a trailing U+FFFD means an incomplete character, so it waits for the next token.
+    Once everything decoded so far is printed and complete, the tokens roll into the context window,
+    so each decode stays short (a long continuation costs linear, not quadratic, time)."""
 
     def __init__(self, tokenizer, prompt_ids: list, write):
         self.tokenizer, self.write = tokenizer, write
@@ -45,6 +47,10 @@ class TextStream:
         if len(text) > self.printed:
             self.write(text[self.printed:])
             self.printed = len(text)
+        if len(self.tokens) >= 2 * CONTEXT_TOKENS and len(text) == self.printed:
+            self.context = (self.context + self.tokens)[-CONTEXT_TOKENS:]
+            self.base = self._decode(self.context)
+            self.tokens, self.printed = [], 0
 
     def close(self) -> None:
         text = self.text()

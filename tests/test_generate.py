@@ -288,6 +288,34 @@ def assert_clean_failure(result, *words):
     assert result.stdout == ""
 
 
+def test_text_stream_prints_the_whole_decode_with_short_decodes(stories):
+    """Streaming token by token prints what decoding the whole continuation gives (leading spaces,
+    multi-byte characters split over byte tokens), and no decode grows with the continuation."""
+    from surgery.cli.generate import CONTEXT_TOKENS, TextStream
+
+    tok = stories().tokenizer
+    prompt = tok("Once upon a time")["input_ids"]
+    new = tok(" there was a naïve café owner — «Ünïcode» ☃ — who said: 你好, world!\n" * 6, add_special_tokens=False)["input_ids"]
+    assert len(new) > 10 * CONTEXT_TOKENS
+    lengths = []
+
+    class Counting(TextStream):
+        def _decode(self, ids):
+            lengths.append(len(ids))
+            return super()._decode(ids)
+
+    written = []
+    stream = Counting(tok, prompt, written.append)
+    for t in new:
+        stream.push(t)
+    stream.close()
+    context = prompt[-CONTEXT_TOKENS:]
+    full = tok.decode(context + new, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+    base = tok.decode(context, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+    assert "".join(written) == full[len(base):] + "\n"
+    assert max(lengths) <= 4 * CONTEXT_TOKENS, max(lengths)
+
+
 def test_cli_prints_only_the_continuations(runner, stories_path, stories, tmp_path):
     prompts = ["Once upon a time", "Lily saw a"]
     (tmp_path / "prompts.txt").write_text(prompts[1] + "\n\n")
