@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import gc
 import json
 import os
 import subprocess
@@ -146,6 +147,8 @@ def two_gpu(args, out: Path, report: dict, dump) -> None:
     tokens2 = args.two_gpu_tokens or args.tokens // 2
     run2 = out / "distill-taylor-calibrate-2gpu"
     cfg2 = dict(report["distill_config"], tokens=tokens2)
+    if cfg2.get("micro_batch") and (cfg2["global_batch"] // 2) % cfg2["micro_batch"]:
+        del cfg2["micro_batch"]  # it must divide each process's share; without it each process takes its share at once
     cmd = distill_command(args, out / "taylor-calibrate-init", run2, cfg2, False, ["torchrun", "--standalone", "--nproc-per-node", "2"],
                           time_limit=None)
     log("two GPUs: " + " ".join(cmd))
@@ -261,32 +264,39 @@ def run_record(run_out: Path, summary: dict) -> dict:
             "complete": bool(summary.get("complete", True))}
 
 
-def concurrent(args, out: Path, report: dict, cfg: dict, dump) -> None:
+def concurrent(args, out: Path, report: dict, cfg: dict, dump, resuming: bool) -> None:
     """Both students distilled at once, each by its own `surgery distill` process on its own GPU
     (round-robin over the visible ones); with --stop-after each stops cleanly after that many
     seconds of training and a later call with --resume continues from its checkpoint."""
-    gpus = max(torch.cuda.device_count(), 1)
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    gpus = [d for d in visible.split(",") if d.strip()] if visible else [str(i) for i in range(torch.cuda.device_count())]
     runs = report.setdefault("runs", {})
-    procs = {}
+    procs, logs = {}, {}
     for index, name in enumerate(("baseline", "taylor-calibrate")):
-        if runs.get(name, {}).get("complete"):
+        if resuming and runs.get(name, {}).get("complete"):
             continue
         run_out = out / f"distill-{name}"
-        resume = any(run_out.glob("checkpoint-*"))
+        resume = resuming and any(run_out.glob("checkpoint-*"))
         cmd = distill_command(args, out / f"{name}-init", run_out, cfg, resume, [sys.executable])
-        env = dict(os.environ, CUDA_VISIBLE_DEVICES=str(index % gpus)) if torch.cuda.is_available() else dict(os.environ)
+        env = dict(os.environ, CUDA_VISIBLE_DEVICES=gpus[index % len(gpus)]) if gpus else dict(os.environ)
         log(f"distilling {name}" + (" (resumed)" if resume else "") + ": " + " ".join(cmd))
-        procs[name] = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=open(out / f"distill-{name}.stderr", "a"), text=True)
-    for name, proc in procs.items():
-        stdout, _ = proc.communicate()
-        if proc.returncode != 0:
-            tail = (out / f"distill-{name}.stderr").read_text()[-3000:]
-            raise SystemExit(f"distilling {name} failed ({proc.returncode}):\n{tail}")
-        summary = json.loads(stdout.strip().splitlines()[-1])
+        logs[name] = open(out / f"distill-{name}.stderr", "a")
+        procs[name] = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=logs[name], text=True)
+    outputs = {name: proc.communicate()[0] for name, proc in procs.items()}  # wait for all before judging any
+    for f in logs.values():
+        f.close()
+    failed = [name for name, proc in procs.items() if proc.returncode != 0]
+    for name in procs:
+        if name in failed:
+            continue
+        summary = json.loads(outputs[name].strip().splitlines()[-1])
         runs[name] = run_record(out / f"distill-{name}", summary)
         curve = runs[name]["curve"]
         log(f"{name}: {summary['tokens']:,} tokens so far, {runs[name]['tokens_per_s']:,.0f} tokens/s, curve {[(t, round(p, 2)) for t, p in curve]}")
     dump()
+    if failed:
+        tails = "\n".join(f"--- {name} ({procs[name].returncode}):\n" + (out / f"distill-{name}.stderr").read_text()[-3000:] for name in failed)
+        raise SystemExit(f"distilling {', '.join(failed)} failed:\n{tails}")
 
 
 def plain_and_plot(args, out: Path, report: dict, device, cuda: bool, dump, results_dir: Path, graph=None) -> None:
@@ -350,7 +360,7 @@ def summarize(args, report: dict, lengths: list[int], dump, results_dir: Path) -
     log("|---|---|" + "---|" * len(lengths))
     for name, row in report["models"].items():
         pk = row["passkey"]["by_length"] if row["passkey"] else {}
-        log(f"| {name} | {row['wikitext_ppl']:.2f} | " + " | ".join(f"{pk.get(str(x), 0):.0%}" for x in lengths) + " |")
+        log(f"| {name} | {row['wikitext_ppl']:.2f} | " + " | ".join(f"{pk[str(x)]:.0%}" if str(x) in pk else "-" for x in lengths) + " |")
     log(f"\nteacher on the eval subset: {runs['taylor-calibrate']['teacher_ppl_subset']:.2f}; tokens trained: "
         + ", ".join(f"{k} {v['summary']['tokens']:,}" for k, v in runs.items()))
     log("| target | baseline tokens | TC tokens | ratio |\n|---|---|---|---|")
@@ -467,20 +477,25 @@ def main() -> None:
     step_tokens = args.seq_len * args.global_batch
     if args.concurrent:
         del teacher
+        gc.collect()
+        if cuda:  # the distillation processes use this GPU too
+            torch.cuda.empty_cache()
         if "distill_config" not in report:
             report["distill_config"] = fixed_config(args, step_tokens)
         cfg = report["distill_config"]
         args.tokens = cfg["tokens"]
         if not (args.finish and all(name in report.get("runs", {}) for name in names)):  # --finish trains no further
-            concurrent(args, out, report, cfg, dump)
+            concurrent(args, out, report, cfg, dump, resuming)
         if not args.finish and not all(r.get("complete") for r in report["runs"].values()):
             log("not finished: run the same command with --resume to continue (--finish to measure the runs as they stand)")
             summarize(args, report, lengths, dump, results_dir)
             return
-        for name in names:
-            if f"{name} (distilled)" not in report["models"] or args.finish:
-                graph = load(report["runs"][name]["summary"]["checkpoint"], device=device, dtype=torch.float32)
-                report["models"][f"{name} (distilled)"] = measure(f"{name} distilled", graph)
+        for name in names:  # measured once per checkpoint: a later call that trained further measures again
+            checkpoint = report["runs"][name]["summary"]["checkpoint"]
+            if report["models"].get(f"{name} (distilled)", {}).get("checkpoint") != checkpoint:
+                graph = load(checkpoint, device=device, dtype=torch.float32)
+                report["models"][f"{name} (distilled)"] = measure(f"{name} distilled", graph) | {
+                    "checkpoint": checkpoint, "tokens": report["runs"][name]["summary"]["tokens"]}
                 del graph
         dump()
         plain_and_plot(args, out, report, device, cuda, dump, results_dir)

@@ -137,9 +137,12 @@ def chunked_gated_delta_rule_torch(
     inject = (k_end_t @ u).flatten(0, 1)  # [B*H, N, Dk, Dv]
     state = _initial_state(initial_state, batch, heads, dk, dv, like=q).flatten(0, 1)
     before = []
-    for m_n, e_n in zip(transition.unbind(1), inject.unbind(1)):
-        before.append(state)
-        state = torch.baddbmm(e_n, m_n, state)
+    # baddbmm is on autocast's bf16 list: the state and each chunk's decay (on M_n's diagonal) must
+    # stay in the compute dtype, or slow-decay heads lose their decay (0.999 rounds to 1 in bf16).
+    with torch.autocast(q.device.type, enabled=False):
+        for m_n, e_n in zip(transition.to(cdt).unbind(1), inject.to(cdt).unbind(1)):
+            before.append(state)
+            state = torch.baddbmm(e_n, m_n, state)
     states = torch.stack(before, dim=1).view(batch, heads, -1, dk, dv)  # the state entering each chunk
     written = u - w @ states
     o = q_decayed @ states + scores @ written

@@ -99,6 +99,19 @@ def test_chunked_matches_reference(case, dtype, tol, with_state):
     assert rel_err(s, s_ref) <= tol
 
 
+def test_chunked_keeps_slow_decay_under_bf16_autocast():
+    """Training runs under bf16 autocast: the state carried between chunks, and each chunk's decay,
+    must stay float32: with weak writes the state is mostly decayed memory, and a chunk decay near 1
+    rounded to bf16 (steps of 2^-8) compounds over the chunks (measured: 10x the error)."""
+    (q, k, v, g, b), _ = make_inputs(1, 4096, 1, 64, 64, g_min=-2e-4, beta="near0", seed=3)
+    o_ref, s_ref = reference_recurrence(q, k, v, g, b, 64**-0.5)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        o, s = chunked_gated_delta_rule_torch(q, k, v, g, b, output_final_state=True)
+    assert s.dtype == torch.float32
+    assert rel_err(s, s_ref) < 6e-3, rel_err(s, s_ref)
+    assert rel_err(o, o_ref) < 8e-3, rel_err(o, o_ref)
+
+
 def load_fla_naive():
     # fla (flash-linear-attention) is a declared dependency; on a CPU it cannot be imported (no
     # triton), so its pure-PyTorch reference is loaded by path
