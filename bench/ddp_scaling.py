@@ -1,0 +1,111 @@
+"""Data-parallel scaling of `surgery distill` (issue 5): the same run on one GPU and under torchrun
+on two, same hybrid, global batch, seed and data order; tokens/s of each and the two curves side by
+side. Builds its own hybrid (select + replace: the copy-only init, seconds to make; the FLOPs and the
+data-parallel arithmetic do not depend on the init), so one device call does the whole measurement.
+
+    python bench/ddp_scaling.py --model /root/m/smol.gguf --data .gpu/data/*.txt.xz --eval .gpu/data/wiki.test.raw \
+        --steps 30 --eval-every-steps 10 --global-batch 64 --micro-batch 32 --out /root/ddp --results $OUT
+    python bench/ddp_scaling.py --model tests/assets/stories260k/stories260K.gguf --data surgery/data/calibration_sample.txt \
+        --eval surgery/data/calibration_sample.txt --steps 4 --eval-every-steps 2 --seq-len 128 --global-batch 4 --out /tmp/ddp  # CPU (gloo)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+from recovery import distill_command, log, mean_rate, read_curve, save_plain  # noqa: E402
+
+from surgery import PassManager, capture, save  # noqa: E402
+from surgery.load import load_model  # noqa: E402
+
+
+def run(cmd: list[str], env: dict) -> dict:
+    log(" ".join(cmd))
+    t = time.perf_counter()
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1]) | {"wall_s": time.perf_counter() - t}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--data", nargs="+", required=True)
+    ap.add_argument("--eval", required=True)
+    ap.add_argument("--keep-ratio", type=float, default=0.5)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--eval-every-steps", type=int, default=10)
+    ap.add_argument("--eval-tokens", type=int, default=32768)
+    ap.add_argument("--seq-len", type=int, default=1024)
+    ap.add_argument("--global-batch", type=int, default=64)
+    ap.add_argument("--micro-batch", type=int, default=None, help="per forward on one process (default: its whole share)")
+    ap.add_argument("--lr", type=float, default=None)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--results", default=None)
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results = Path(args.results or out)
+    results.mkdir(parents=True, exist_ok=True)
+    cuda = torch.cuda.is_available()
+
+    teacher_dir, init = out / "teacher", out / "baseline-init"
+    if not teacher_dir.exists():  # a plain HF directory: every process loads it fast
+        model, tokenizer, _ = load_model(args.model, dtype=torch.float32)
+        save_plain(model, tokenizer, teacher_dir)
+        del model
+    if not init.exists():
+        graph = capture(teacher_dir, device="cuda" if cuda else "cpu", dtype=torch.float32)
+        PassManager(["select", "replace"], {"select": {"keep_ratio": args.keep_ratio}})(graph)
+        save(graph, init, force=True)
+        del graph
+
+    step = args.global_batch * args.seq_len
+    cfg = dict(tokens=args.steps * step, stage="kl", seq_len=args.seq_len, global_batch=args.global_batch, schedule="constant",
+               warmup=0.0, eval_text=args.eval, eval_tokens=args.eval_tokens, eval_every=args.eval_every_steps * step,
+               save_every=0, seed=0)
+    if args.lr is not None:
+        cfg |= {"lr_kl_new": args.lr, "lr_kl_copied": args.lr}
+    if args.micro_batch:
+        cfg["micro_batch"] = args.micro_batch
+    knobs = argparse.Namespace(data=args.data, stop_after=None)
+    env = dict(os.environ)
+    if cuda:
+        env.setdefault("CUDA_VISIBLE_DEVICES", "0,1")
+    report = {"args": vars(args), "device": torch.cuda.get_device_name() if cuda else "cpu", "config": cfg}
+    one_env = dict(env, CUDA_VISIBLE_DEVICES=env["CUDA_VISIBLE_DEVICES"].split(",")[0]) if cuda else env
+    report["one"] = run(distill_command(knobs, init, out / "one", cfg, False, [sys.executable]), one_env)
+    cfg2 = dict(cfg)
+    if cfg2.get("micro_batch") and (cfg2["global_batch"] // 2) % cfg2["micro_batch"]:
+        del cfg2["micro_batch"]
+    report["two"] = run(distill_command(knobs, init, out / "two", cfg2, False, ["torchrun", "--standalone", "--nproc-per-node", "2"]), env)
+    rows = {}
+    for name in ("one", "two"):
+        rows[name] = {"tokens_per_s": mean_rate(out / name, "tokens_per_s"), "curve": read_curve(out / name)}
+    report["runs"] = rows
+    report["scaling"] = rows["two"]["tokens_per_s"] / rows["one"]["tokens_per_s"]
+    (results / "ddp_scaling.json").write_text(json.dumps(report, indent=1))
+
+    log(f"\n{report['device']}, global batch {args.global_batch} x {args.seq_len}, micro-batch {cfg.get('micro_batch')} "
+        f"(two processes: {cfg2.get('micro_batch')}), {args.steps} steps")
+    log("| processes | tokens/s (median step) | scaling |\n|---|---|---|")
+    log(f"| 1 | {rows['one']['tokens_per_s']:,.0f} | 1.00x |")
+    log(f"| 2 | {rows['two']['tokens_per_s']:,.0f} | {report['scaling']:.2f}x |")
+    log("| tokens | perplexity, 1 process | 2 processes |\n|---|---|---|")
+    two = dict(rows["two"]["curve"])
+    for tokens, ppl in rows["one"]["curve"]:
+        log(f"| {tokens:,} | {ppl:.4f} | {two[tokens]:.4f} |" if tokens in two else f"| {tokens:,} | {ppl:.4f} | - |")
+
+
+if __name__ == "__main__":
+    main()
