@@ -2,8 +2,9 @@
 each model (issue 6), in one process so the teacher is loaded and captured once.
 
 Both students start from the same teacher with the same layers converted and then get the SAME
-distillation: stage 2 (KL on logits), same token budget, seed, data order, global batch, constant
-learning rate (no warmup, so a shorter run is a prefix of a longer one). WikiText-2 perplexity is
+distillation: stage 2 (KL on logits), same token budget, seed, data order, global batch, and by
+default a constant learning rate without warmup, so a shorter run is a prefix of a longer one
+(--schedule cosine decays over --tokens instead). WikiText-2 perplexity is
 measured every --eval-every tokens on the first --eval-tokens tokens of the test file; the final
 models are also scored on the whole file. Tokens-to-target is read off those curves for a ladder of
 multiples of the teacher's perplexity; a target a run never reaches is reported as "not reached in
@@ -11,6 +12,10 @@ budget", and the ratio then as a lower bound.
 
 A plain training step (student only, cross-entropy, AdamW, same batch and autocast) is timed on the
 same model, for the "distillation reaches >= 40% of plain-step FLOP/s" check.
+
+--concurrent distils the two inits at the same time, one `surgery distill` process per GPU; with
+--stop-after each stops cleanly after that many seconds (a checkpoint), and the same command with
+--resume continues; --finish measures the runs as they stand.
 
 --two-gpu also saves the Taylor-Calibrate init and the teacher and reruns that student's
 distillation with torchrun on 2 GPUs (same global batch, same data order), for tokens/s scaling and
@@ -205,8 +210,8 @@ def distill_config(args, students: dict, teacher, out: Path, report: dict, step_
     eval_every = args.eval_every or max(args.tokens // 10, 1)
     # checkpoints every ~tenth of the run, so a call that runs out of time leaves one to --resume from
     save_every = max(args.tokens // 10 // step_tokens, 1) * step_tokens
-    cfg = dict(tokens=args.tokens, stage="kl", seq_len=args.seq_len, global_batch=args.global_batch, schedule="constant",
-               warmup=0.0, eval_text=args.eval, eval_tokens=args.eval_tokens, eval_every=eval_every, save_every=save_every,
+    cfg = dict(tokens=args.tokens, stage="kl", seq_len=args.seq_len, global_batch=args.global_batch, schedule=args.schedule,
+               warmup=args.warmup, eval_text=args.eval, eval_tokens=args.eval_tokens, eval_every=eval_every, save_every=save_every,
                seed=0, keep_checkpoints=1)
     if args.lr is not None:
         cfg |= {"lr_kl_new": args.lr, "lr_kl_copied": args.lr}
@@ -223,8 +228,8 @@ def fixed_config(args, step_tokens: int) -> dict:
     if args.tokens is None or args.eval_every is None:
         raise SystemExit("--concurrent needs --tokens and --eval-every")
     steps = lambda n: max(n // step_tokens, 1) * step_tokens  # noqa: E731
-    cfg = dict(tokens=steps(args.tokens), stage="kl", seq_len=args.seq_len, global_batch=args.global_batch, schedule="constant",
-               warmup=0.0, eval_text=args.eval, eval_tokens=args.eval_tokens, eval_every=args.eval_every,
+    cfg = dict(tokens=steps(args.tokens), stage="kl", seq_len=args.seq_len, global_batch=args.global_batch, schedule=args.schedule,
+               warmup=args.warmup, eval_text=args.eval, eval_tokens=args.eval_tokens, eval_every=args.eval_every,
                save_every=steps(args.save_every or args.eval_every), seed=0, keep_checkpoints=1)
     if args.lr is not None:
         cfg |= {"lr_kl_new": args.lr, "lr_kl_copied": args.lr}
@@ -391,6 +396,9 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=1024)
     ap.add_argument("--global-batch", type=int, default=16)
     ap.add_argument("--lr", type=float, default=None, help="stage-2 lr of the GDN layers (default: DistillConfig's)")
+    ap.add_argument("--schedule", default="constant", choices=("constant", "cosine"),
+                    help="lr schedule of both runs (constant: a shorter run is a prefix of a longer one; cosine decays over --tokens)")
+    ap.add_argument("--warmup", type=float, default=0.0, help="warmup fraction of the steps")
     ap.add_argument("--lr-rest", type=float, default=None, help="stage-2 lr outside the GDN layers (default: DistillConfig's)")
     ap.add_argument("--eval-every", type=int, default=None, help="tokens (default: tokens / 10)")
     ap.add_argument("--eval-tokens", type=int, default=65536)
