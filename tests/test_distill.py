@@ -275,7 +275,8 @@ def _free_port() -> int:
 
 def test_two_gloo_processes_repeat_one_process(reference, hybrid, files, tmp_path):
     """torchrun, 2 CPU processes, the CLI: each takes half of every global batch (one micro-batch),
-    where the reference accumulated two micro-batches in one process."""
+    where the reference accumulated two micro-batches in one process. The first launch is cut by
+    --time-limit after one step (both ranks must agree to stop, or the run hangs); --resume finishes it."""
     ref_out, _ = reference
     out = tmp_path / "ddp"
     c = both_config(files)
@@ -286,10 +287,19 @@ def test_two_gloo_processes_repeat_one_process(reference, hybrid, files, tmp_pat
            "--set", "lr_l2_new=3e-3", "--set", "lr_l2_copied=3e-3", "--set", "lr_kl_new=1e-3", "--set", "lr_kl_copied=1e-3",
            "--eval-text", files / "eval.txt", "--eval-tokens", 256, "--out", out, "--device", "cpu", "--json"]
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run([str(a) for a in cmd], capture_output=True, text=True, env=env, timeout=240)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    summaries = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert len(summaries) == 1 and summaries[0]["world"] == 2  # rank 0 alone reports
+
+    def launch(*extra):
+        port = ["--master-port", str(_free_port())]
+        args = [str(a) for a in cmd[:cmd.index("--master-port")] + port + cmd[cmd.index("--master-port") + 2:] + list(extra)]
+        proc = subprocess.run(args, capture_output=True, text=True, env=env, timeout=240)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        summaries = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+        assert len(summaries) == 1 and summaries[0]["world"] == 2  # rank 0 alone reports
+        return summaries[0]
+
+    first = launch("--time-limit", "1e-9")
+    assert first["stopped"] == "time_limit" and first["steps"] == 1
+    assert launch("--resume")["complete"]
     assert json.loads((out / "distill.json").read_text())["world"] == 2
     assert step_losses(out) == pytest.approx(step_losses(ref_out), rel=1e-5)
     mine, theirs = final_weights(out), final_weights(ref_out)
