@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
-from recovery import distill_command, log, mean_rate, read_curve, save_plain  # noqa: E402
+from recovery import distill_command, kl_config, log, mean_rate, read_curve, save_plain  # noqa: E402
 
 from surgery import PassManager, capture, save  # noqa: E402
 from surgery.load import load_model  # noqa: E402
@@ -49,9 +49,11 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=1024)
     ap.add_argument("--global-batch", type=int, default=64)
     ap.add_argument("--micro-batch", type=int, default=None, help="per forward on one process (default: its whole share)")
-    ap.add_argument("--lr", type=float, default=None)
+    ap.add_argument("--lr", type=float, default=None, help="stage-2 lr of the GDN layers (default: DistillConfig's)")
+    ap.add_argument("--lr-rest", type=float, default=None, help="stage-2 lr outside the GDN layers (default: DistillConfig's)")
     ap.add_argument("--out", required=True)
     ap.add_argument("--results", default=None)
+    ap.set_defaults(schedule="constant", warmup=0.0)  # the fields of recovery.kl_config this script does not vary
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -71,24 +73,17 @@ def main() -> None:
         del graph
 
     step = args.global_batch * args.seq_len
-    cfg = dict(tokens=args.steps * step, stage="kl", seq_len=args.seq_len, global_batch=args.global_batch, schedule="constant",
-               warmup=0.0, eval_text=args.eval, eval_tokens=args.eval_tokens, eval_every=args.eval_every_steps * step,
-               save_every=0, seed=0)
-    if args.lr is not None:
-        cfg |= {"lr_kl_new": args.lr, "lr_kl_copied": args.lr}
-    if args.micro_batch:
-        cfg["micro_batch"] = args.micro_batch
-    knobs = argparse.Namespace(data=args.data, stop_after=None)
+    cfg = kl_config(args, args.steps * step, args.eval_every_steps * step, 0)
     env = dict(os.environ)
     if cuda:
         env.setdefault("CUDA_VISIBLE_DEVICES", "0,1")
     report = {"args": vars(args), "device": torch.cuda.get_device_name() if cuda else "cpu", "config": cfg}
     one_env = dict(env, CUDA_VISIBLE_DEVICES=env["CUDA_VISIBLE_DEVICES"].split(",")[0]) if cuda else env
-    report["one"] = run(distill_command(knobs, init, out / "one", cfg, False, [sys.executable]), one_env)
+    report["one"] = run(distill_command([sys.executable], init, out / "one", args.data, cfg, False), one_env)
     cfg2 = dict(cfg)
     if cfg2.get("micro_batch") and (cfg2["global_batch"] // 2) % cfg2["micro_batch"]:
         del cfg2["micro_batch"]
-    report["two"] = run(distill_command(knobs, init, out / "two", cfg2, False, ["torchrun", "--standalone", "--nproc-per-node", "2"]), env)
+    report["two"] = run(distill_command(["torchrun", "--standalone", "--nproc-per-node", "2"], init, out / "two", args.data, cfg2, False), env)
     rows = {}
     for name in ("one", "two"):
         rows[name] = {"tokens_per_s": mean_rate(out / name, "tokens_per_s"), "curve": read_curve(out / name)}

@@ -154,8 +154,7 @@ def two_gpu(args, out: Path, report: dict, dump) -> None:
     cfg2 = dict(report["distill_config"], tokens=tokens2)
     if cfg2.get("micro_batch") and (cfg2["global_batch"] // 2) % cfg2["micro_batch"]:
         del cfg2["micro_batch"]  # it must divide each process's share; without it each process takes its share at once
-    cmd = distill_command(args, out / "taylor-calibrate-init", run2, cfg2, False, ["torchrun", "--standalone", "--nproc-per-node", "2"],
-                          time_limit=None)
+    cmd = distill_command(["torchrun", "--standalone", "--nproc-per-node", "2"], out / "taylor-calibrate-init", run2, args.data, cfg2, False)
     log("two GPUs: " + " ".join(cmd))
     t = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -210,7 +209,21 @@ def distill_config(args, students: dict, teacher, out: Path, report: dict, step_
     eval_every = args.eval_every or max(args.tokens // 10, 1)
     # checkpoints every ~tenth of the run, so a call that runs out of time leaves one to --resume from
     save_every = max(args.tokens // 10 // step_tokens, 1) * step_tokens
-    cfg = dict(tokens=args.tokens, stage="kl", seq_len=args.seq_len, global_batch=args.global_batch, schedule=args.schedule,
+    return kl_config(args, args.tokens, eval_every, save_every)
+
+
+def fixed_config(args, step_tokens: int) -> dict:
+    """The stage-2 KL config of a --concurrent run: a fixed budget (--tokens), evaluated every
+    --eval-every tokens, checkpointed every --save-every (default: each evaluation)."""
+    if args.tokens is None or args.eval_every is None:
+        raise SystemExit("--concurrent needs --tokens and --eval-every")
+    steps = lambda n: max(n // step_tokens, 1) * step_tokens  # noqa: E731
+    return kl_config(args, steps(args.tokens), args.eval_every, steps(args.save_every or args.eval_every))
+
+
+def kl_config(args, tokens: int, eval_every: int, save_every: int) -> dict:
+    """The DistillConfig fields both runs share (stage 2, seed 0), from the command line."""
+    cfg = dict(tokens=tokens, stage="kl", seq_len=args.seq_len, global_batch=args.global_batch, schedule=args.schedule,
                warmup=args.warmup, eval_text=args.eval, eval_tokens=args.eval_tokens, eval_every=eval_every, save_every=save_every,
                seed=0, keep_checkpoints=1)
     if args.lr is not None:
@@ -222,40 +235,14 @@ def distill_config(args, students: dict, teacher, out: Path, report: dict, step_
     return cfg
 
 
-def fixed_config(args, step_tokens: int) -> dict:
-    """The stage-2 KL config of a --concurrent run: a fixed budget (--tokens), evaluated every
-    --eval-every tokens, checkpointed every --save-every (default: each evaluation)."""
-    if args.tokens is None or args.eval_every is None:
-        raise SystemExit("--concurrent needs --tokens and --eval-every")
-    steps = lambda n: max(n // step_tokens, 1) * step_tokens  # noqa: E731
-    cfg = dict(tokens=steps(args.tokens), stage="kl", seq_len=args.seq_len, global_batch=args.global_batch, schedule=args.schedule,
-               warmup=args.warmup, eval_text=args.eval, eval_tokens=args.eval_tokens, eval_every=args.eval_every,
-               save_every=steps(args.save_every or args.eval_every), seed=0, keep_checkpoints=1)
-    if args.lr is not None:
-        cfg |= {"lr_kl_new": args.lr, "lr_kl_copied": args.lr}
-    if args.lr_rest is not None:
-        cfg["lr_kl_rest"] = args.lr_rest
-    if args.micro_batch:
-        cfg["micro_batch"] = args.micro_batch
-    return cfg
-
-
-def distill_command(args, init: Path, run_out: Path, cfg: dict, resume: bool, launcher: list[str], time_limit="args") -> list[str]:
-    """`surgery distill` with the config cfg, as a command line."""
+def distill_command(launcher: list[str], init: Path, run_out: Path, data: list[str], cfg: dict, resume: bool,
+                    time_limit: float | None = None) -> list[str]:
+    """`surgery distill` with the DistillConfig fields cfg (each as --set key=value), as a command line."""
     cmd = [*launcher, "-m", "surgery.cli.app", "distill", "--model", str(init), "--teacher", str(init.parent / "teacher"),
-           "--data", *args.data, "--tokens", str(cfg["tokens"]), "--out", str(run_out), "--resume" if resume else "--force",
-           "--stage", "kl", "--seq-len", str(cfg["seq_len"]), "--batch-size", str(cfg["global_batch"]),
-           "--schedule", cfg["schedule"], "--warmup", str(cfg["warmup"]), "--eval-text", cfg["eval_text"],
-           "--eval-every", str(cfg["eval_every"]), "--eval-tokens", str(cfg["eval_tokens"]), "--seed", str(cfg["seed"]), "--json"]
-    if cfg.get("save_every"):
-        cmd += ["--save-every", str(cfg["save_every"]), "--set", f"keep_checkpoints={cfg.get('keep_checkpoints', 2)}"]
-    if "lr_kl_new" in cfg:
-        cmd += ["--lr", str(cfg["lr_kl_new"])]
-    if "lr_kl_rest" in cfg:
-        cmd += ["--lr-rest", str(cfg["lr_kl_rest"])]
-    if cfg.get("micro_batch"):
-        cmd += ["--micro-batch", str(cfg["micro_batch"])]
-    time_limit = args.stop_after if time_limit == "args" else time_limit
+           "--data", *data, "--tokens", str(cfg["tokens"]), "--out", str(run_out), "--resume" if resume else "--force", "--json"]
+    for key, value in cfg.items():
+        if key != "tokens" and value is not None:
+            cmd += ["--set", f"{key}={value}"]
     if time_limit:
         cmd += ["--time-limit", str(time_limit)]
     return cmd
@@ -282,7 +269,7 @@ def concurrent(args, out: Path, report: dict, cfg: dict, dump, resuming: bool) -
             continue
         run_out = out / f"distill-{name}"
         resume = resuming and any(run_out.glob("checkpoint-*"))
-        cmd = distill_command(args, out / f"{name}-init", run_out, cfg, resume, [sys.executable])
+        cmd = distill_command([sys.executable], out / f"{name}-init", run_out, args.data, cfg, resume, args.stop_after)
         env = dict(os.environ, CUDA_VISIBLE_DEVICES=gpus[index % len(gpus)]) if gpus else dict(os.environ)
         log(f"distilling {name}" + (" (resumed)" if resume else "") + ": " + " ".join(cmd))
         logs[name] = open(out / f"distill-{name}.stderr", "a")
