@@ -781,10 +781,12 @@ class _Run:
         """Whether time_limit has passed; every rank takes rank 0's answer, so all stop at one step."""
         if not self.config.time_limit:
             return False
-        late = torch.tensor(float(time.perf_counter() - self.started >= self.config.time_limit), device=self.place.device)
-        if self.place.world > 1:
-            dist.broadcast(late, 0)
-        return bool(late.item())
+        late = time.perf_counter() - self.started >= self.config.time_limit
+        if self.place.world == 1:
+            return late
+        flag = torch.tensor(float(late), device=self.place.device)
+        dist.broadcast(flag, 0)
+        return bool(flag.item())
 
     def _step(self, step: int, optimizer, wrapped, loss_fn, trainable) -> dict:
         """One optimizer step over this rank's share of the global batch, in micro-batches. Each

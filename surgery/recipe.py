@@ -23,11 +23,11 @@ def library_versions() -> dict:
 
 
 def layer_map(graph: Graph) -> list[dict]:
-    modules = graph.meta.get("replace", {}).get("modules", {})
+    targets = graph.gdn_targets()
     rows = []
     for site, kind in zip(graph.sites, graph.layer_kinds):
         rows.append({"layer": site.layer, "kind": kind, "attention_path": site.module_path,
-                     "module": modules.get(str(site.layer), {}).get("target", site.module_path)})
+                     "module": targets.get(site.layer, site.module_path)})
     return rows
 
 

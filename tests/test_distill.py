@@ -156,7 +156,7 @@ def test_parameter_groups_and_schedule():
 
 
 def test_gradient_checkpointing_keeps_gradients_and_drops_saved_activations(loaded):
-    gdn = fresh(loaded).gm.get_submodule(loaded.gdn_targets()[1])
+    gdn = fresh(loaded).gdn_modules()[1]
     x = torch.randn(2, 40, gdn.hidden_size, generator=torch.Generator().manual_seed(0))
 
     def run(enabled):
