@@ -148,8 +148,7 @@ def two_gpu(args, out: Path, report: dict, dump) -> None:
     """The Taylor-Calibrate init distilled again under torchrun on two GPUs, same global batch:
     tokens/s scaling and the curve against the one-GPU run."""
     runs = report["runs"]
-    args.tokens = report["distill_config"]["tokens"]
-    tokens2 = args.two_gpu_tokens or args.tokens // 2
+    tokens2 = args.two_gpu_tokens or report["distill_config"]["tokens"] // 2
     run2 = out / "distill-taylor-calibrate-2gpu"
     cfg2 = dict(report["distill_config"], tokens=tokens2)
     if cfg2.get("micro_batch") and (cfg2["global_batch"] // 2) % cfg2["micro_batch"]:
@@ -455,12 +454,13 @@ def main() -> None:
 
     calibration = args.calibration or args.data
     lengths = [int(x) for x in args.passkey_lengths.split(",")]
-    eval_text = read_text(args.eval)
+    eval_text, eval_ids = read_text(args.eval), []  # tokenized once, by the first model measured (all share the teacher's tokenizer)
 
     def measure(name: str, graph) -> dict:
         usable = [x for x in lengths if x + 16 <= graph.max_length] if args.tiny else lengths
         with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):
-            ppl = perplexity(graph, tokenize(graph.tokenizer, eval_text), batch_size=4)
+            eval_ids[:] = eval_ids or [tokenize(graph.tokenizer, eval_text)]
+            ppl = perplexity(graph, eval_ids[0], batch_size=4)
             pk = passkey(graph, calibration, usable, depths=5, trials_per_depth=2, batch_size=4) if usable else None
         row = {"wikitext_ppl": ppl["perplexity"], "wikitext_tokens": ppl["tokens"], "passkey": pk}
         log(f"{name}: wikitext ppl {ppl['perplexity']:.2f}" + (f", passkey {pk['accuracy']:.0%} {pk['by_length']}" if pk else ""))
@@ -478,7 +478,6 @@ def main() -> None:
         if "distill_config" not in report:
             report["distill_config"] = fixed_config(args, step_tokens)
         cfg = report["distill_config"]
-        args.tokens = cfg["tokens"]
         if not (args.finish and all(name in report.get("runs", {}) for name in names)):  # --finish trains no further
             concurrent(args, out, report, cfg, dump, resuming)
         if not args.finish and not all(r.get("complete") for r in report["runs"].values()):
@@ -499,7 +498,7 @@ def main() -> None:
         summarize(args, report, lengths, dump, results_dir)
         return
     t = time.perf_counter()
-    done = report.get("runs", {})
+    done = {name: run for name, run in report.get("runs", {}).items() if run.get("complete", True)}
     students = {name: load(out / f"{name}-init", device=device, dtype=torch.float32) for name in names if name not in done}
     log(f"inits reloaded in float32 in {time.perf_counter() - t:.1f} s")
 
@@ -522,7 +521,6 @@ def main() -> None:
         report["models"][f"{name} (distilled)"] = measure(f"{name} distilled", graph)
         report["runs"] = runs
         dump()
-    args.tokens = cfg["tokens"]
     plain_and_plot(args, out, report, device, cuda, dump, results_dir, students.get("taylor-calibrate"))
     if args.two_gpu:
         two_gpu(args, out, report, dump)
