@@ -22,10 +22,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
-from recovery import distill_command, kl_config, log, mean_rate, read_curve, save_plain  # noqa: E402
+from recovery import distill_command, kl_config, log, mean_rate, plain_teacher, read_curve, two_process_config  # noqa: E402
 
 from surgery import PassManager, capture, save  # noqa: E402
-from surgery.load import load_model  # noqa: E402
 
 
 def run(cmd: list[str], env: dict) -> dict:
@@ -62,10 +61,7 @@ def main() -> None:
     cuda = torch.cuda.is_available()
 
     teacher_dir, init = out / "teacher", out / "baseline-init"
-    if not teacher_dir.exists():  # a plain HF directory: every process loads it fast
-        model, tokenizer, _ = load_model(args.model, dtype=torch.float32)
-        save_plain(model, tokenizer, teacher_dir)
-        del model
+    plain_teacher(args.model, teacher_dir)
     if not init.exists():
         graph = capture(teacher_dir, device="cuda" if cuda else "cpu", dtype=torch.float32)
         PassManager(["select", "replace"], {"select": {"keep_ratio": args.keep_ratio}})(graph)
@@ -80,9 +76,7 @@ def main() -> None:
     report = {"args": vars(args), "device": torch.cuda.get_device_name() if cuda else "cpu", "config": cfg}
     one_env = dict(env, CUDA_VISIBLE_DEVICES=env["CUDA_VISIBLE_DEVICES"].split(",")[0]) if cuda else env
     report["one"] = run(distill_command([sys.executable], init, out / "one", args.data, cfg, False), one_env)
-    cfg2 = dict(cfg)
-    if cfg2.get("micro_batch") and (cfg2["global_batch"] // 2) % cfg2["micro_batch"]:
-        del cfg2["micro_batch"]
+    cfg2 = two_process_config(cfg)
     report["two"] = run(distill_command(["torchrun", "--standalone", "--nproc-per-node", "2"], init, out / "two", args.data, cfg2, False), env)
     rows = {}
     for name in ("one", "two"):

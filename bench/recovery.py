@@ -144,15 +144,30 @@ def save_plain(model, tokenizer, path: Path) -> None:
     tokenizer.save_pretrained(path)
 
 
+def two_process_config(cfg: dict, **changes) -> dict:
+    """cfg for two processes: a micro-batch must divide each process's share; one that does not is
+    dropped (each process then takes its share at once)."""
+    cfg = dict(cfg, **changes)
+    if cfg.get("micro_batch") and (cfg["global_batch"] // 2) % cfg["micro_batch"]:
+        del cfg["micro_batch"]
+    return cfg
+
+
+def plain_teacher(model: str, path: Path) -> Path:
+    """The teacher as a plain HF directory (once): every distillation process loads it fast."""
+    if not path.exists():
+        loaded, tokenizer, _ = load_model(model, dtype=torch.float32)
+        save_plain(loaded, tokenizer, path)
+    return path
+
+
 def two_gpu(args, out: Path, report: dict, dump) -> None:
     """The Taylor-Calibrate init distilled again under torchrun on two GPUs, same global batch:
     tokens/s scaling and the curve against the one-GPU run."""
     runs = report["runs"]
     tokens2 = args.two_gpu_tokens or report["distill_config"]["tokens"] // 2
     run2 = out / "distill-taylor-calibrate-2gpu"
-    cfg2 = dict(report["distill_config"], tokens=tokens2)
-    if cfg2.get("micro_batch") and (cfg2["global_batch"] // 2) % cfg2["micro_batch"]:
-        del cfg2["micro_batch"]  # it must divide each process's share; without it each process takes its share at once
+    cfg2 = two_process_config(report["distill_config"], tokens=tokens2)
     cmd = distill_command(["torchrun", "--standalone", "--nproc-per-node", "2"], out / "taylor-calibrate-init", run2, args.data, cfg2, False)
     log("two GPUs: " + " ".join(cmd))
     t = time.perf_counter()
@@ -440,16 +455,14 @@ def main() -> None:
     t0 = time.perf_counter()
     build_dtype = torch.bfloat16 if cuda else torch.float32
     teacher_dir = out / "teacher"
-    plain_teacher = args.two_gpu or args.two_gpu_later or args.concurrent
-    if plain_teacher and not teacher_dir.exists():  # a plain HF directory: each process loads it fast
-        model, tokenizer, _ = load_model(args.model, dtype=torch.float32)
-        save_plain(model, tokenizer, teacher_dir)
-        del model
+    use_plain = args.two_gpu or args.two_gpu_later or args.concurrent
+    if use_plain:
+        plain_teacher(args.model, teacher_dir)
     names = ("baseline", "taylor-calibrate")
     inits_ready = resuming and all((out / f"{name}-init").exists() for name in names) and "models" in report
     teacher = None
     if not (args.concurrent and inits_ready):  # concurrent distillation captures the teacher in its own processes
-        teacher = capture(teacher_dir if plain_teacher else args.model, device=device, dtype=build_dtype)
+        teacher = capture(teacher_dir if use_plain else args.model, device=device, dtype=build_dtype)
         log(f"teacher captured in {time.perf_counter() - t0:.1f} s")
 
     calibration = args.calibration or args.data
