@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
-from recovery import distill_command, kl_config, log, mean_rate, plain_teacher, read_curve, two_process_config  # noqa: E402
+from recovery import distill_command, kl_config, log, median_rate, plain_teacher, read_curve, two_process_config  # noqa: E402
 
 from surgery import PassManager, capture, save  # noqa: E402
 
@@ -80,7 +80,7 @@ def main() -> None:
     report["two"] = run(distill_command(["torchrun", "--standalone", "--nproc-per-node", "2"], init, out / "two", args.data, cfg2, False), env)
     rows = {}
     for name in ("one", "two"):
-        rows[name] = {"tokens_per_s": mean_rate(out / name, "tokens_per_s"), "curve": read_curve(out / name)}
+        rows[name] = {"tokens_per_s": median_rate(out / name, "tokens_per_s"), "curve": read_curve(out / name)}
     report["runs"] = rows
     report["scaling"] = rows["two"]["tokens_per_s"] / rows["one"]["tokens_per_s"]
     (results / "ddp_scaling.json").write_text(json.dumps(report, indent=1))

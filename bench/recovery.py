@@ -102,7 +102,7 @@ def read_curve(out: Path) -> list[tuple[int, float]]:
     return [(r["tokens"], r["eval_ppl"]) for r in rows if r.get("eval_ppl") is not None]
 
 
-def mean_rate(out: Path, key: str) -> float:
+def median_rate(out: Path, key: str) -> float:
     """The median over steps: robust to the warm-up steps at the start of each (resumed) process."""
     rows = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines() if line.strip()]
     vals = sorted(r[key] for r in rows if r.get(key) is not None)
@@ -175,7 +175,7 @@ def two_gpu(args, out: Path, report: dict, dump) -> None:
     report["two_gpu"] = {"returncode": proc.returncode, "wall_s": time.perf_counter() - t, "stderr_tail": proc.stderr[-3000:]}
     if proc.returncode == 0:
         curve2 = read_curve(run2)
-        rate2 = mean_rate(run2, "tokens_per_s")
+        rate2 = median_rate(run2, "tokens_per_s")
         one = runs["taylor-calibrate"]
         same = [(t2, p2, dict(one["curve"]).get(t2)) for t2, p2 in curve2]
         report["two_gpu"] |= {"curve": curve2, "tokens_per_s": rate2, "scaling": rate2 / one["tokens_per_s"], "vs_one_gpu": same}
@@ -265,8 +265,8 @@ def distill_command(launcher: list[str], init: Path, run_out: Path, data: list[s
 def run_record(run_out: Path, summary: dict) -> dict:
     curve = read_curve(run_out)
     first = json.loads((run_out / "log.jsonl").read_text().splitlines()[0])
-    return {"summary": summary, "curve": curve, "tokens_per_s": mean_rate(run_out, "tokens_per_s"),
-            "flops_per_s": mean_rate(run_out, "flops_per_s"), "teacher_ppl_subset": first.get("teacher_ppl"),
+    return {"summary": summary, "curve": curve, "tokens_per_s": median_rate(run_out, "tokens_per_s"),
+            "flops_per_s": median_rate(run_out, "flops_per_s"), "teacher_ppl_subset": first.get("teacher_ppl"),
             "complete": bool(summary.get("complete", True))}
 
 
