@@ -52,6 +52,7 @@ from surgery.passkey import passkey  # noqa: E402
 from surgery.pass_base import parse_options  # noqa: E402
 
 LADDER = (1.2, 1.5, 2.0, 3.0, 5.0)
+DISTILL_STARTUP_S = 60.0  # a `surgery distill` process on the H200 loads and captures teacher and student first
 
 
 def log(msg: str) -> None:
@@ -130,6 +131,10 @@ def plot(curves: dict, teacher_ppl: float, path: Path, title: str) -> None:
     fig.savefig(path, dpi=120)
 
 
+def plot_title(args) -> str:
+    return f"{Path(args.model).name}, {100 - args.keep_ratio * 100:.0f}% GDN ({args.select_policy} selection): recovery by KL distillation"
+
+
 def save_plain(model, tokenizer, path: Path) -> None:
     """save_pretrained refuses a model loaded from GGUF: rebuild it from its config without the
     quantization entry, copy the (dequantised) weights, save that."""
@@ -185,14 +190,30 @@ def two_gpu(args, out: Path, report: dict, dump) -> None:
     dump()
 
 
+def selection(args, teacher, calibration, report: dict) -> dict:
+    """The select options both students get: uniform spacing, or the layers a data-driven policy
+    (ar, greedy) keeps, decided once on the teacher with the calibration text and then named
+    explicitly, so the two inits convert exactly the same layers."""
+    if args.select_policy == "uniform":
+        return {"keep_ratio": args.keep_ratio}
+    probe = teacher.branch()
+    t = time.perf_counter()
+    PassManager(["select"], {"select": {"policy": args.select_policy, "keep_ratio": args.keep_ratio, "calibration": calibration}})(probe)
+    meta = probe.meta["select"]
+    report["selection"] = {"seconds": time.perf_counter() - t, **meta}
+    log(f"{args.select_policy} selection in {report['selection']['seconds']:.1f} s keeps {meta['keep']}")
+    return {"policy": "keep", "layers": meta["keep"]}
+
+
 def build_inits(args, teacher, calibration, out: Path, report: dict, measure) -> None:
     """Both students from the teacher (copy-only baseline; Taylor-Calibrate with the defaults plus
     --set), saved as hybrids, and measured with the teacher."""
+    select = selection(args, teacher, calibration, report)
     students = {"baseline": teacher.branch()}
-    PassManager(["select", "replace"], {"select": {"keep_ratio": args.keep_ratio}})(students["baseline"])
+    PassManager(["select", "replace"], {"select": select})(students["baseline"])
     t = time.perf_counter()
     students["taylor-calibrate"] = teacher.branch()
-    configs = {"select": {"keep_ratio": args.keep_ratio}, "calibrate": {"calibration": calibration}, "align": {"calibration": calibration}}
+    configs = {"select": dict(select), "calibrate": {"calibration": calibration}, "align": {"calibration": calibration}}
     parse_options(args.set, into=configs)
     PassManager(["select", "replace", "calibrate", "align"], configs)(students["taylor-calibrate"])
     report["calibrate_align_s"] = time.perf_counter() - t
@@ -316,7 +337,7 @@ def plain_and_plot(args, out: Path, report: dict, device, cuda: bool, dump, resu
     report["distill_vs_plain_flops"] = runs["taylor-calibrate"]["flops_per_s"] / report["plain_step"]["flops_per_s"]
     dump()
     plot({k: v["curve"] for k, v in runs.items()}, runs["taylor-calibrate"]["teacher_ppl_subset"], results_dir / "recovery.png",
-         f"{Path(args.model).name}, {100 - args.keep_ratio * 100:.0f}% GDN: recovery by KL distillation")
+         plot_title(args))
 
 
 def tokens_to_target(runs: dict) -> list[dict]:
@@ -361,7 +382,7 @@ def summarize(args, report: dict, lengths: list[int], dump, results_dir: Path) -
     dump()
     if not report.get("plain_step"):
         plot({k: v["curve"] for k, v in runs.items()}, runs["taylor-calibrate"]["teacher_ppl_subset"], results_dir / "recovery.png",
-             f"{Path(args.model).name}, {100 - args.keep_ratio * 100:.0f}% GDN: recovery by KL distillation")
+             plot_title(args))
     log("\n| model | WikiText-2 ppl | passkey " + " | ".join(f"{x}" for x in lengths) + " |")
     log("|---|---|" + "---|" * len(lengths))
     for name, row in report["models"].items():
@@ -391,6 +412,8 @@ def main() -> None:
     ap.add_argument("--calibration", nargs="*", default=None, help="Taylor-Calibrate text (default: --data)")
     ap.add_argument("--eval", required=True)
     ap.add_argument("--keep-ratio", type=float, default=0.5)
+    ap.add_argument("--select-policy", default="uniform", choices=("uniform", "ar", "greedy"),
+                    help="which layers stay attention, the same for both students (ar, greedy: scored on the calibration text)")
     ap.add_argument("--tokens", type=int, default=None, help="distillation tokens per init")
     ap.add_argument("--seconds-per-run", type=float, default=None,
                     help="instead of --tokens: time 3 steps first, then give each init the tokens of about this many seconds")
@@ -418,6 +441,9 @@ def main() -> None:
                     help="distil the two inits at once, one `surgery distill` process per GPU (needs --tokens, --eval-every)")
     ap.add_argument("--stop-after", type=float, default=None,
                     help="with --concurrent: seconds of training per call; the runs checkpoint and stop, --resume continues")
+    ap.add_argument("--stop-at", type=float, default=None,
+                    help="with --concurrent: a Unix time by which training should have stopped (sets --stop-after from "
+                         "the clock when the distillation processes start, less their start-up): for a fixed device budget")
     ap.add_argument("--finish", action="store_true",
                     help="with --concurrent: measure the runs as they stand (whole file, passkey, plain step) even if unfinished")
     ap.add_argument("--micro-batch", type=int, default=None, help="sequences per forward on one process (default: its whole share)")
@@ -491,6 +517,9 @@ def main() -> None:
         if "distill_config" not in report:
             report["distill_config"] = fixed_config(args, step_tokens)
         cfg = report["distill_config"]
+        if args.stop_at:
+            args.stop_after = max(args.stop_at - time.time() - DISTILL_STARTUP_S, 30.0)
+            log(f"training stops after {args.stop_after:.0f} s (--stop-at)")
         if not (args.finish and all(name in report.get("runs", {}) for name in names)):  # --finish trains no further
             concurrent(args, out, report, cfg, dump, resuming)
         if not args.finish and not all(r.get("complete") for r in report["runs"].values()):
