@@ -10,6 +10,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -59,7 +60,10 @@ def _shards(state: dict, limit: int) -> list[dict]:
     return shards + [current] if current or not shards else shards
 
 
-def save(graph: Graph, out: str | Path, *, force: bool = False, shard_bytes: int = DEFAULT_SHARD_BYTES) -> Path:
+def save(graph: Graph, out: str | Path, *, force: bool = False, shard_bytes: int = DEFAULT_SHARD_BYTES,
+         extra: Callable[[Path], None] | None = None) -> Path:
+    """extra(staging_dir) writes further files (e.g. a training state) that appear with the
+    checkpoint in the same final rename."""
     out = Path(out)
     if out.exists() and not force:
         raise CheckpointError(f"'{out}' already exists.", "Choose another --out, or pass --force to replace it.")
@@ -84,6 +88,8 @@ def save(graph: Graph, out: str | Path, *, force: bool = False, shard_bytes: int
         (tmp / "recipe.json").write_text(json.dumps(recipes.build(graph, weights), indent=1))
         if graph.tokenizer is not None:
             graph.tokenizer.save_pretrained(tmp / "tokenizer")
+        if extra is not None:
+            extra(tmp)
         _swap_in(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -366,7 +366,7 @@ class Decoder:
         for n in list(gm.graph.nodes):
             if n.op == "call_module" and n.target in layer_of:
                 layer = layer_of[n.target]
-                self.gdn[layer] = GDNDecode(gm.get_submodule(n.target))
+                self.gdn[layer] = GDNDecode(gm.get_submodule(n.target), in_place=step_mode != "dynamic")
                 set_submodule(gm, f"_decode_gdn.layer{layer}", self.gdn[layer])
                 n.target = f"_decode_gdn.layer{layer}"
         prune(gm)

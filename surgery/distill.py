@@ -35,7 +35,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from .capture import graph_logits, placeholder_values
-from .checkpoint import _swap_in, save
+from .checkpoint import save
 from .errors import SurgeryError
 from .graph import Graph
 from .pass_base import PassConfig
@@ -560,8 +560,7 @@ class _Run:
         if not self.resume and out.exists():
             shutil.rmtree(out)
         out.mkdir(parents=True, exist_ok=True)
-        # temporary checkpoint directories of a killed run: ours (.checkpoint-N.pid) and the one
-        # checkpoint.save makes beside it (..checkpoint-N.pid.XXXX)
+        # temporary directories of a killed run: checkpoint.save's staging (.checkpoint-N.XXXX)
         for stale in out.glob(f".*{PREFIX}*"):
             shutil.rmtree(stale, ignore_errors=True)
         if not self.resume or self.saved_run is None:
@@ -647,19 +646,14 @@ class _Run:
             "stage": self.stages[stage_index][0], **summary, "previous": self.previous,
         }
         name = f"{PREFIX}{step:08d}"
-        tmp = self.out / f".{name}.{os.getpid()}"
-        try:
-            save(self.student, tmp, force=True)
-            torch.save({
-                "version": STATE_VERSION, "step": step, "tokens": step * self.config.tokens_per_step,
-                "stage": stage_index, "stage_step": stage_step, "optimizer": optimizer.state_dict(),
-                "scheduler": scheduler.state_dict(), "rng": _rng_state(), "config": self.config.to_dict(),
-                "world": self.place.world, "elapsed": self.elapsed(), "summary": dict(summary),
-            }, tmp / STATE_FILE)
-            _swap_in(tmp, self.out / name)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+        state = {
+            "version": STATE_VERSION, "step": step, "tokens": step * self.config.tokens_per_step,
+            "stage": stage_index, "stage_step": stage_step, "optimizer": optimizer.state_dict(),
+            "scheduler": scheduler.state_dict(), "rng": _rng_state(), "config": self.config.to_dict(),
+            "world": self.place.world, "elapsed": self.elapsed(), "summary": dict(summary),
+        }
+        # the training state joins the model in save's staging directory: one final rename
+        save(self.student, self.out / name, force=True, extra=lambda staging: torch.save(state, staging / STATE_FILE))
         link = self.out / f".{LAST}.{os.getpid()}"
         with contextlib.suppress(OSError):
             link.unlink(missing_ok=True)

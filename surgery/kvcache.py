@@ -252,12 +252,14 @@ class KVCacheAttention(nn.Module):
 
 class GDNDecode(nn.Module):
     """A GatedDeltaNet of the graph with the GDNCache it carries between calls (the module itself is
-    shared with the graph, which stays stateless). Its state tensors keep their memory from the
-    prefill on, so a captured step reads and writes the same memory each replay."""
+    shared with the graph, which stays stateless). With `in_place` (a decoder that takes static or
+    CUDA-graph steps) its state tensors keep their memory from the prefill on, so a captured step
+    reads and writes the same memory each replay; without it each call just keeps the new state."""
 
-    def __init__(self, gdn: nn.Module):
+    def __init__(self, gdn: nn.Module, in_place: bool = True):
         super().__init__()
         self.gdn = gdn
+        self.in_place = in_place
         self.reset()
 
     def reset(self) -> None:
@@ -267,12 +269,12 @@ class GDNDecode(nn.Module):
         return self.cache.nbytes()
 
     def forward(self, hidden_states):
-        """The layer continued from the cache. A new state is copied into the tensors that held the
-        old one (when shapes agree), so their memory stays where a captured step reads it."""
+        """The layer continued from the cache. In place, a new state is copied into the tensors that
+        held the old one (when shapes agree), so their memory stays where a captured step reads it."""
         work = GDNCache()
         work.recurrent, work.conv = self.cache.recurrent, dict(self.cache.conv)
         out = self.gdn(hidden_states, cache=work)
-        if self.cache.recurrent is not None and self.cache.recurrent.shape == work.recurrent.shape:
+        if self.in_place and self.cache.recurrent is not None and self.cache.recurrent.shape == work.recurrent.shape:
             self.cache.recurrent.copy_(work.recurrent)
             for name, tensor in work.conv.items():
                 self.cache.conv[name].copy_(tensor)

@@ -148,6 +148,24 @@ def test_existing_directory_needs_force(stories, stories_hybrid, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no temporary or old directories left
 
 
+def test_extra_files_arrive_with_the_checkpoint_or_not_at_all(stories, stories_hybrid, tmp_path):
+    """save's `extra` writes into the staging directory: its files appear in the same final rename,
+    and when it fails the directory already there is untouched and nothing is left beside it."""
+    out = tmp_path / "out"
+    surgery.save(stories_hybrid, out, extra=lambda staging: (staging / "state.txt").write_text("step 3"))
+    assert (out / "state.txt").read_text() == "step 3"
+    before = sha256(out / "recipe.json")
+
+    def fail(staging):
+        (staging / "state.txt").write_text("half")
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        surgery.save(convert(stories(), [0]), out, force=True, extra=fail)
+    assert sha256(out / "recipe.json") == before and (out / "state.txt").read_text() == "step 3"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
 def test_recipe_contents(saved, stories_hybrid):
     recipe = json.loads((saved / "recipe.json").read_text())
     assert recipe["format"] == "surgery-hybrid" and recipe["version"] == 1

@@ -251,6 +251,24 @@ def test_static_steps_fall_back_without_capacity_and_modes_are_checked(tiny):
         Decoder(graph, step_mode="cuda-graph")
 
 
+def test_static_steps_keep_the_gdn_state_memory(tiny):
+    """A captured step reads and writes fixed addresses: a decoder that can take static steps keeps
+    each GDN state in the tensors the prefill made, a dynamic one may replace them (no copies)."""
+    graph = hybrid(tiny("llama").graph.branch())
+    ids = torch.tensor([prompt_of(9, 128, seed=7)])
+
+    def addresses(decoder):
+        return [t.data_ptr() for m in decoder.gdn.values() for t in m._tensors()]
+
+    for mode, kept in (("static", True), ("dynamic", False)):
+        decoder = Decoder(graph, step_mode=mode).reset(1, capacity=16)
+        decoder.prefill(ids[:, :6])
+        before = addresses(decoder)
+        got = [decoder.step(ids[:, t]) for t in range(6, 9)]
+        assert (addresses(decoder) == before) is kept, mode
+        torch.testing.assert_close(torch.cat(got, dim=1), graph.logits(ids)[:, 6:], atol=ATOL, rtol=1e-4)
+
+
 def test_eos_stops_and_sampling_is_seeded(tiny):
     graph = tiny("llama").graph
     decoder = Decoder(graph)
