@@ -291,6 +291,16 @@ def run_record(run_out: Path, summary: dict) -> dict:
             "complete": bool(summary.get("complete", True))}
 
 
+def measure_distilled(report: dict, name: str, measure, graph_of) -> None:
+    """The distilled model's whole-file perplexity and passkey, once per checkpoint (a later call that
+    trained further measures again); graph_of(checkpoint) gives the model to measure."""
+    summary = report["runs"][name]["summary"]
+    checkpoint = summary["checkpoint"]
+    if report["models"].get(f"{name} (distilled)", {}).get("checkpoint") != checkpoint:
+        report["models"][f"{name} (distilled)"] = measure(f"{name} distilled", graph_of(checkpoint)) | {
+            "checkpoint": checkpoint, "tokens": summary["tokens"]}
+
+
 def concurrent(args, out: Path, report: dict, cfg: dict, dump, resuming: bool) -> None:
     """Both students distilled at once, each by its own `surgery distill` process on its own GPU
     (round-robin over the visible ones); with --stop-after each stops cleanly after that many
@@ -526,13 +536,8 @@ def main() -> None:
             log("not finished: run the same command with --resume to continue (--finish to measure the runs as they stand)")
             summarize(args, report, lengths, dump, results_dir)
             return
-        for name in names:  # measured once per checkpoint: a later call that trained further measures again
-            checkpoint = report["runs"][name]["summary"]["checkpoint"]
-            if report["models"].get(f"{name} (distilled)", {}).get("checkpoint") != checkpoint:
-                graph = load(checkpoint, device=device, dtype=torch.float32)
-                report["models"][f"{name} (distilled)"] = measure(f"{name} distilled", graph) | {
-                    "checkpoint": checkpoint, "tokens": report["runs"][name]["summary"]["tokens"]}
-                del graph
+        for name in names:
+            measure_distilled(report, name, measure, lambda c: load(c, device=device, dtype=torch.float32))
         dump()
         plain_and_plot(args, out, report, device, cuda, dump, results_dir)
         if args.two_gpu:
@@ -560,8 +565,8 @@ def main() -> None:
         runs[name] = run_record(run_out, summary)
         curve = runs[name]["curve"]
         log(f"{name}: {runs[name]['tokens_per_s']:,.0f} tokens/s, curve {[(t, round(p, 2)) for t, p in curve]}")
-        report["models"][f"{name} (distilled)"] = measure(f"{name} distilled", graph)
         report["runs"] = runs
+        measure_distilled(report, name, measure, lambda _, trained=graph: trained)
         dump()
     plain_and_plot(args, out, report, device, cuda, dump, results_dir, students.get("taylor-calibrate"))
     if args.two_gpu:
