@@ -782,6 +782,16 @@ class _Run:
         dist.broadcast(flag, 0)
         return bool(flag.item())
 
+    def _out_of_memory(self, exc: Exception) -> DistillError:
+        """What to change when a micro-batch does not fit: a smaller one, or recomputed activations."""
+        c, micro = self.config, self.micro
+        first = (str(exc).strip().splitlines() or ["out of memory"])[0]
+        smaller = f"a smaller --micro-batch (e.g. {micro // 2}: the global batch stays {c.global_batch})" if micro > 1 else "a shorter --seq-len"
+        checkpointing = "" if c.grad_checkpoint else ", or --grad-checkpoint (recompute the GDN layers' activations)"
+        self.student.gm.zero_grad(set_to_none=True)
+        return DistillError(f"Out of memory on a micro-batch of {micro} x {c.seq_len} tokens ({first}).",
+                            f"Use {smaller}{checkpointing}.")
+
     def _step(self, step: int, optimizer, wrapped, loss_fn, trainable) -> dict:
         """One optimizer step over this rank's share of the global batch, in micro-batches. Each
         micro-batch loss is weighted by micro/local, so after DDP averages over ranks the gradient is
@@ -791,12 +801,15 @@ class _Run:
         optimizer.zero_grad(set_to_none=True)
         total = torch.zeros((), dtype=torch.float64, device=place.device)
         count = self.local // self.micro
-        for i in range(count):
-            sync = i == count - 1 or not hasattr(wrapped, "no_sync")
-            with contextlib.nullcontext() if sync else wrapped.no_sync():
-                loss = loss_fn(batch[i * self.micro:(i + 1) * self.micro]) * (self.micro / self.local)
-                loss.backward()
-            total += loss.detach().double()
+        try:
+            for i in range(count):
+                sync = i == count - 1 or not hasattr(wrapped, "no_sync")
+                with contextlib.nullcontext() if sync else wrapped.no_sync():
+                    loss = loss_fn(batch[i * self.micro:(i + 1) * self.micro]) * (self.micro / self.local)
+                    loss.backward()
+                total += loss.detach().double()
+        except torch.OutOfMemoryError as exc:
+            raise self._out_of_memory(exc) from None
         if place.world > 1:
             dist.all_reduce(total)
             total /= place.world

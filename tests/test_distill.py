@@ -19,6 +19,7 @@ from typer.testing import CliRunner
 
 import surgery
 from surgery import PassManager
+import importlib
 from surgery.capture import placeholder_values
 from surgery.distill import (DistillConfig, DistillError, distill, forward_params, gradient_checkpointing, lr_factor,
                              param_kind, tap_module)
@@ -26,6 +27,8 @@ from surgery.evaluate import perplexity, tokenize
 from surgery.tokens import DataError, TokenCorpus, WindowOrder
 
 from cli_checks import assert_clean_failure, invoke
+
+distill_module = importlib.import_module("surgery.distill")  # the package exports the function under the same name
 
 
 # TinyStories-like training text (stories260K is a TinyStories model) and a different paragraph to score.
@@ -347,7 +350,7 @@ def test_cli_distills_with_the_teacher_named_in_the_recipe(runner, hybrid, files
     assert_clean_failure(invoke(runner, *args), "already exists", "--resume")
 
 
-def test_bad_inputs_fail_with_a_fix(runner, reference, loaded, hybrid, files, stories_teacher, tmp_path, stories_path):
+def test_bad_inputs_fail_with_a_fix(runner, reference, loaded, hybrid, files, stories_teacher, tmp_path, stories_path, monkeypatch):
     ref_out, _ = reference
     common = ["--data", files / "train.txt", "--tokens", 10 * STEP, "--seq-len", L, "--batch-size", G]
     not_hybrid = tmp_path / "plain"
@@ -364,6 +367,19 @@ def test_bad_inputs_fail_with_a_fix(runner, reference, loaded, hybrid, files, st
         distill(loaded, [files / "train.txt"], ref_out, both_config(files, lr_kl_rest=0.0), teacher=stories_teacher, resume=True, progress=False)
     with pytest.raises(DistillError, match="other training data"):
         distill(loaded, [files / "eval.txt"], ref_out, both_config(files), teacher=stories_teacher, resume=True, progress=False)
+    # a micro-batch that does not fit names the knobs that make it fit
+    real = distill_module.graph_logits
+
+    def no_room(gm, ids, *extra):
+        if torch.is_grad_enabled():  # training forwards; evaluations (no grad) still run
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 12.00 GiB.")
+        return real(gm, ids, *extra)
+
+    monkeypatch.setattr(distill_module, "graph_logits", no_room)
+    with pytest.raises(DistillError, match="micro-batch of 2 x 32 tokens") as info:
+        distill(fresh(loaded), [files / "train.txt"], tmp_path / "h", both_config(files, stage="kl", l2_tokens=None), teacher=stories_teacher, progress=False)
+    assert "--micro-batch (e.g. 1" in info.value.fix and "--grad-checkpoint" in info.value.fix
+    monkeypatch.undo()
     # data problems found once the tokenizer is known
     with pytest.raises(DataError, match="holds no tokens"):
         distill(fresh(loaded), [files / "empty.txt"], tmp_path / "f", both_config(files), teacher=stories_teacher, progress=False)
