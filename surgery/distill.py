@@ -38,6 +38,7 @@ from .capture import graph_logits, placeholder_values
 from .checkpoint import save
 from .errors import SurgeryError
 from .graph import Graph
+from .losses import kl_divergence
 from .pass_base import PassConfig
 from .rewrite import prune
 from .tokens import TokenCorpus, WindowOrder, check_files, file_digest
@@ -622,9 +623,7 @@ class _Run:
                 teacher = graph_logits(self.teacher.gm, ids)
             with self._autocast():
                 student = graph_logits(wrapped, ids, self.extra_s)
-            t = F.log_softmax(teacher.float() / temperature, dim=-1)
-            s = F.log_softmax(student.float() / temperature, dim=-1)
-            return (t.exp() * (t - s)).sum(-1).mean() * temperature**2
+            return kl_divergence(student, teacher, temperature)
 
         return wrapped, loss, 6 * forward_params(self.student.gm) + 2 * forward_params(self.teacher.gm)
 
