@@ -15,6 +15,12 @@ import torch.nn.functional as F
 CHUNK_ELEMENTS = 1 << 26  # float32 work per chunk: 256 MB per temporary
 
 
+def _scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """float32 logits / temperature (no division pass at the usual temperature of 1)."""
+    x = logits.float()
+    return x if temperature == 1.0 else x / temperature
+
+
 class _ChunkedKL(torch.autograd.Function):
     @staticmethod
     def forward(ctx, student, teacher, temperature: float, chunk_rows: int | None):
@@ -25,8 +31,8 @@ class _ChunkedKL(torch.autograd.Function):
         total = torch.zeros((), dtype=torch.float32, device=student.device)
         grad = torch.empty_like(s2)
         for i in range(0, rows, step):
-            t = F.log_softmax(t2[i:i + step].float() / temperature, dim=-1)
-            s = F.log_softmax(s2[i:i + step].float() / temperature, dim=-1)
+            t = F.log_softmax(_scaled(t2[i:i + step], temperature), dim=-1)
+            s = F.log_softmax(_scaled(s2[i:i + step], temperature), dim=-1)
             p_t = t.exp()
             total += (p_t * (t - s)).sum()
             grad[i:i + step] = (s.exp_() - p_t).mul_(temperature / rows)
