@@ -17,6 +17,10 @@ same model, for the "distillation reaches >= 40% of plain-step FLOP/s" check.
 --stop-after each stops cleanly after that many seconds (a checkpoint), and the same command with
 --resume continues; --finish measures the runs as they stand.
 
+--select-policy ar|greedy picks the kept layers once, on the teacher with the calibration text, and
+both students convert exactly those (default: uniform spacing). --stop-at UNIX_TIME ends a
+--concurrent run's training at a deadline (a device budget), less the processes' start-up.
+
 --two-gpu also saves the Taylor-Calibrate init and the teacher and reruns that student's
 distillation with torchrun on 2 GPUs (same global batch, same data order), for tokens/s scaling and
 the curve.
