@@ -787,7 +787,6 @@ class _Run:
         first = (str(exc).strip().splitlines() or ["out of memory"])[0]
         smaller = f"a smaller --micro-batch (e.g. {micro // 2}: the global batch stays {c.global_batch})" if micro > 1 else "a shorter --seq-len"
         checkpointing = "" if c.grad_checkpoint else ", or --grad-checkpoint (recompute the GDN layers' activations)"
-        self.student.gm.zero_grad(set_to_none=True)
         return DistillError(f"Out of memory on a micro-batch of {micro} x {c.seq_len} tokens ({first}).",
                             f"Use {smaller}{checkpointing}.")
 
@@ -808,6 +807,7 @@ class _Run:
                     loss.backward()
                 total += loss.detach().double()
         except torch.OutOfMemoryError as exc:
+            optimizer.zero_grad(set_to_none=True)  # a caller that retries smaller gets the memory back
             raise self._out_of_memory(exc) from None
         if place.world > 1:
             dist.all_reduce(total)
