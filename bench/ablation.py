@@ -8,7 +8,7 @@ One teacher capture, then for each keep ratio and row a fresh branch of it runs 
   phase2        + align only
   phase1+2      + calibrate + align
 Calibration text from the corpus files given (never the evaluation file); evaluation with the
-WikiText-2 protocol (surgery.evaluate). Prints a markdown table and writes JSON.
+WikiText-2 protocol (surgery.eval.perplexity). Prints a markdown table and writes JSON.
 
     python bench/ablation.py --model /root/m/smol.gguf --calibration data/corpus/austen.txt.xz ... \
         --eval data/wikitext-2-raw/wiki.test.raw --keep-ratios 0.5 --json out.json
@@ -26,8 +26,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from surgery import PassManager, capture  # noqa: E402
-from surgery.evaluate import perplexity, read_text, tokenize  # noqa: E402
-from surgery.pass_base import parse_options  # noqa: E402
+from surgery.data.text import read_text, tokenize
+from surgery.eval.perplexity import perplexity  # noqa: E402
+from surgery.core.pipeline import parse_options  # noqa: E402
 
 ZERO_GATE = {"gate": "zero", "decay": False, "write_gate": False, "value_scale": False}
 REFERENCE = {"gate": "reference", "concentration": "minmax"}

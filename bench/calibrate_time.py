@@ -23,9 +23,9 @@ import torch  # noqa: E402
 
 from bench._models import qwen15b_shaped  # noqa: E402
 from surgery import PassManager, capture  # noqa: E402
-from surgery.calibration import token_stream  # noqa: E402
-from surgery.load import load_model  # noqa: E402
-from surgery.pass_base import parse_options  # noqa: E402
+from surgery.data.cache import token_stream  # noqa: E402
+from surgery.core.load import load_model  # noqa: E402
+from surgery.core.pipeline import parse_options  # noqa: E402
 
 
 def main() -> None:

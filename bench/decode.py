@@ -30,7 +30,7 @@ from transformers import LogitsProcessor, LogitsProcessorList  # noqa: E402
 from bench._models import qwen15b_shaped  # noqa: E402
 from surgery import PassManager, capture  # noqa: E402
 from surgery.decode import DecodeError, Decoder  # noqa: E402
-from surgery.load import load_model  # noqa: E402
+from surgery.core.load import load_model  # noqa: E402
 
 LOGITS_BUDGET = 4 << 30  # bytes of prefill logits per chunk
 

@@ -30,7 +30,7 @@ def plain(student, teacher):
 def measure(variant: str, tokens: int, vocab: int, dtype: str, repeats: int) -> dict:
     import torch
 
-    from surgery.losses import kl_divergence
+    from surgery.train.losses import kl_divergence
 
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"

@@ -49,11 +49,12 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from surgery import PassManager, capture, load, save  # noqa: E402
-from surgery.distill import DistillConfig, distill, forward_params  # noqa: E402
-from surgery.evaluate import perplexity, read_text, tokenize  # noqa: E402
-from surgery.load import load_model  # noqa: E402
-from surgery.passkey import passkey  # noqa: E402
-from surgery.pass_base import parse_options  # noqa: E402
+from surgery.train.distill import DistillConfig, distill, forward_params  # noqa: E402
+from surgery.data.text import read_text, tokenize
+from surgery.eval.perplexity import perplexity  # noqa: E402
+from surgery.core.load import load_model  # noqa: E402
+from surgery.eval.passkey import passkey  # noqa: E402
+from surgery.core.pipeline import parse_options  # noqa: E402
 
 LADDER = (1.2, 1.5, 2.0, 3.0, 5.0)
 DISTILL_STARTUP_S = 60.0  # a `surgery distill` process on the H200 loads and captures teacher and student first

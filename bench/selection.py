@@ -23,8 +23,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from surgery import PassManager, capture  # noqa: E402
-from surgery.evaluate import perplexity, read_text, tokenize  # noqa: E402
-from surgery.pass_base import parse_options  # noqa: E402
+from surgery.data.text import read_text, tokenize
+from surgery.eval.perplexity import perplexity  # noqa: E402
+from surgery.core.pipeline import parse_options  # noqa: E402
 
 
 def main() -> None:

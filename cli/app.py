@@ -7,75 +7,26 @@ from pathlib import Path
 from typing import List, Optional
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
 from surgery.errors import SurgeryError
+from surgery.io import open_model
 
+from .common import err, guard, out, placement
+from .distill import distill as distill_command
+from .generate import generate as generate_command
 from .options import DebugOpt, DeviceOpt, DtypeOpt, ModelOpt
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Convert softmax attention to Gated DeltaNet, Taylor-Calibrated.")
-out = Console(width=None if sys.stdout.isatty() else 160)  # pipes and logs get the whole table
-err = Console(stderr=True)
-
-
-def _fail(exc: SurgeryError) -> None:
-    err.print(f"[bold red]Error:[/] {exc.problem}")
-    if exc.fix:
-        err.print(f"[bold]Fix:[/] {exc.fix}")
-    raise typer.Exit(2)
-
-
-def _guard(debug: bool):
-    """Context: SurgeryError -> one paragraph and exit 2 (tracebacks only with --debug)."""
-
-    class Guard:
-        def __enter__(self):
-            return self
-
-        def __exit__(self, kind, value, tb):
-            if value is None or debug or isinstance(value, (typer.Exit, KeyboardInterrupt)):
-                return False
-            if isinstance(value, SurgeryError):
-                _fail(value)
-            return False
-
-    return Guard()
-
-
-def parse_dtype(name: str):
-    """'bfloat16' -> torch.bfloat16, or the error every command gives for a dtype it does not know."""
-    import torch
-
-    if not isinstance(getattr(torch, name, None), torch.dtype):
-        raise SurgeryError(f"Unknown dtype '{name}'.", "Use float32, bfloat16 or float16.")
-    return getattr(torch, name)
-
-
-def _placement(device: Optional[str], dtype: Optional[str]):
-    import torch
-
-    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    dt = parse_dtype(dtype) if dtype is not None else (torch.bfloat16 if dev.type == "cuda" else torch.float32)
-    return dev, dt
-
-
-def open_model(source: str, device=None, dtype=None, debug: bool = False):
-    """A saved hybrid (DIR with recipe.json) or any teacher source -> Graph."""
-    from surgery import capture, load
-
-    if Path(source).is_dir() and (Path(source) / "recipe.json").exists():
-        return load(source, device=device, dtype=dtype)
-    return capture(source, device=device, dtype=dtype, debug=debug)
 
 
 @app.command()
 def inspect(model: str = ModelOpt, as_json: bool = typer.Option(False, "--json", help="Print JSON."), debug: bool = DebugOpt,
             device: Optional[str] = DeviceOpt, dtype: Optional[str] = DtypeOpt):
     """Show the attention sites found in the model's graph."""
-    with _guard(debug):
-        dev, dt = _placement(device or "cpu", dtype)
-        graph = open_model(model, dev, dt, debug)
+    with guard(debug):
+        dev, dt = placement(device or "cpu", dtype)
+        graph = open_model(model, device=dev, dtype=dt, debug=debug)
         rows = [s.summary() | {"now": k} for s, k in zip(graph.sites, graph.layer_kinds)]
         if as_json:
             print(json.dumps({"model": model, "architecture": type(graph.config).__name__, "layers": len(rows), "sites": rows}, indent=1))
@@ -95,7 +46,7 @@ def diff(a: str = typer.Argument(..., help="Model or saved hybrid (before)."), b
     """Per-layer differences between two models (e.g. a teacher and its saved hybrid)."""
     from surgery import diff as graph_diff
 
-    with _guard(debug):
+    with guard(debug):
         ga, gb = open_model(a, debug=debug), open_model(b, debug=debug)
         result = graph_diff(ga, gb)
         if as_json:
@@ -144,9 +95,9 @@ def apply(
 ):
     """Run passes on a model and save the hybrid."""
     from surgery import PassManager, capture, diff as graph_diff, save
-    from surgery.pass_base import parse_options
+    from surgery.core.pipeline import parse_options
 
-    with _guard(debug):
+    with guard(debug):
         names = [p.strip() for p in passes.split(",") if p.strip()]
         configs = parse_options(options)
         if "select" in names:
@@ -170,7 +121,7 @@ def apply(
         manager.validate()
         if out_dir.exists() and not force:
             raise SurgeryError(f"'{out_dir}' already exists.", "Choose another --out, or pass --force to replace it.")
-        dev, dt = _placement(device, dtype)
+        dev, dt = placement(device, dtype)
         err.print(f"loading and capturing {model} on {dev} ({str(dt).removeprefix('torch.')})")
         graph = capture(model, device=dev, dtype=dt, debug=debug)
         err.print(f"found {graph.num_layers} attention layers")
@@ -205,9 +156,10 @@ def evaluate(model: str = ModelOpt,
     """Perplexity on a text file (WikiText-2 protocol) or passkey retrieval, for a teacher or a saved hybrid."""
     from rich.progress import Progress
 
-    from surgery.evaluate import perplexity, read_text, tokenize
+    from surgery.data.text import read_text, tokenize
+    from surgery.eval.perplexity import perplexity
 
-    with _guard(debug):
+    with guard(debug):
         if task not in ("perplexity", "passkey"):
             raise SurgeryError(f"Unknown task '{task}'.", "Use --task perplexity or --task passkey.")
         if task == "perplexity" and len(text or []) != 1:
@@ -216,10 +168,10 @@ def evaluate(model: str = ModelOpt,
             length_list = [int(x) for x in lengths.split(",") if x.strip()]
         except ValueError:
             raise SurgeryError(f"--lengths must be comma-separated integers, got '{lengths}'.", "e.g. --lengths 1024,2048,4096") from None
-        dev, dt = _placement(device, dtype)
-        graph = open_model(model, dev, dt, debug)
+        dev, dt = placement(device, dtype)
+        graph = open_model(model, device=dev, dtype=dt, debug=debug)
         if task == "passkey":
-            from surgery.passkey import passkey
+            from surgery.eval.passkey import passkey
 
             result = passkey(graph, text, length_list, depths, trials, seed, batch_size=max(batch_size, 1))
             result |= {"model": model}
@@ -251,7 +203,7 @@ def list_passes():
     """List the registered passes and their options."""
     import dataclasses
 
-    from surgery.pass_base import REGISTRY, known_passes
+    from surgery.core.pipeline import REGISTRY, known_passes
 
     for name in known_passes():
         cls = REGISTRY[name]
@@ -259,11 +211,8 @@ def list_passes():
         out.print(f"[bold]{name}[/] requires={list(cls.requires)}  {fields}")
 
 
-from .distill import distill as _distill  # noqa: E402  (the command lives in cli/distill.py)
-app.command("distill")(_distill)
-
-from .generate import generate as _generate  # noqa: E402  (the command lives in cli/generate.py)
-app.command("generate")(_generate)
+app.command("distill")(distill_command)
+app.command("generate")(generate_command)
 
 
 def main() -> None:

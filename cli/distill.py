@@ -11,6 +11,7 @@ import typer
 
 from surgery.errors import SurgeryError
 
+from .common import err, guard, out, parse_dtype
 from .options import DebugOpt
 
 _SUFFIXES = {"k": 10**3, "m": 10**6, "g": 10**9, "b": 10**9}
@@ -62,11 +63,10 @@ def distill(
 ):
     """Continue training a saved hybrid against its teacher (stage l2, kl, or both)."""
 
-    from surgery.cli.app import _guard, err, out, parse_dtype
-    from surgery.distill import DistillConfig
-    from surgery.distill import distill as run_distill
+    from surgery.train.distill import DistillConfig
+    from surgery.train.distill import distill as run_distill
 
-    with _guard(debug):
+    with guard(debug):
         given = {"stage": stage, "seq_len": seq_len, "global_batch": batch_size, "micro_batch": micro_batch, "warmup": warmup,
                  "schedule": schedule, "seed": seed, "eval_text": str(eval_text) if eval_text else None, "time_limit": time_limit}
         settings = {k: v for k, v in given.items() if v is not None}

@@ -12,6 +12,7 @@ import typer
 
 from surgery.errors import SurgeryError
 
+from .common import err, guard, placement
 from .options import DebugOpt, DeviceOpt, DtypeOpt, ModelOpt
 
 CONTEXT_TOKENS = 8  # prompt tokens decoded with the continuation, so a leading space survives detokenisation
@@ -87,17 +88,17 @@ def generate(
     debug: bool = DebugOpt,
 ):
     """Continue prompts with a teacher or a saved hybrid (KV cache for attention, recurrent state for GDN)."""
-    from surgery.cli.app import _guard, _placement, err, open_model
     from surgery.decode import Decoder, check_sampling, generate as decode_generate
+    from surgery.io import open_model
 
-    with _guard(debug):
+    with guard(debug):
         prompts = read_prompts(prompt, prompt_file)
         if max_new_tokens < 1:
             raise SurgeryError(f"--max-new-tokens must be at least 1, got {max_new_tokens}.", "Pass e.g. --max-new-tokens 64.")
         check_sampling(temperature, top_k, top_p)  # before the model loads
-        dev, dt = _placement(device, dtype)
+        dev, dt = placement(device, dtype)
         err.print(f"loading {model} on {dev} ({str(dt).removeprefix('torch.')})")
-        graph = open_model(model, dev, dt, debug)
+        graph = open_model(model, device=dev, dtype=dt, debug=debug)
         tokenizer = graph.tokenizer
         if tokenizer is None:
             raise SurgeryError(f"'{model}' has no tokenizer, so text prompts cannot be encoded.", "Use a model directory or GGUF that carries its tokenizer.")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from surgery.load import DEFAULT_MODEL
+from surgery.core.load import DEFAULT_MODEL
 
 ModelOpt = typer.Option(DEFAULT_MODEL, "--model", "-m", help="Model directory, .gguf file, saved hybrid, or short name.")
 DebugOpt = typer.Option(False, "--debug", help="Show full tracebacks.")

@@ -8,15 +8,15 @@ from dataclasses import dataclass, fields
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from surgery.errors import PassConfigError
-from surgery.graph import Graph
-from surgery.pass_base import Pass, PassResult, register
-from tcal.align import AlignOptions, align_layers
+from surgery.core.graph import Graph
+from surgery.core.pipeline import Pass, PassResult, register
+from tcal.phase2 import AlignOptions, align_layers
 
-from ._calibration_data import CalibrationDataConfig, teacher_data
+from .teacher_data import TeacherDataConfig, teacher_data
 
 
 @dataclass
-class AlignConfig(CalibrationDataConfig, AlignOptions):
+class AlignConfig(TeacherDataConfig, AlignOptions):
     """Phase 2 options (tcal.align.AlignOptions) plus the calibration data."""
 
     progress: bool = True

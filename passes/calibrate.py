@@ -6,15 +6,15 @@ import time
 from dataclasses import dataclass, fields
 
 from surgery.errors import CalibrationError, PassConfigError
-from surgery.graph import Graph
-from surgery.pass_base import PassResult, register, Pass
-from tcal.calibrate import CONCENTRATION, GATES, Phase1Options, calibrate_layer
+from surgery.core.graph import Graph
+from surgery.core.pipeline import Pass, PassResult, register
+from tcal.phase1 import CONCENTRATION, GATES, Phase1Options, calibrate_layer
 
-from ._calibration_data import CalibrationDataConfig, teacher_data
+from .teacher_data import TeacherDataConfig, teacher_data
 
 
 @dataclass
-class CalibrateConfig(CalibrationDataConfig, Phase1Options):
+class CalibrateConfig(TeacherDataConfig, Phase1Options):
     """Phase 1 options (tcal.calibrate.Phase1Options) plus the calibration data."""
 
     def validate(self) -> None:

@@ -12,10 +12,10 @@ from dataclasses import dataclass
 import torch
 
 from surgery.errors import PassConfigError
-from surgery.graph import Graph
-from surgery.pass_base import Pass, PassConfig, PassResult, register
-from surgery.rewrite import fork, nodes_by_name, prune, splice_module
-from surgery.sites import AttentionSite, ancestors, descendants
+from surgery.core.graph import Graph
+from surgery.core.pipeline import Pass, PassConfig, PassResult, register
+from surgery.core.rewrite import ancestors, descendants, fork, nodes_by_name, prune, splice_module
+from surgery.sites import AttentionSite
 from tcal.gdn import GatedDeltaNet
 
 V_ACTIVATIONS = ("silu", "identity")

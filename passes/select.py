@@ -19,13 +19,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from surgery.ablation import keep_one_scores, removal_scores
-from surgery.calibration import held_out_windows, token_stream, window_starts, windows
+from surgery.core.graph import Graph
+from surgery.core.pipeline import Pass, PassManager, PassResult, register
+from surgery.data.cache import token_stream
+from surgery.data.windows import held_out_windows, window_starts, windows
 from surgery.errors import PassConfigError
-from surgery.graph import Graph
-from surgery.pass_base import Pass, PassManager, PassResult, register
+from surgery.eval.ablation import keep_one_scores, removal_scores
 
-from ._calibration_data import CalibrationDataConfig
+from .teacher_data import TeacherDataConfig
 from .align import AlignConfig
 from .calibrate import CalibrateConfig
 from .replace import ReplaceConfig
@@ -37,7 +38,7 @@ DEFAULT_INIT = ["calibrate", "align"]
 
 
 @dataclass
-class SelectConfig(CalibrationDataConfig):
+class SelectConfig(TeacherDataConfig):
     """policy        uniform: keep k layers evenly spaced from 0;  keep: keep exactly `layers`;
                     convert: convert exactly `layers`;  ar, greedy: keep the k best-scoring layers
     k               `keep_count`, else one layer in `stride`, else round(keep_ratio * layers)

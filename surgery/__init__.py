@@ -8,18 +8,17 @@ initialise them with Taylor-Calibrate.
     generate(hybrid, [prompt_ids], max_new_tokens=32)   # incremental decoding (Decoder)
     distill("out/hybrid", ["corpus.txt"], "out/distilled", DistillConfig(tokens=10_000_000))
 """
-from .capture import capture
-from .checkpoint import load, save
+from .core.graph import Graph
+from .core.pipeline import Pass, PassConfig, PassManager, PassResult, get_pass, known_passes, register
 from .decode import Decoder, generate
-from .diff import diff
-from .distill import DistillConfig, distill
 from .errors import SurgeryError
-from .graph import Graph
-from .pass_base import Pass, PassConfig, PassManager, PassResult, get_pass, known_passes, register
+from .eval import diff
+from .io import capture, load, open_model, save
 from .sites import AttentionSite, find_sites
+from .train import DistillConfig, distill
 
 __all__ = [
-    "capture", "load", "save", "diff", "SurgeryError", "Graph", "Pass", "PassConfig", "PassManager",
+    "capture", "load", "save", "open_model", "diff", "SurgeryError", "Graph", "Pass", "PassConfig", "PassManager",
     "PassResult", "get_pass", "known_passes", "register", "AttentionSite", "find_sites", "Decoder", "generate",
     "DistillConfig", "distill",
 ]

@@ -2,6 +2,12 @@
 paragraph instead of a traceback from deep inside torch."""
 
 
+def first_line(exc: BaseException, default: str | None = None) -> str:
+    """The first line of an exception's message (torch and transformers put pages below it)."""
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else (default or type(exc).__name__)
+
+
 class SurgeryError(Exception):
     """Base class: `problem` says what is wrong, `fix` what to do about it."""
 
@@ -49,3 +55,11 @@ class CalibrationError(SurgeryError):
 
 class DecodeError(SurgeryError):
     """The graph cannot be decoded incrementally with exact results, or a decoding call is out of bounds."""
+
+
+class DataError(SurgeryError):
+    """Text or training data is missing, empty, or too short for one sequence."""
+
+
+class DistillError(SurgeryError):
+    """A distillation run cannot start or continue (bad config, model, data or output directory)."""

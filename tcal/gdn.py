@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from tcal.kernels import fla_available, gated_delta_rule
+from .kernels import fla_available, gated_delta_rule
 
 V_ACTIVATIONS = {"silu": F.silu, "identity": lambda x: x}
 

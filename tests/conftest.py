@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from surgery.capture import placeholder_values
+from surgery.core.run import placeholder_values
 
 # One thread: every tensor here is tiny, and OpenMP barriers on the 2 shared cores cost more than the
 # work (measured on 2 cores: the whole suite takes ~1.6 min with 1 thread, ~7 min with 2).

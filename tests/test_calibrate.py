@@ -1,7 +1,7 @@
 """calibrate (Phase 1) and align (Phase 2) on the real stories260K teacher.
 
 The checks recompute what each pass promises from the teacher's own activations (collected with
-surgery.calibration.collect) and hand formulas, and the end-to-end test scores held-out text that
+surgery.passes.teacher_data.collect) and hand formulas, and the end-to-end test scores held-out text that
 differs from the calibration text: calibration uses the built-in sample (Austen, Shakespeare, the
 King James Bible), evaluation uses TinyStories-like paragraphs written for this test (stories260K is
 a TinyStories model).
@@ -15,9 +15,11 @@ import torch
 import torch.nn.functional as F
 
 from surgery import PassManager
-from surgery.calibration import calibration_ids, collect
+from surgery.data.windows import calibration_ids
+from surgery.passes.teacher_data import collect
 from surgery.errors import CalibrationError
-from surgery.evaluate import perplexity, tokenize
+from surgery.data.text import tokenize
+from surgery.eval.perplexity import perplexity
 
 CONVERT = [1, 3, 4]  # what keep_ratio 0.5 converts in 5 layers (keeps 0 and 2), named explicitly
 SMALL = {"samples": 2, "length": 64}  # enough for the failure cases and the determinism check

@@ -414,7 +414,7 @@ def test_positions_stay_float32_under_autocast():
     """export drops the model's autocast(enabled=False) around the RoPE matmul; capture switches
     autocast off again for every autocast-lowered op computed from positions alone, so a bf16
     autocast run matches the eager model's (the unpinned export rounds positions above 256)."""
-    from surgery.capture import export_model, without_autocast
+    from surgery.core.capture import export_model, without_autocast
 
     torch.manual_seed(0)
     model = _RotaryLM().eval()

@@ -9,7 +9,8 @@ from typer.testing import CliRunner
 
 import surgery
 from surgery import PassManager
-from surgery.evaluate import perplexity, tokenize
+from surgery.data.text import tokenize
+from surgery.eval.perplexity import perplexity
 
 from cli_checks import assert_clean_failure, invoke
 

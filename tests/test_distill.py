@@ -20,15 +20,17 @@ from typer.testing import CliRunner
 import surgery
 from surgery import PassManager
 import importlib
-from surgery.capture import placeholder_values
-from surgery.distill import (DistillConfig, DistillError, distill, forward_params, gradient_checkpointing, lr_factor,
+from surgery.core.run import placeholder_values
+from surgery.train.distill import (DistillConfig, DistillError, distill, forward_params, gradient_checkpointing, lr_factor,
                              param_kind, tap_module)
-from surgery.evaluate import perplexity, tokenize
-from surgery.tokens import DataError, TokenCorpus, WindowOrder
+from surgery.data.text import tokenize
+from surgery.eval.perplexity import perplexity
+from surgery.data.corpus import TokenCorpus, WindowOrder
+from surgery.errors import DataError
 
 from cli_checks import assert_clean_failure, invoke
 
-distill_module = importlib.import_module("surgery.distill")  # the package exports the function under the same name
+distill_module = importlib.import_module("surgery.train.distill")  # the package exports the function under the same name
 
 
 # TinyStories-like training text (stories260K is a TinyStories model) and a different paragraph to score.

@@ -143,7 +143,7 @@ def test_position_bias_is_refused(tiny, name, words):
 def test_self_check_refuses_what_it_cannot_continue(tiny, monkeypatch):
     """Without the position rewrite, RoPE would see position 0 at every step: the construction-time
     comparison with full recomputation must catch it rather than decode wrongly."""
-    from surgery import decode
+    from surgery.decode import decoder as decode
 
     monkeypatch.setattr(decode, "_rewrite_positions", lambda *args: None)
     with pytest.raises(DecodeError, match="disagrees with full recomputation"):
@@ -153,7 +153,8 @@ def test_self_check_refuses_what_it_cannot_continue(tiny, monkeypatch):
 def test_self_check_in_bf16_accepts_rounding_and_refuses_wrong_positions(stories_path, monkeypatch):
     """In bf16 incremental and full logits differ by rounding (more through GDN layers); the check
     must pass a correct decoder of a bf16 hybrid and still refuse one that keeps positions at 0."""
-    from surgery import PassManager, capture, decode
+    from surgery import PassManager, capture
+    from surgery.decode import decoder as decode
 
     graph = capture(stories_path, dtype=torch.bfloat16)
     PassManager(["select", "replace"], {"select": {"keep_ratio": 0.5}})(graph)
@@ -366,13 +367,13 @@ def test_cli_errors(runner, stories_path, tiny, tmp_path):
 
 
 def test_cuda_graph_capture_logic_with_a_stand_in_graph(tiny, monkeypatch):
-    """The capture path of surgery.stepgraph on the CPU, with torch.cuda's stream and graph API
+    """The capture path of surgery.decode.static_step on the CPU, with torch.cuda's stream and graph API
     replaced by stand-ins whose replay reruns the static step on the captured input buffer: the
     warm-up steps must not advance the GDN states (they are restored), and each replay must read
     the ids copied into that buffer and the offset set before it."""
     import contextlib
 
-    from surgery import stepgraph
+    from surgery.decode import static_step as stepgraph
 
     graph = hybrid(tiny("llama").graph.branch(), use_short_conv=True)
     decoder = Decoder(graph, step_mode="static")

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from surgery.losses import kl_divergence
+from surgery.train.losses import kl_divergence
 
 
 def plain_kl(student, teacher, temperature):

@@ -12,7 +12,7 @@ import surgery
 from archs import ARCHS
 from surgery import PassManager
 from surgery.errors import CalibrationError, PassConfigError, PassOrderError, SurgeryError
-from surgery.pass_base import REGISTRY
+from surgery.core.pipeline import REGISTRY
 from surgery.passes.select import SelectConfig, uniform_keep
 
 PASSES = ["align", "calibrate", "replace", "select"]

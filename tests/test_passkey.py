@@ -10,7 +10,7 @@ import torch
 from typer.testing import CliRunner
 
 from surgery.errors import SurgeryError
-from surgery.passkey import build_trial, make_trials, passkey, score
+from surgery.eval.passkey import build_trial, make_trials, passkey, score
 
 
 class CopyOracle:

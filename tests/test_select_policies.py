@@ -13,8 +13,8 @@ from typer.testing import CliRunner
 
 import surgery
 from surgery import PassManager
-from surgery.ablation import window_perplexity
-from surgery.calibration import held_out_windows
+from surgery.eval.ablation import window_perplexity
+from surgery.data.windows import held_out_windows
 from surgery.cli.app import app
 from surgery.errors import CalibrationError, PassConfigError
 from surgery.passes.select import SelectConfig

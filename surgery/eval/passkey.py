@@ -18,9 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .calibration import token_stream
-from .errors import SurgeryError
-from .evaluate import tokenize
+from ..data.cache import token_stream
+from ..data.text import tokenize
+from ..errors import SurgeryError
 
 TASK = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
         "I will quiz you about the important information there.\n")

@@ -10,28 +10,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .errors import CalibrationError, SurgeryError
+from ..errors import CalibrationError
 
 DEFAULT_CHUNK = 2048
-
-
-def read_text(path: str | Path) -> str:
-    path = Path(path)
-    if not path.exists():
-        raise SurgeryError(f"Text file '{path}' does not exist.", "Check the path.")
-    if path.suffix == ".xz":
-        import lzma
-
-        with lzma.open(path, "rt", encoding="utf-8") as f:
-            return f.read()
-    return path.read_text(encoding="utf-8")
-
-
-def tokenize(tokenizer, text: str) -> torch.Tensor:
-    if tokenizer is None:
-        raise SurgeryError("This model has no tokenizer.", "Load it from a directory or GGUF that carries one.")
-    ids = tokenizer(text, add_special_tokens=False, return_attention_mask=False)["input_ids"]
-    return torch.tensor(ids, dtype=torch.long)
 
 
 def chunk_tokens(ids: torch.Tensor, length: int) -> torch.Tensor:

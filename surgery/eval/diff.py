@@ -5,7 +5,7 @@ from collections import Counter
 
 import torch
 
-from .graph import Graph
+from ..core.graph import Graph
 
 OUTSIDE = "outside layers"
 

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from tcal.gdn import GDNCache
 
-from .errors import DecodeError
+from ..errors import DecodeError
 
 
 class DecodeState(nn.Module):
@@ -93,7 +93,7 @@ def _expand(x, head_map, heads: int):
 
 
 @dataclass
-class _Prep:
+class Prep:
     """How the K (or V) tensor reaching the attention call becomes cache rows [B, Hc, T, D]."""
 
     transposed: bool = False         # it arrives as [B, H, D, T] (eager K^T)
@@ -115,7 +115,7 @@ class KVCacheAttention(nn.Module):
     window layers keep a ring of at most `window` positions. The cache is as wide as the layer's KV
     heads (Hc), not its query heads."""
 
-    def __init__(self, state: DecodeState, layer: int, *, k_prep: _Prep, v_prep: _Prep, k_map, v_map,
+    def __init__(self, state: DecodeState, layer: int, *, k_prep: Prep, v_prep: Prep, k_map, v_map,
                  scale: float, softcap: float | None, window: int | None, out_dtype: torch.dtype, limit: int):
         super().__init__()
         self._state = (state,)  # shared with the graph's DecodeState; a tuple keeps it out of the module tree

@@ -8,7 +8,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from .errors import PassConfigError, PassFailedError, PassOrderError, SurgeryError
+from ..errors import PassConfigError, PassFailedError, PassOrderError, SurgeryError
 from .graph import Graph
 
 

@@ -115,3 +115,25 @@ def set_submodule(gm: GraphModule, target: str, module: torch.nn.Module) -> None
     if hasattr(owner, parts[-1]):
         delattr(owner, parts[-1])
     owner.add_module(parts[-1], module)
+def ancestors(node: Node, stop=lambda n: False) -> set[Node]:
+    seen, todo = set(), [node]
+    while todo:
+        n = todo.pop()
+        for i in n.all_input_nodes:
+            if i not in seen:
+                seen.add(i)
+                if not stop(i):
+                    todo.append(i)
+    return seen
+
+
+def descendants(node: Node) -> set[Node]:
+    seen, todo = set(), [node]
+    while todo:
+        for u in todo.pop().users:
+            if u not in seen:
+                seen.add(u)
+                todo.append(u)
+    return seen
+
+

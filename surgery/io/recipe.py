@@ -5,8 +5,8 @@ from __future__ import annotations
 import importlib.metadata
 import platform
 
-from .errors import CheckpointError
-from .graph import Graph
+from ..core.graph import Graph
+from ..errors import CheckpointError
 
 FORMAT = "surgery-hybrid"
 VERSION = 1
@@ -32,7 +32,7 @@ def layer_map(graph: Graph) -> list[dict]:
 
 
 def build(graph: Graph, weights: dict) -> dict:
-    from .pass_base import REGISTRY
+    from ..core.pipeline import REGISTRY
 
     structural = [h["pass"] for h in graph.history if getattr(REGISTRY.get(h["pass"]), "structural", False)]
     config = graph.config.to_dict()

@@ -20,7 +20,7 @@ neither causal nor banded, masks that depend on the tokens) raises DecodeError w
 built, and a self-check against full recomputation on a short probe guards everything else: a wrong
 answer is refused, never returned.
 
-The modules that run in the decode graph and hold the state are in surgery.kvcache; this module
+The modules that run in the decode graph and hold the state are in surgery.decode.caches; this module
 reads the graph and places them.
 
 Limits: a sliding window is read from the graph's own mask evaluated at min(max_length, 8192)
@@ -36,13 +36,16 @@ import torch
 from torch.fx import Node
 from torch.fx.node import map_arg
 
-from .capture import graph_logits
-from .errors import DecodeError
-from .kvcache import DecodeState, GDNDecode, KVCacheAttention, _Prep
-from .rewrite import SHAPE_QUERIES, fork, nodes_by_name, prune, set_submodule, splice_module
-from .rewrite import token_dependent as _value_nodes
-from .stepgraph import StaticStep
-from .sites import MATMUL_OPS, _eager_core, _Run, _softcap_and_scale, ancestors, descendants, vocab_size
+from ..core.rewrite import SHAPE_QUERIES, ancestors, descendants, fork, nodes_by_name, prune, set_submodule, splice_module
+from ..core.rewrite import token_dependent as _value_nodes
+from ..core.run import graph_logits
+from ..errors import DecodeError
+from ..sites.attention_op import eager_op, softcap_and_scale
+from ..sites.ops import MATMUL_OPS
+from ..sites.probe import ValueRun
+from ..sites import vocab_size
+from .caches import DecodeState, GDNDecode, KVCacheAttention, Prep
+from .static_step import StaticStep
 
 aten = torch.ops.aten
 
@@ -224,10 +227,10 @@ def _heads_view(val, length: int, dim: int):
     return None
 
 
-def _cache_source(node: Node, heads: int, run: _Run, length: int, dim: int, kv_map: list):
+def _cache_source(node: Node, heads: int, run: ValueRun, length: int, dim: int, kv_map: list):
     """The narrowest tensor behind an attention input (K or V) that still holds every head it reads:
     walking back through layout ops undoes repeat_kv, so the cache is KV-heads wide. Returns
-    (node, _Prep, head_map); the map says which cached head each query head reads."""
+    (node, Prep, head_map); the map says which cached head each query head reads."""
     start = _heads_view(run.env.get(node), length, dim)
     if start is None:
         return None
@@ -265,7 +268,7 @@ def _cache_source(node: Node, heads: int, run: _Run, length: int, dim: int, kv_m
         width = len(used)
     if list(head_map) == [h * width // heads for h in range(heads)]:
         head_map = None  # the grouped layout: SDPA's enable_gqa, no copies
-    return src, _Prep(transposed, select), head_map
+    return src, Prep(transposed, select), head_map
 
 
 def _tolerance(dtype) -> float:
@@ -328,7 +331,7 @@ class Decoder:
 
     step_mode: how `step` runs once reset was given a capacity. "dynamic": the graph on exactly the
     tokens cached so far (shapes grow each step). "static": fixed shapes (KV buffers at capacity with
-    a position mask, positions picked by a device index, GDN states updated in place; surgery.stepgraph).
+    a position mask, positions picked by a device index, GDN states updated in place; surgery.decode.static_step).
     "cuda-graph": static steps captured once per reset and replayed (CUDA only). "auto": cuda-graph on
     CUDA, dynamic elsewhere."""
 
@@ -349,7 +352,7 @@ class Decoder:
         gm = fork(graph.gm)
         self.lengths = _Lengths(gm)
         vocab = vocab_size(graph.config, gm)
-        run = _Run(gm, vocab)  # every node's value on a 7-token probe: shapes, K/V layouts, the site checks
+        run = ValueRun(gm, vocab)  # every node's value on a 7-token probe: shapes, K/V layouts, the site checks
         self._memo: dict = {}
         kinds = graph.layer_kinds
         cores = [self._core(gm, site, run, mask_probe) for site in graph.sites if kinds[site.layer] == "attention"]
@@ -386,7 +389,7 @@ class Decoder:
 
     # -------------------------------------------------------------------------------- analysis
 
-    def _core(self, gm, site, run: _Run, mask_probe: int) -> _Core:
+    def _core(self, gm, site, run: ValueRun, mask_probe: int) -> _Core:
         nodes = nodes_by_name(gm)
         layer = site.layer
         check = min(self.max_length, MASK_CHECK)
@@ -411,7 +414,7 @@ class Decoder:
                 raise DecodeError(f"The mask of attention {layer} depends on the tokens or hidden states.", FIX_FULL)
         else:
             softmax = nodes[site.probs_node]
-            found = _eager_core(softmax, run)
+            found = eager_op(softmax, run)
             if found is None:
                 raise DecodeError(f"Attention {layer}: the eager softmax(QK^T)V region could not be read again.", FIX_FULL)
             is_mm = lambda x: x.op == "call_function" and (x.target in MATMUL_OPS or x.target is aten.baddbmm.default)  # noqa: E731
@@ -429,7 +432,7 @@ class Decoder:
                     f"Attention {layer}'s scores also feed '{leaks[0].name}', outside softmax(QK^T)V (attention sinks or a score-dependent gate?).",
                     FIX_FULL,
                 )
-            softcap, scale = _softcap_and_scale(found)
+            softcap, scale = softcap_and_scale(found)
             scale *= found.scale or 1.0
             rule, allowed = self._eager_rule(gm, softmax, logits_mm, found.logits_path, check, layer)
         window = _band(allowed, layer)
@@ -481,7 +484,7 @@ class Decoder:
                     break
         return rule, allowed
 
-    def _module(self, core: _Core, run: _Run, site) -> KVCacheAttention:
+    def _module(self, core: _Core, run: ValueRun, site) -> KVCacheAttention:
         """The KVCacheAttention for a core, checked on the probe run against the graph's own output."""
         heads = run.shape(core.q)[1]
         length = run.shape(core.q)[2]

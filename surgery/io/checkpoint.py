@@ -5,7 +5,6 @@ shard limit), DIR/recipe.json, DIR/tokenizer/. Written into a temporary sibling 
 into place, so an interrupted save never leaves a half-written DIR or destroys an old one."""
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -17,21 +16,13 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from ..core.files import sha256_file
+from ..core.graph import Graph
+from ..errors import CheckpointError
 from . import recipe as recipes
-from .errors import CheckpointError
-from .graph import Graph
 
 DEFAULT_SHARD_BYTES = 2 * 1024**3
 INDEX = "model.safetensors.index.json"
-
-
-def sha256_file(path: Path) -> str:
-    """Hex sha256 of a file, read in 4 MiB blocks (weights files can be many GiB)."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def unique_state(gm: torch.nn.Module) -> tuple[dict, dict]:
@@ -154,8 +145,9 @@ def load(path: str | Path, *, device=None, dtype: torch.dtype | None = None, ver
     structural passes from the recipe's decisions, then load the saved weights (strictly)."""
     from transformers import AutoModelForCausalLM
 
-    from .capture import capture
-    from .pass_base import get_pass, lint
+    from ..core.capture import capture_graph
+    from ..core.pipeline import get_pass, lint
+    from ..sites import find_sites
 
     path = Path(path)
     recipe = read_recipe(path)
@@ -164,7 +156,8 @@ def load(path: str | Path, *, device=None, dtype: torch.dtype | None = None, ver
     saved_dtype = getattr(torch, recipe["capture"].get("dtype", "float32"))
     dtype = dtype or saved_dtype
     model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=config._attn_implementation or "sdpa").eval()
-    graph = capture(model, max_length=recipe["capture"].get("max_length"), device=device, dtype=dtype)
+    graph = capture_graph(model, max_length=recipe["capture"].get("max_length"), device=device, dtype=dtype)
+    graph.sites = find_sites(graph)
     graph.source = recipe["source"]
     if len(graph.sites) != len(recipe["sites"]):
         raise CheckpointError(f"The rebuilt teacher has {len(graph.sites)} attention layers, the recipe {len(recipe['sites'])}.", "The transformers version differs too much from the one that wrote it.")

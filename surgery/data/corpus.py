@@ -14,16 +14,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .calibration import cache_dir, tokenizer_fingerprint
-from .checkpoint import sha256_file as file_digest
-from .errors import SurgeryError
+from ..core.files import sha256_file as file_digest
+from ..errors import DataError
+from .cache import cache_dir, tokenizer_fingerprint
 
 FORMAT = 1               # bump when the on-disk layout or the tokenisation rule changes
 BLOCK_CHARS = 1 << 20    # text is tokenised in blocks of about this many characters, cut at newlines
-
-
-class DataError(SurgeryError):
-    """Training data is missing, empty, or too short for one sequence."""
 
 
 def cache_root() -> Path:

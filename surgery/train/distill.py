@@ -34,14 +34,15 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .capture import graph_logits, placeholder_values
-from .checkpoint import save
-from .errors import SurgeryError
-from .graph import Graph
+from ..core.files import sha256_file as file_digest
+from ..core.graph import Graph
+from ..core.pipeline import PassConfig
+from ..core.rewrite import prune
+from ..core.run import graph_logits, placeholder_values
+from ..data.corpus import TokenCorpus, WindowOrder, check_files
+from ..errors import DistillError
+from ..io.checkpoint import save
 from .losses import kl_divergence
-from .pass_base import PassConfig
-from .rewrite import prune
-from .tokens import TokenCorpus, WindowOrder, check_files, file_digest
 
 STAGES = ("l2", "kl", "both")
 SCHEDULES = ("cosine", "constant")
@@ -52,10 +53,6 @@ COPIED = ("q_proj", "k_proj", "v_proj", "o_proj")  # what replace.transfer_weigh
 OPERATIONAL = ("micro_batch", "save_every", "keep_checkpoints", "grad_checkpoint", "eval_every", "eval_text", "eval_tokens", "time_limit")
 RUN_FILE, LOG_FILE, STATE_FILE, PREFIX, LAST = "distill.json", "log.jsonl", "trainer_state.pt", "checkpoint-", "last"
 STATE_VERSION = 1
-
-
-class DistillError(SurgeryError):
-    """A distillation run cannot start or continue (bad config, model, data or output directory)."""
 
 
 @dataclass
@@ -319,7 +316,7 @@ def placement(device=None) -> Placement:
 
 def open_student(model, device, dtype) -> tuple[Graph, str]:
     """The hybrid to train: a Graph, or a directory written by `surgery apply` / checkpoint.save."""
-    from .checkpoint import load
+    from ..io.checkpoint import load
 
     if isinstance(model, Graph):
         graph, name = model, "<in-memory hybrid>"
@@ -353,7 +350,7 @@ def open_teacher(student: Graph, teacher, device, dtype) -> tuple[Graph, str]:
     """The teacher as a Graph with its own weights: an explicit source (or Graph), else the hybrid's
     in-memory teacher, else the source its recipe names. Weights it shares with the student (an
     in-memory teacher after `replace`) are copied, so training the student never moves the teacher."""
-    from .capture import capture
+    from ..io.open import capture
 
     if isinstance(teacher, Graph):
         graph, name = teacher, f"<in-memory teacher {teacher.source.get('name', teacher.source.get('kind', ''))}>".replace(" >", ">")
@@ -515,7 +512,7 @@ class _Run:
             raise DistillError("--resume would tokenise the training data differently (another tokenizer) than the run did.", "Resume with the run's teacher, or start a new run.")
         self.eval_ids = None
         if c.eval_text:
-            from .evaluate import read_text, tokenize
+            from ..data.text import read_text, tokenize
 
             ids = tokenize(tokenizer, read_text(c.eval_text))[: c.eval_tokens]
             if ids.numel() < 2:
@@ -632,7 +629,7 @@ class _Run:
     def _eval(self, graph: Graph) -> float | None:
         if self.eval_ids is None or not self.place.main:
             return None
-        from .evaluate import perplexity
+        from ..eval.perplexity import perplexity
 
         with torch.no_grad(), self._autocast():
             return perplexity(graph, self.eval_ids)["perplexity"]

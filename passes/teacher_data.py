@@ -1,0 +1,125 @@
+"""What the teacher's attention does on calibration text, for the passes that read the teacher
+(calibrate, align, select's probes): per converted layer its inputs, outputs, contexts and
+streaming attention statistics, read at the nodes its site names, and the options that say which
+text (TeacherDataConfig)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from surgery.core.pipeline import PassConfig
+from surgery.core.rewrite import nodes_by_name
+from surgery.core.run import interpret, placeholder_values
+from surgery.data.windows import calibration_ids
+from surgery.errors import CalibrationError, PassConfigError
+from tcal.stats import AttentionStats, StatsError
+
+
+@dataclass
+class TeacherDataConfig(PassConfig):
+    """calibration  text files (default: the built-in sample); samples x length tokens are used"""
+
+    calibration: list[str] | None = None
+    samples: int = 16
+    length: int = 256
+    seed: int = 0
+    batch_size: int = 4
+
+    def validate(self) -> None:
+        for key in ("samples", "length", "batch_size"):
+            if getattr(self, key) < 1:
+                raise PassConfigError(f"{key} must be >= 1, got {getattr(self, key)}.", "Use a positive number.")
+        if self.length < 2:
+            raise PassConfigError("length must be >= 2 tokens.", "Use e.g. 256.")
+
+
+def teacher_data(graph, config: TeacherDataConfig):
+    """Per converted layer: the teacher's attention inputs, outputs, contexts and statistics,
+    cached on the graph so calibrate and align read the teacher once (an entry for more layers on
+    the same text serves fewer: select's greedy probes read every layer before the pipeline does)."""
+    layers = graph.meta["replace"]["layers"]
+    text = (tuple(config.calibration or ()), config.samples, config.length, config.seed)
+    key = ("teacher_data", tuple(layers), *text)
+    cached = graph.cache.get(key)
+    if cached is not None:
+        return cached
+    for other, data in list(graph.cache.items()):
+        if isinstance(other, tuple) and other[:1] == ("teacher_data",) and other[2:] == text and set(layers) <= set(data):
+            return {l: data[l] for l in layers}
+    ids = calibration_ids(graph, config.calibration, config.samples, config.length, config.seed)
+    data = collect(graph, layers, ids, with_stats=True, batch_size=config.batch_size)
+    graph.cache[key] = data
+    return data
+
+
+def run_with_taps(gm, ids: torch.Tensor, callbacks: dict) -> None:
+    """Run gm on ids, handing the value of each node named in `callbacks` to its functions."""
+    def on_value(n, value):
+        for fn in callbacks.get(n.name, ()):
+            fn(value)
+
+    with torch.no_grad():
+        interpret(gm, placeholder_values(gm, ids), on_value=on_value, keep=lambda n: False)
+
+
+@dataclass
+class LayerData:
+    """What the teacher's attention at one layer saw and produced on the calibration windows."""
+
+    x: torch.Tensor          # attention input (after the block's norm)   [N, T, hidden]
+    target: torch.Tensor     # attention output (after the output proj)  [N, T, hidden]
+    ctx: torch.Tensor        # per-head context before the output proj  [N, T, H, D]
+    stats: dict | None = None
+
+
+def collect(graph, layers: list[int], ids: torch.Tensor, *, with_stats: bool, batch_size: int = 4,
+            query_chunk: int = 256) -> dict[int, LayerData]:
+    """Run the TEACHER graph over ids in mini-batches and gather, per layer, inputs, targets, contexts
+    and (optionally) streaming attention statistics. Statistics come from Q/K as the attention op
+    receives them (after RoPE), or from the probabilities an eager layer materialises."""
+    gm = graph.teacher_gm
+    nodes = nodes_by_name(gm)
+    store = {l: {"x": [], "target": [], "ctx": []} for l in layers}
+    stats = {l: AttentionStats(graph.sites[l].num_heads) for l in layers} if with_stats else {}
+    callbacks: dict = {}
+
+    def add(name, fn):
+        if name not in nodes:
+            raise CalibrationError(f"The teacher graph has no node '{name}'.", "Capture the teacher again; the graph and its sites disagree.")
+        callbacks.setdefault(name, []).append(fn)
+
+    for l in layers:
+        s = graph.sites[l]
+        add(s.input_node, lambda v, l=l: store[l]["x"].append(v.detach()))
+        add(s.output_node, lambda v, l=l: store[l]["target"].append(v.detach()))
+        add(s.attn_node, lambda v, l=l: store[l]["ctx"].append(v.detach().transpose(1, 2)))
+        if with_stats and s.probs_node:
+            add(s.probs_node, lambda v, l=l: stats[l].update_from_probs(v.detach(), query_chunk=query_chunk))
+        elif with_stats:
+            seen = {}
+            add(s.q_node, lambda v, seen=seen: seen.__setitem__("q", v.detach()))
+            if s.mask_node:
+                add(s.mask_node, lambda v, seen=seen: seen.__setitem__("mask", v.detach()))
+            add(s.k_node, lambda v, seen=seen: seen.__setitem__("k", v.detach()))
+
+            def on_attn(_, l=l, s=s, seen=seen):
+                stats[l].update_from_qk(seen["q"], seen["k"], scale=s.scale, mask=seen.get("mask"), softcap=s.softcap, query_chunk=query_chunk)
+                seen.clear()
+
+            add(s.attn_node, on_attn)
+    for start in range(0, ids.shape[0], batch_size):
+        run_with_taps(gm, ids[start:start + batch_size].to(graph.device), callbacks)
+    out = {}
+    for l in layers:
+        data = LayerData(*(torch.cat(store[l][k]) for k in ("x", "target", "ctx")))
+        if with_stats:
+            try:
+                data.stats = stats[l].result()
+            except StatsError as exc:
+                raise CalibrationError(f"Attention statistics of layer {l} are unusable: {exc}", "Check the calibration text and the teacher's weights (NaN?).") from exc
+        for name in ("x", "target", "ctx"):
+            if not torch.isfinite(getattr(data, name)).all():
+                raise CalibrationError(f"The teacher produced NaN/inf {name} at layer {l} on the calibration text.", "Check the teacher's weights and dtype (float16 overflow?).")
+        out[l] = data
+    return out

@@ -1,0 +1,37 @@
+"""Opening a model: any teacher source captured with its attention sites found (`capture`), or
+whatever the user points at, teacher or saved hybrid (`open_model`). The CLI and the library both
+open models here."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ..core.capture import capture_graph
+from ..core.graph import Graph
+from ..sites import find_sites
+from .checkpoint import load
+
+
+def capture(source, *, tokenizer=None, max_length: int | None = None, dtype: torch.dtype | None = None,
+            device: str | torch.device | None = None, find: bool = True, debug: bool = False) -> Graph:
+    """Any model source (a loaded model, a directory, a .gguf, a short name) -> Graph with its
+    attention sites found (find=False skips discovery)."""
+    graph = capture_graph(source, tokenizer=tokenizer, max_length=max_length, dtype=dtype, device=device, debug=debug)
+    if find:
+        graph.sites = find_sites(graph)
+    return graph
+
+
+def is_hybrid(source) -> bool:
+    """Whether `source` is a directory written by surgery.save (it holds recipe.json)."""
+    return isinstance(source, (str, Path)) and Path(source).is_dir() and (Path(source) / "recipe.json").exists()
+
+
+def open_model(source, *, device=None, dtype: torch.dtype | None = None, debug: bool = False) -> Graph:
+    """A saved hybrid (its recipe replayed, surgery.load) or any teacher source (captured)."""
+    if isinstance(source, Graph):
+        return source
+    if is_hybrid(source):
+        return load(source, device=device, dtype=dtype)
+    return capture(source, device=device, dtype=dtype, debug=debug)

@@ -1,0 +1,177 @@
+"""Attention-site discovery from the captured graph alone (no model_type, no module paths).
+
+An attention site is found from its core op: aten.scaled_dot_product_attention, or the eager form
+softmax(Q K^T ...) V. From there the graph is walked back to the parameter projections that make
+Q, K and V and forward to the projection that consumes the context. Which output rows of a (possibly
+fused) projection feed which head is read with an *index probe*: the projection's output is replaced
+by its own feature indices and pushed through the shape ops (view, transpose, split, slice, expand,
+...) up to the attention op, while value-changing ops on the way (RoPE, q/k norms, casts) pass the
+indices of their main input through. That handles split Q/K/V, GPT-2's fused Conv1D, Phi-3's sliced
+qkv_proj, GPT-NeoX/Falcon's interleaved layouts and GQA's repeat_kv with one mechanism.
+"""
+from __future__ import annotations
+
+import torch
+from torch.fx import Node
+
+from ..core.rewrite import ancestors, descendants
+from ..core.run import run_graph
+from ..errors import NoAttentionError, SiteError
+from .attention_op import AttentionOp, find_attention_ops, softcap_and_scale
+from .ops import SHAPE_OPS, SOFTMAX_OPS, SDPA_OPS, bias_add, module_path, param_names, path_params, path_scalars, projection_parts, touches
+from .probe import ValueRun, index_heads
+from .site import AttentionSite, Projection
+
+aten = torch.ops.aten
+
+
+def projection_of(arg: Node, params: set[str], what: str, layer: int) -> tuple[Node, tuple]:
+    """The single parameter projection that feeds an attention input."""
+    found = {}
+
+    def stop(n):
+        parts = projection_parts(n, params)
+        if parts is not None:
+            found[n] = parts
+            return True
+        return n.op in ("placeholder", "get_attr") or (n.op == "call_function" and (n.target in SDPA_OPS or n.target in SOFTMAX_OPS))
+
+    if not stop(arg):
+        ancestors(arg, stop=stop)
+    if len(found) != 1:
+        raise SiteError(
+            f"Attention {layer}: expected one parameter projection producing {what}, found {len(found)}.",
+            "This attention layout is not supported yet; please report the architecture.",
+        )
+    return next(iter(found.items()))
+
+
+def input_node(x: Node, run: ValueRun) -> Node:
+    """The [B, T, hidden] tensor behind a projection input (GPT-2 flattens it to 2-D first)."""
+    while len(run.shape(x)) != 3 and x.op == "call_function" and x.target in SHAPE_OPS:
+        x = x.args[0]
+    return x
+
+
+def output_node(o: Node, run: ValueRun, like: tuple) -> Node:
+    while run.shape(o) != like:
+        users = [u for u in o.users if u.op == "call_function" and u.target in SHAPE_OPS]
+        if len(users) != 1:
+            raise SiteError(f"The output projection '{o.name}' does not lead to a [batch, length, hidden] tensor.", "This attention layout is not supported yet.")
+        o = users[0]
+    return o
+
+
+def build_site(layer: int, core: AttentionOp, gm, run: ValueRun, params: set[str]) -> AttentionSite:
+    q_proj, (q_in, q_w, q_b, q_t) = projection_of(core.q, params, "Q", layer)
+    k_proj, (k_in, k_w, k_b, k_t) = projection_of(core.k, params, "K", layer)
+    v_proj, (v_in, v_w, v_b, v_t) = projection_of(core.v, params, "V", layer)
+    b, heads, t, d = run.shape(core.q)
+
+    def rows(proj, arg, transpose=False):
+        width = run.shape(proj)[-1]
+        p = run.probe(proj, arg, torch.arange(width, dtype=torch.float64, device=run[proj].device).expand(run.shape(proj)))
+        return index_heads(p.transpose(-1, -2) if transpose else p, "Q/K/V")
+
+    q_idx, k_idx, v_idx = rows(q_proj, core.q), rows(k_proj, core.k, core.k_transposed), rows(v_proj, core.v)
+    kv_heads_in_arg = k_idx.shape[0]
+    if core.gqa or kv_heads_in_arg != heads:
+        group = heads // kv_heads_in_arg
+        k_idx = k_idx.repeat_interleave(group, 0)
+        v_idx = v_idx.repeat_interleave(group, 0)
+    unique = []
+    kv_map = []
+    for h in range(heads):
+        key = (tuple(k_idx[h].tolist()), tuple(v_idx[h].tolist()))
+        if key not in unique:
+            unique.append(key)
+        kv_map.append(unique.index(key))
+    k_heads = [list(u[0]) for u in unique]
+    v_heads = [list(u[1]) for u in unique]
+
+    # forward to the output projection
+    after = descendants(core.attn)
+    o_proj = next((n for n in gm.graph.nodes if n in after and projection_parts(n, params) is not None), None)
+    if o_proj is None:
+        raise SiteError(f"Attention {layer}: no output projection consumes the attention output.", "This attention layout is not supported yet.")
+    o_in, o_w, o_b, o_t = projection_parts(o_proj, params)
+    out_val = torch.arange(heads * d, dtype=torch.float64, device=run[core.attn].device).view(1, heads, 1, d).expand(run.shape(core.attn))
+    cols = run.probe(core.attn, o_in, out_val)
+    flat = cols.reshape(-1, cols.shape[-1])[0]
+    o_heads = [[0] * d for _ in range(heads)]
+    for j, src in enumerate(flat.round().long().tolist()):
+        o_heads[src // d][src % d] = j
+    o_out, o_bias_add = bias_add(o_proj, params, run.shape(o_proj)[-1], run)
+    q_b = q_b or bias_add(q_proj, params, run.shape(q_proj)[-1], run)[1]
+    k_b = k_b or bias_add(k_proj, params, run.shape(k_proj)[-1], run)[1]
+    v_b = v_b or bias_add(v_proj, params, run.shape(v_proj)[-1], run)[1]
+
+    x = input_node(q_in, run)
+    out = output_node(o_out, run, run.shape(x))
+    q_path = descendants(q_proj) & ancestors(core.q)
+    k_path = descendants(k_proj) & ancestors(core.k)
+    if core.kind == "sdpa":
+        softcap = None
+        scale = (core.scale if core.scale is not None else d ** -0.5) * path_scalars(q_path) * path_scalars(k_path)
+    else:
+        softcap, scale = softcap_and_scale(core)
+        scale *= (core.scale or 1.0) * path_scalars(q_path) * path_scalars(k_path)
+    trig = {aten.cos.default, aten.sin.default, aten.arange.default, aten.arange.start, aten.arange.start_step}
+    return AttentionSite(
+        layer=layer, module_path=module_path(core.attn) or module_path(q_proj), kind=core.kind,
+        num_heads=heads, num_kv_heads=len(unique), head_dim=d, hidden_size=run.shape(x)[-1], scale=float(scale),
+        q=Projection(q_w, q_b, q_t, q_idx.tolist(), q_proj.name),
+        k=Projection(k_w, k_b, k_t, k_heads, k_proj.name),
+        v=Projection(v_w, v_b, v_t, v_heads, v_proj.name),
+        o=Projection(o_w, o_b or o_bias_add, o_t, o_heads, o_proj.name),
+        kv_map=kv_map, rope=touches(q_path, q_proj, trig) or touches(k_path, k_proj, trig),
+        q_norm=path_params(q_path, q_proj, params), k_norm=path_params(k_path, k_proj, params), softcap=softcap,
+        input_node=x.name, output_node=out.name, attn_node=core.attn.name,
+        q_node=core.q.name, k_node=core.k.name, v_node=core.v.name,
+        probs_node=core.probs.name if core.probs is not None else None,
+        mask_node=core.mask.name if core.mask is not None else None,
+    )
+
+
+def find_sites(graph) -> list[AttentionSite]:
+    """All softmax-attention sites of a captured graph, in execution order."""
+    gm = graph.gm
+    vocab = vocab_size(graph.config, gm)
+    run = ValueRun(gm, vocab)
+    params = param_names(gm)
+    cores = find_attention_ops(gm, run)
+    if not cores:
+        raise NoAttentionError(
+            "No softmax attention was found in the captured graph (neither scaled_dot_product_attention nor softmax(QK^T)V).",
+            "surgery converts transformer decoders; state-space or attention-free models have nothing to replace.",
+        )
+    sites = [build_site(i, c, gm, run, params) for i, c in enumerate(cores)]
+    check_causal(graph, vocab)
+    return sites
+
+
+def vocab_size(config, gm) -> int:
+    """The config's vocab_size, else the rows of the graph's token embedding."""
+    return int(getattr(config, "vocab_size", 0) or 0) or vocab_from_graph(gm)
+
+
+def vocab_from_graph(gm) -> int:
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and n.target is aten.embedding.default:
+            return int(gm.get_parameter(n.args[0].target).shape[0])
+    raise NoAttentionError("The graph has no token embedding.", "surgery converts causal language models.")
+
+
+def check_causal(graph, vocab: int) -> None:
+    """An encoder (bidirectional attention) changes earlier logits when a later token changes."""
+    device = graph.device
+    ids = torch.randint(0, vocab, (1, 6), generator=torch.Generator().manual_seed(1)).to(device)
+    other = ids.clone()
+    other[0, -1] = (other[0, -1] + 1) % vocab
+    with torch.no_grad():
+        a, b = run_graph(graph, ids), run_graph(graph, other)
+    if not torch.allclose(a[:, :-1].float(), b[:, :-1].float(), atol=1e-4, rtol=1e-3):
+        raise NoAttentionError(
+            "The model is not causal: changing the last token changes the predictions for earlier positions (an encoder?).",
+            "surgery converts decoder-only causal LMs.",
+        )

@@ -1,0 +1,93 @@
+"""What the graph says one attention layer is: its projections (which weight rows feed which head),
+its heads, scale, softcap, RoPE and q/k norms, and the nodes where later steps read or cut it."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+
+@dataclass
+class Projection:
+    """Where a linear map lives: its parameters and, per head, the output rows (or input columns) it uses."""
+
+    weight: str
+    bias: str | None
+    transposed: bool          # stored [in, out] (GPT-2's Conv1D) rather than nn.Linear's [out, in]
+    heads: list               # heads[h][d] = output row (for q/k/v) or input column (for o) of the weight
+    node: str                 # the graph node that applies it
+
+    def rows(self, heads: list[int] | None = None) -> list[int]:
+        picked = self.heads if heads is None else [self.heads[h] for h in heads]
+        return [r for head in picked for r in head]
+
+    def out_matrix(self, params: dict, heads: list[int] | None = None):
+        """[len(rows), in] weight rows and the matching bias entries, for q/k/v projections."""
+        w = params[self.weight]
+        w = w.t() if self.transposed else w
+        index = torch.tensor(self.rows(heads), device=w.device)
+        bias = params[self.bias].index_select(0, index) if self.bias else None
+        return w.index_select(0, index), bias
+
+    def in_matrix(self, params: dict):
+        """[out, H*D] weight columns ordered by (head, dim), and the bias, for the output projection."""
+        w = params[self.weight]
+        w = w.t() if self.transposed else w
+        index = torch.tensor(self.rows(), device=w.device)
+        return w.index_select(1, index), (params[self.bias] if self.bias else None)
+
+
+
+@dataclass
+class AttentionSite:
+    """One softmax-attention layer as the graph shows it."""
+
+    layer: int
+    module_path: str
+    kind: str                 # "sdpa" or "eager"
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    scale: float
+    q: Projection
+    k: Projection
+    v: Projection
+    o: Projection
+    kv_map: list              # kv_map[h] = KV head that query head h reads
+    rope: bool
+    q_norm: list = field(default_factory=list)   # parameters applied to Q between projection and attention
+    k_norm: list = field(default_factory=list)
+    softcap: float | None = None
+    causal: bool = True
+    input_node: str = ""      # hidden states entering the Q/K/V projections [B, T, hidden]
+    output_node: str = ""     # the output projection's result [B, T, hidden]
+    attn_node: str = ""       # the attention op (SDPA, or the probabilities @ V matmul)
+    q_node: str = ""          # Q, K, V as the attention op receives them [B, H, T, D]
+    k_node: str = ""
+    v_node: str = ""
+    probs_node: str | None = None   # eager form: the softmax output [B, H, T, T]
+    mask_node: str | None = None
+
+    @property
+    def fused_qkv(self) -> bool:
+        return self.q.weight == self.k.weight or self.k.weight == self.v.weight
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "AttentionSite":
+        d = dict(d)
+        for key in ("q", "k", "v", "o"):
+            d[key] = Projection(**d[key])
+        return cls(**d)
+
+    def summary(self) -> dict:
+        """The row of `surgery inspect`."""
+        return {
+            "layer": self.layer, "path": self.module_path, "kind": self.kind, "heads": self.num_heads,
+            "kv_heads": self.num_kv_heads, "head_dim": self.head_dim, "fused_qkv": self.fused_qkv,
+            "qkv_bias": bool(self.q.bias or self.k.bias or self.v.bias), "rope": self.rope,
+            "qk_norm": bool(self.q_norm or self.k_norm), "softcap": self.softcap, "scale": self.scale,
+        }
