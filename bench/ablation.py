@@ -97,7 +97,7 @@ def main() -> None:
             ev = perplexity(graph, ids, chunk=args.chunk, batch_size=args.batch_size)
             entry = {
                 "keep_ratio": ratio, "row": row, "perplexity": ev["perplexity"], "tokens": ev["tokens"],
-                "converted": graph.meta["select"]["convert"], "passes_seconds": seconds,
+                "converted": graph.meta["select"].convert, "passes_seconds": seconds,
                 "calibrate_seconds": graph.meta.get("calibrate", {}).get("seconds"),
                 "align_seconds": graph.meta.get("align", {}).get("seconds"),
                 "align_steps": graph.meta.get("align", {}).get("steps"),

@@ -55,7 +55,7 @@ def main() -> None:
     if device == "cuda":
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start
-    row = {"layers": graph.num_layers, "converted": len(graph.meta["select"]["convert"]), "device": device,
+    row = {"layers": graph.num_layers, "converted": len(graph.meta["select"].convert), "device": device,
            "calibrate_s": graph.meta["calibrate"]["seconds"], "align_s": graph.meta["align"]["seconds"],
            "align_steps": graph.meta["align"]["steps"], "total_s": seconds}
     print(json.dumps(row))

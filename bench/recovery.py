@@ -49,7 +49,8 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from surgery import PassManager, capture, load, save  # noqa: E402
-from surgery.train.distill import DistillConfig, distill, forward_params  # noqa: E402
+from surgery.train import DistillConfig, distill  # noqa: E402
+from surgery.train.stages import forward_params  # noqa: E402
 from surgery.data.text import read_text, tokenize
 from surgery.eval.perplexity import perplexity  # noqa: E402
 from surgery.core.load import load_model  # noqa: E402
@@ -204,7 +205,7 @@ def selection(args, teacher, calibration, report: dict) -> dict:
     probe = teacher.branch()
     t = time.perf_counter()
     PassManager(["select"], {"select": {"policy": args.select_policy, "keep_ratio": args.keep_ratio, "calibration": calibration}})(probe)
-    meta = probe.meta["select"]
+    meta = probe.meta["select"].to_dict()
     report["selection"] = {"seconds": time.perf_counter() - t, **meta}
     log(f"{args.select_policy} selection in {report['selection']['seconds']:.1f} s keeps {meta['keep']}")
     return {"policy": "keep", "layers": meta["keep"]}

@@ -58,7 +58,7 @@ def main() -> None:
         seconds = time.perf_counter() - start
         with torch.no_grad():
             ppl = perplexity(graph, ids, batch_size=4)["perplexity"]
-        rows.append({"policy": policy, "keep": graph.meta["select"]["keep"], "perplexity": ppl, "seconds": seconds})
+        rows.append({"policy": policy, "keep": graph.meta["select"].keep, "perplexity": ppl, "seconds": seconds})
         print(json.dumps(rows[-1]), flush=True)
         if args.json:
             with open(args.json, "w") as f:

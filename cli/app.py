@@ -12,7 +12,7 @@ from rich.table import Table
 from surgery.errors import SurgeryError
 from surgery.io import open_model
 
-from .common import err, guard, out, placement
+from .common import err, guard, model_inputs, out, placement
 from .distill import distill as distill_command
 from .generate import generate as generate_command
 from .options import DebugOpt, DeviceOpt, DtypeOpt, ModelOpt
@@ -47,6 +47,7 @@ def diff(a: str = typer.Argument(..., help="Model or saved hybrid (before)."), b
     from surgery import diff as graph_diff
 
     with guard(debug):
+        model_inputs(a), model_inputs(b)  # both exist before either loads
         ga, gb = open_model(a, debug=debug), open_model(b, debug=debug)
         result = graph_diff(ga, gb)
         if as_json:
@@ -79,6 +80,38 @@ def render_scores(info: dict) -> None:
     out.print(table)
 
 
+def pass_names(passes: str) -> list[str]:
+    """--passes as a list; a pass named twice is refused here (each pass runs once per pipeline)."""
+    names = [p.strip() for p in passes.split(",") if p.strip()]
+    twice = [n for n in dict.fromkeys(names) if names.count(n) > 1]
+    if twice:
+        raise SurgeryError(f"--passes names {', '.join(repr(n) for n in twice)} more than once ('{passes}').",
+                           "Name each pass once, e.g. --passes select,replace,calibrate,align.")
+    return names
+
+
+def select_options(sel: dict, layers, keep_ratio, select_policy, keep_count, calibration) -> None:
+    """apply's layer options into select's config; an empty --layers or a zero --keep-ratio (every
+    layer converted) is refused rather than read as the default."""
+    if layers is not None and select_policy:
+        raise SurgeryError("--layers and --select-policy both choose the layers.", "Drop one of them.")
+    if layers is not None and not [x for x in layers.split(",") if x.strip()]:
+        raise SurgeryError(f"--layers '{layers}' names no layer.", "Name the layers to convert, e.g. --layers 1,3,5, or drop --layers for the default selection.")
+    if keep_ratio == 0 and layers is None and keep_count is None:
+        raise SurgeryError("--keep-ratio 0 keeps no attention layer: every layer would become GDN.",
+                           "Use a ratio in (0, 1), e.g. --keep-ratio 0.25; to convert every layer on purpose, pass --keep-count 0.")
+    if layers is not None:
+        sel.update(policy="convert", layers=layers)
+    elif keep_ratio is not None:
+        sel.update(policy=select_policy or "uniform", keep_ratio=keep_ratio)
+    elif select_policy:
+        sel["policy"] = select_policy
+    if keep_count is not None and layers is None:
+        sel["keep_count"] = keep_count
+    if calibration and sel.get("policy") in ("ar", "greedy"):
+        sel["calibration"] = [str(p) for p in calibration]
+
+
 @app.command()
 def apply(
     model: str = ModelOpt,
@@ -96,31 +129,22 @@ def apply(
     """Run passes on a model and save the hybrid."""
     from surgery import PassManager, capture, diff as graph_diff, save
     from surgery.core.pipeline import parse_options
+    from surgery.data.text import check_text_file
+    from surgery.io.outdir import check_replaceable
 
     with guard(debug):
-        names = [p.strip() for p in passes.split(",") if p.strip()]
+        names = pass_names(passes)
         configs = parse_options(options)
         if "select" in names:
-            sel = configs.setdefault("select", {})
-            if layers and select_policy:
-                raise SurgeryError("--layers and --select-policy both choose the layers.", "Drop one of them.")
-            if layers:
-                sel.update(policy="convert", layers=layers)
-            elif keep_ratio is not None:
-                sel.update(policy=select_policy or "uniform", keep_ratio=keep_ratio)
-            elif select_policy:
-                sel["policy"] = select_policy
-            if keep_count is not None and not layers:
-                sel["keep_count"] = keep_count
-            if calibration and sel.get("policy") in ("ar", "greedy"):
-                sel["calibration"] = [str(p) for p in calibration]
+            select_options(configs.setdefault("select", {}), layers, keep_ratio, select_policy, keep_count, calibration)
         for name in ("calibrate", "align"):
             if name in names and calibration:
                 configs.setdefault(name, {})["calibration"] = [str(p) for p in calibration]
         manager = PassManager(names, configs)
         manager.validate()
-        if out_dir.exists() and not force:
-            raise SurgeryError(f"'{out_dir}' already exists.", "Choose another --out, or pass --force to replace it.")
+        for file in calibration or []:
+            check_text_file(file, "Calibration file")
+        check_replaceable(out_dir, force=force, inputs=[model, *model_inputs(model), *(calibration or [])])
         dev, dt = placement(device, dtype)
         err.print(f"loading and capturing {model} on {dev} ({str(dt).removeprefix('torch.')})")
         graph = capture(model, device=dev, dtype=dt, debug=debug)
@@ -142,6 +166,34 @@ def apply(
         err.print(f"saved to {out_dir}")
 
 
+EVAL_COUNTS = {"chunk": (2, 2048), "batch_size": (1, 1), "depths": (1, 5), "trials": (1, 2)}  # (least, example)
+
+
+def check_eval_options(task: str, text, lengths: str, **counts: int) -> list[int]:
+    """eval's options, before the model loads: the task, its text files (text, readable), the
+    passkey lengths, and counts in range (a --chunk below 2 predicts no token). -> the lengths."""
+    from surgery.data.text import check_text_file
+
+    if task not in ("perplexity", "passkey"):
+        raise SurgeryError(f"Unknown task '{task}'.", "Use --task perplexity or --task passkey.")
+    if task == "perplexity" and len(text or []) != 1:
+        raise SurgeryError("Perplexity scores exactly one text file.", "Pass it with --text FILE.")
+    for file in text or []:
+        check_text_file(file)
+    for name, value in counts.items():
+        least, example = EVAL_COUNTS[name]
+        if value < least:
+            option = "--" + name.replace("_", "-")
+            raise SurgeryError(f"{option} must be at least {least}, got {value}.", f"Pass e.g. {option} {example}.")
+    try:
+        length_list = [int(x) for x in lengths.split(",") if x.strip()]
+    except ValueError:
+        raise SurgeryError(f"--lengths must be comma-separated integers, got '{lengths}'.", "e.g. --lengths 1024,2048,4096") from None
+    if task == "passkey" and (not length_list or min(length_list) < 1):
+        raise SurgeryError(f"--lengths must name positive prompt lengths, got '{lengths}'.", "e.g. --lengths 1024,2048,4096")
+    return length_list
+
+
 @app.command("eval")
 def evaluate(model: str = ModelOpt,
              text: Optional[List[Path]] = typer.Option(None, "--text", "-t", help="perplexity: the text file to score; passkey: corpus text for the filler (default: built-in sample)."),
@@ -156,24 +208,18 @@ def evaluate(model: str = ModelOpt,
     """Perplexity on a text file (WikiText-2 protocol) or passkey retrieval, for a teacher or a saved hybrid."""
     from rich.progress import Progress
 
-    from surgery.data.text import read_text, tokenize
+    from surgery.data.cache import text_ids
     from surgery.eval.perplexity import perplexity
 
     with guard(debug):
-        if task not in ("perplexity", "passkey"):
-            raise SurgeryError(f"Unknown task '{task}'.", "Use --task perplexity or --task passkey.")
-        if task == "perplexity" and len(text or []) != 1:
-            raise SurgeryError("Perplexity scores exactly one text file.", "Pass it with --text FILE.")
-        try:
-            length_list = [int(x) for x in lengths.split(",") if x.strip()]
-        except ValueError:
-            raise SurgeryError(f"--lengths must be comma-separated integers, got '{lengths}'.", "e.g. --lengths 1024,2048,4096") from None
+        length_list = check_eval_options(task, text, lengths, chunk=chunk, batch_size=batch_size, depths=depths, trials=trials)
+        model_inputs(model)
         dev, dt = placement(device, dtype)
         graph = open_model(model, device=dev, dtype=dt, debug=debug)
         if task == "passkey":
             from surgery.eval.passkey import passkey
 
-            result = passkey(graph, text, length_list, depths, trials, seed, batch_size=max(batch_size, 1))
+            result = passkey(graph, text, length_list, depths, trials, seed, batch_size=batch_size)
             result |= {"model": model}
             if as_json:
                 print(json.dumps(result))
@@ -187,7 +233,7 @@ def evaluate(model: str = ModelOpt,
             table.add_row("all", f"{result['accuracy']:.0%} of {result['trials']}")
             out.print(table)
             return
-        ids = tokenize(graph.tokenizer, read_text(text[0]))
+        ids = text_ids(text[0], graph.tokenizer)  # the WikiText-2 protocol: the whole file in one call, cached
         with Progress(console=err, transient=True, disable=as_json or not sys.stderr.isatty()) as bar:
             bar_task = bar.add_task("evaluating", total=None)
             result = perplexity(graph, ids, chunk=chunk, batch_size=batch_size, progress=lambda i, n: bar.update(bar_task, completed=i, total=n))
@@ -208,7 +254,7 @@ def list_passes():
     for name in known_passes():
         cls = REGISTRY[name]
         fields = ", ".join(f"{f.name}={f.default!r}" for f in dataclasses.fields(cls.config_cls))
-        out.print(f"[bold]{name}[/] requires={list(cls.requires)}  {fields}")
+        out.print(f"[bold]{name}[/] runs_after={list(cls.runs_after)} not_after={list(cls.not_after)}  {fields}")
 
 
 app.command("distill")(distill_command)

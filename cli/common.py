@@ -38,19 +38,55 @@ class guard:
         return False
 
 
+DTYPES = ("float32", "bfloat16", "float16")
+
+
 def parse_dtype(name: str):
-    """'bfloat16' -> torch.bfloat16, or the error every command gives for a dtype it does not know."""
+    """'bfloat16' -> torch.bfloat16, or the error every command gives for a dtype it does not know
+    or cannot compute in (float8, integer types: torch knows them, a model cannot run in them)."""
     import torch
 
-    if not isinstance(getattr(torch, name, None), torch.dtype):
-        raise SurgeryError(f"Unknown dtype '{name}'.", "Use float32, bfloat16 or float16.")
+    if name not in DTYPES:
+        known = isinstance(getattr(torch, name, None), torch.dtype)
+        problem = f"Unsupported dtype '{name}': models load and run in {', '.join(DTYPES)} only." if known else f"Unknown dtype '{name}'."
+        raise SurgeryError(problem, "Use float32, bfloat16 or float16.")
     return getattr(torch, name)
+
+
+def parse_device(name: str):
+    """'cuda:1' -> torch.device, checked to exist on this machine before any model loads."""
+    import torch
+
+    try:
+        dev = torch.device(name)
+    except (RuntimeError, ValueError):
+        raise SurgeryError(f"Unknown device '{name}'.", "Use cpu, cuda or cuda:N.") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            build = f"built with CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+            raise SurgeryError(f"--device {name}: CUDA is not available on this machine (torch {torch.__version__}, {build}).",
+                               "Use --device cpu, or run where a GPU is visible.")
+        count = torch.cuda.device_count()
+        if dev.index is not None and dev.index >= count:
+            raise SurgeryError(f"--device {name}: this machine has {count} CUDA device(s), cuda:0..cuda:{count - 1}.", "Pick one of them.")
+    elif dev.type != "cpu":
+        backend = getattr(torch.backends, dev.type, None) or getattr(torch, dev.type, None)
+        if not callable(getattr(backend, "is_available", None)) or not backend.is_available():
+            raise SurgeryError(f"--device {name}: no {dev.type} device is available here.", "Use --device cpu or cuda.")
+    return dev
 
 
 def placement(device: Optional[str], dtype: Optional[str]):
     """(device, dtype) from the options: CUDA and bf16 when there is a GPU, else CPU and float32."""
     import torch
 
-    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dev = parse_device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dt = parse_dtype(dtype) if dtype is not None else (torch.bfloat16 if dev.type == "cuda" else torch.float32)
     return dev, dt
+
+
+def model_inputs(source: str) -> list:
+    """The path a --model names (a short name resolved), checked to exist before anything loads."""
+    from surgery.core.load import resolve
+
+    return [resolve(source)]

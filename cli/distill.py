@@ -11,7 +11,7 @@ import typer
 
 from surgery.errors import SurgeryError
 
-from .common import err, guard, out, parse_dtype
+from .common import err, guard, out, parse_device, parse_dtype
 from .options import DebugOpt
 
 _SUFFIXES = {"k": 10**3, "m": 10**6, "g": 10**9, "b": 10**9}
@@ -63,40 +63,57 @@ def distill(
 ):
     """Continue training a saved hybrid against its teacher (stage l2, kl, or both)."""
 
-    from surgery.train.distill import DistillConfig
-    from surgery.train.distill import distill as run_distill
+    from surgery.data.text import check_text_file
+    from surgery.train import DistillConfig
+    from surgery.train import distill as run_distill
 
     with guard(debug):
         given = {"stage": stage, "seq_len": seq_len, "global_batch": batch_size, "micro_batch": micro_batch, "warmup": warmup,
-                 "schedule": schedule, "seed": seed, "eval_text": str(eval_text) if eval_text else None, "time_limit": time_limit}
-        settings = {k: v for k, v in given.items() if v is not None}
-        settings.update(tokens=count(tokens, "--tokens"), grad_checkpoint=grad_checkpoint)
-        for key, text, option in (("l2_tokens", l2_tokens, "--l2-tokens"), ("eval_every", eval_every, "--eval-every"),
-                                  ("eval_tokens", eval_tokens, "--eval-tokens"), ("save_every", save_every, "--save-every")):
-            if text is not None:
-                settings[key] = count(text, option)
-        if lr is not None:
-            settings.update(lr_l2_new=lr, lr_l2_copied=lr, lr_kl_new=lr, lr_kl_copied=lr)
-        if lr_rest is not None:
-            settings["lr_kl_rest"] = lr_rest
-        for item in options or []:
-            key, sep, value = item.partition("=")
-            if not sep:
-                raise SurgeryError(f"Option '{item}' is not of the form key=value.", "Write e.g. --set temperature=2.")
-            settings[key.strip()] = value
-        config = DistillConfig.from_dict(settings)
+                 "schedule": schedule, "seed": seed, "eval_text": str(eval_text) if eval_text else None, "time_limit": time_limit,
+                 "tokens": count(tokens, "--tokens"), "grad_checkpoint": grad_checkpoint}
+        counts = {"l2_tokens": (l2_tokens, "--l2-tokens"), "eval_every": (eval_every, "--eval-every"),
+                  "eval_tokens": (eval_tokens, "--eval-tokens"), "save_every": (save_every, "--save-every")}
+        config = DistillConfig.from_dict(settings(given, counts, lr, lr_rest, options))
         weights_dtype = parse_dtype(dtype) if dtype is not None else None
         files = [str(p) for p in [*data, *(more_data or [])]]
+        for path in files:  # before any model loads: a typo or a binary file costs seconds
+            check_text_file(path, "Training data file")
+        if eval_text is not None:
+            check_text_file(eval_text, "Evaluation text")
+        if device is not None:
+            parse_device(device)
         result = run_distill(str(model), files, out_dir, config, teacher=teacher, resume=resume, force=force, device=device,
                              dtype=weights_dtype, progress=not as_json)
-        if result["rank"] != 0:
-            return
-        if as_json:
-            print(json.dumps(result))
-            return
-        if result.get("stopped"):
-            err.print(f"stopped by --time-limit after {result['tokens']:,} tokens; run the same command with --resume to continue")
-        rate = f"{result['tokens_per_s']:,.0f} tokens/s, {result['flops_per_s'] / 1e12:.3g} model TFLOP/s" if result["tokens_per_s"] else "nothing left to train"
-        ppl = f", eval perplexity {result['eval_ppl']:.4g}" if result.get("eval_ppl") is not None else ""
-        out.print(f"distilled {result['tokens']:,} tokens in {result['steps']} steps ({rate}); loss {result['loss'] if result['loss'] is None else format(result['loss'], '.4g')}{ppl}")
-        err.print(f"checkpoint: {result['checkpoint']}")
+        if result["rank"] == 0:
+            render(result, as_json)
+
+
+def settings(given: dict, counts: dict, lr, lr_rest, options) -> dict:
+    """DistillConfig fields from the options given (None: not given); counts: field -> (text, option)
+    for token counts; --set key=value pairs last, so they win."""
+    fields = {k: v for k, v in given.items() if v is not None}
+    for key, (text, option) in counts.items():
+        if text is not None:
+            fields[key] = count(text, option)
+    if lr is not None:
+        fields.update(lr_l2_new=lr, lr_l2_copied=lr, lr_kl_new=lr, lr_kl_copied=lr)
+    if lr_rest is not None:
+        fields["lr_kl_rest"] = lr_rest
+    for item in options or []:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise SurgeryError(f"Option '{item}' is not of the form key=value.", "Write e.g. --set temperature=2.")
+        fields[key.strip()] = value
+    return fields
+
+
+def render(result: dict, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(result))
+        return
+    if result.get("stopped"):
+        err.print(f"stopped by --time-limit after {result['tokens']:,} tokens; run the same command with --resume to continue")
+    rate = f"{result['tokens_per_s']:,.0f} tokens/s, {result['flops_per_s'] / 1e12:.3g} model TFLOP/s" if result["tokens_per_s"] else "nothing left to train"
+    ppl = f", eval perplexity {result['eval_ppl']:.4g}" if result.get("eval_ppl") is not None else ""
+    out.print(f"distilled {result['tokens']:,} tokens in {result['steps']} steps ({rate}); loss {result['loss'] if result['loss'] is None else format(result['loss'], '.4g')}{ppl}")
+    err.print(f"checkpoint: {result['checkpoint']}")

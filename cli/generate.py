@@ -12,7 +12,7 @@ import typer
 
 from surgery.errors import SurgeryError
 
-from .common import err, guard, placement
+from .common import err, guard, model_inputs, placement
 from .options import DebugOpt, DeviceOpt, DtypeOpt, ModelOpt
 
 CONTEXT_TOKENS = 8  # prompt tokens decoded with the continuation, so a leading space survives detokenisation
@@ -63,8 +63,9 @@ class TextStream:
 def read_prompts(prompt: Optional[List[str]], prompt_file: Optional[Path]) -> list[str]:
     prompts = list(prompt or [])
     if prompt_file is not None:
-        if not prompt_file.exists():
-            raise SurgeryError(f"Prompt file '{prompt_file}' does not exist.", "Check the path.")
+        from surgery.data.text import check_text_file
+
+        check_text_file(prompt_file, "Prompt file")
         prompts += [line for line in prompt_file.read_text(encoding="utf-8").splitlines() if line.strip()]
     if not prompts:
         raise SurgeryError("No prompt given.", "Pass --prompt TEXT (repeatable) or --prompt-file FILE (one prompt per line).")
@@ -96,6 +97,7 @@ def generate(
         if max_new_tokens < 1:
             raise SurgeryError(f"--max-new-tokens must be at least 1, got {max_new_tokens}.", "Pass e.g. --max-new-tokens 64.")
         check_sampling(temperature, top_k, top_p)  # before the model loads
+        model_inputs(model)
         dev, dt = placement(device, dtype)
         err.print(f"loading {model} on {dev} ({str(dt).removeprefix('torch.')})")
         graph = open_model(model, device=dev, dtype=dt, debug=debug)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import sys
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -12,6 +12,7 @@ from surgery.core.graph import Graph
 from surgery.core.pipeline import Pass, PassResult, register
 from tcal.phase2 import AlignOptions, align_layers
 
+from .calibrate import require_finite
 from .teacher_data import TeacherDataConfig, teacher_data
 
 
@@ -28,16 +29,13 @@ class AlignConfig(TeacherDataConfig, AlignOptions):
         if self.lr_qkv < 0 or self.lr_gates < 0:
             raise PassConfigError("Learning rates must be >= 0.", "Use e.g. lr_qkv=1e-4, lr_gates=1e-3.")
 
-    def options(self) -> AlignOptions:
-        return AlignOptions(**{f.name: getattr(self, f.name) for f in fields(AlignOptions)})
-
 
 @register
 class Align(Pass):
     name = "align"
     config_cls = AlignConfig
-    requires = ("replace",)
-    forbids = ("align",)
+    runs_after = ("replace",)
+    not_after = ("align",)
 
     def run(self, graph: Graph) -> PassResult:
         start = time.perf_counter()
@@ -54,7 +52,7 @@ class Align(Pass):
                 if self.config.progress and not show and (step + 1) % 50 == 0:  # logs get a line now and then
                     print(f"align step {step + 1}/{self.config.steps}: mean loss {mean:.4e}", file=sys.stderr, flush=True)
 
-            report = align_layers(modules, pairs, self.config.options(), progress=progress)
+            report = align_layers(modules, pairs, self.config.project(AlignOptions), progress=progress)
         seconds = time.perf_counter() - start
         graph.meta["align"] = report | {"seconds": seconds}
         layers = report["layers"].values()
@@ -63,3 +61,6 @@ class Align(Pass):
             "mean_initial_loss": sum(r["initial"] for r in layers) / len(report["layers"]),
             "mean_best_loss": sum(r["best"] for r in layers) / len(report["layers"]),
         })
+
+    def ensures(self, graph: Graph) -> None:
+        require_finite(self, graph)

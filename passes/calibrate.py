@@ -1,9 +1,12 @@
 """calibrate (Phase 1): decay, write gate, value scale and output gate of every GDN layer from the
-teacher's attention statistics on calibration text."""
+teacher's attention statistics on calibration text. All or nothing: a layer that fails leaves every
+layer as it was."""
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
+
+import torch
 
 from surgery.errors import CalibrationError, PassConfigError
 from surgery.core.graph import Graph
@@ -26,30 +29,46 @@ class CalibrateConfig(TeacherDataConfig, Phase1Options):
         if not 0 < self.beta_low < self.beta_low + self.beta_span < 1:
             raise PassConfigError(f"Write-gate targets must lie in (0, 1): low {self.beta_low}, span {self.beta_span}.", "Use e.g. 0.3 and 0.4.")
 
-    def phase1(self) -> Phase1Options:
-        return Phase1Options(**{f.name: getattr(self, f.name) for f in fields(Phase1Options)})
-
 
 @register
 class Calibrate(Pass):
     name = "calibrate"
     config_cls = CalibrateConfig
-    requires = ("replace",)
-    forbids = ("align", "calibrate")
+    runs_after = ("replace",)
+    not_after = ("align", "calibrate")
 
     def run(self, graph: Graph) -> PassResult:
         start = time.perf_counter()
         data = teacher_data(graph, self.config)
-        options = self.config.phase1()
+        options = self.config.project(Phase1Options)
+        modules = graph.gdn_modules()
+        saved = {layer: {k: v.clone() for k, v in gdn.state_dict().items()} for layer, gdn in modules.items()}
         reports = {}
-        for layer, gdn in graph.gdn_modules().items():
-            d = data[layer]
-            try:
-                reports[layer] = calibrate_layer(gdn, d.x, d.ctx, d.target, d.stats, options)
-            except ValueError as exc:
-                raise CalibrationError(f"Phase 1 failed at layer {layer}: {exc}", "Check the calibration text and options.") from exc
+        try:
+            for layer, gdn in modules.items():
+                d = data[layer]
+                try:
+                    reports[layer] = calibrate_layer(gdn, d.x, d.ctx, d.target, d.stats, options)
+                except ValueError as exc:
+                    raise CalibrationError(f"Phase 1 failed at layer {layer}: {exc}", "Check the calibration text and options.") from exc
+        except BaseException:
+            with torch.no_grad():
+                for layer, gdn in modules.items():
+                    gdn.load_state_dict(saved[layer])
+            raise
         seconds = time.perf_counter() - start
         graph.meta["calibrate"] = {"layers": reports, "seconds": seconds}
         before = sum(r["rel_error_before"] for r in reports.values()) / len(reports)
         after = sum(r["rel_error_after"] for r in reports.values()) / len(reports)
         return PassResult(graph, modified=True, info={"seconds": round(seconds, 2), "mean_rel_error_before": before, "mean_rel_error_after": after})
+
+    def ensures(self, graph: Graph) -> None:
+        require_finite(self, graph)
+
+
+def require_finite(owner: Pass, graph: Graph) -> None:
+    """The promise of the passes that set GDN weights: every parameter of every GDN is finite."""
+    for layer, gdn in graph.gdn_modules().items():
+        bad = [name for name, p in gdn.named_parameters() if not torch.isfinite(p).all()]
+        if bad:
+            raise owner.broken(f"layer {layer}'s GDN has NaN/inf in {', '.join(bad)}.")

@@ -11,12 +11,15 @@ from dataclasses import dataclass
 
 import torch
 
-from surgery.errors import PassConfigError
+from surgery.errors import PassConfigError, PassFailedError
 from surgery.core.graph import Graph
 from surgery.core.pipeline import Pass, PassConfig, PassResult, register
 from surgery.core.rewrite import ancestors, descendants, fork, nodes_by_name, prune, splice_module
 from surgery.sites import AttentionSite
+from surgery.sites.ops import SDPA_OPS, SOFTMAX_OPS
 from tcal.gdn import GatedDeltaNet
+
+from .selection import LayerSelection
 
 V_ACTIVATIONS = ("silu", "identity")
 BACKENDS = ("auto", "torch", "fla")
@@ -57,8 +60,10 @@ def gdn_for_site(site: AttentionSite, config: ReplaceConfig) -> GatedDeltaNet:
 
 
 def transfer_weights(gdn: GatedDeltaNet, site: AttentionSite, params: dict, target: str) -> list[str]:
-    """Copy the teacher's projections into the GDN; return the `src -> dst` log lines."""
-    log = []
+    """Copy the teacher's projections into the GDN; return the `src -> dst` log lines. What is
+    written must be exactly the GDN's copied_parameters(): a parameter left out would keep its random
+    init unnoticed."""
+    log, written = [], []
     expanded = site.kv_map  # query head h reads KV head kv_map[h]: GQA expansion repeats rows
     plan = [("q_proj", site.q, None), ("k_proj", site.k, expanded), ("v_proj", site.v, expanded)]
     with torch.no_grad():
@@ -66,16 +71,24 @@ def transfer_weights(gdn: GatedDeltaNet, site: AttentionSite, params: dict, targ
             w, b = proj.out_matrix(params, heads)
             layer = getattr(gdn, name)
             layer.weight.copy_(w)
+            written.append(f"{name}.weight")
             log.append(_log_line(proj, heads, f"{target}.{name}.weight"))
             if b is not None:
                 layer.bias.copy_(b)
+                written.append(f"{name}.bias")
                 log.append(f"{proj.bias}[{_row_text(proj, heads)}] -> {target}.{name}.bias")
         w, b = site.o.in_matrix(params)
         gdn.o_proj.weight.copy_(w)
+        written.append("o_proj.weight")
         log.append(f"{site.o.weight}{'^T' if site.o.transposed else ''}[:, {_span(site.o.rows())}] -> {target}.o_proj.weight")
         if b is not None:
             gdn.o_proj.bias.copy_(b)
+            written.append("o_proj.bias")
             log.append(f"{site.o.bias} -> {target}.o_proj.bias")
+    expected = [name for name, _ in gdn.copied_parameters()]
+    if sorted(written) != sorted(expected):
+        raise PassFailedError(f"Layer {site.layer}: replace copied {written} from the teacher, but the GDN's copied parameters are {expected}.",
+                              "The site's projections and the GDN's biases disagree; this is a bug, run with --debug and report it.")
     return log
 
 
@@ -107,21 +120,34 @@ def module_target(gm: torch.fx.GraphModule, site: AttentionSite) -> str:
     return site.module_path
 
 
+def attention_left(gm: torch.fx.GraphModule, site: AttentionSite, call: torch.fx.Node) -> list[str]:
+    """What of a replaced site's attention is still in gm: its attention op, softmax and Q/K/V/O
+    projection nodes by the names the site gives them, and any SDPA or softmax op between the layer's
+    input and the GDN call."""
+    nodes = nodes_by_name(gm)
+    named = [site.attn_node, site.probs_node, site.q.node, site.k.node, site.v.node, site.o.node]
+    left = [name for name in dict.fromkeys(named) if name and name in nodes]
+    region = descendants(nodes[site.input_node]) & ancestors(call) if site.input_node in nodes else set()
+    return left + [n.name for n in region if n.op == "call_function" and n.target in SDPA_OPS | SOFTMAX_OPS and n.name not in left]
+
+
 @register
 class Replace(Pass):
     name = "replace"
     config_cls = ReplaceConfig
-    requires = ("select",)
-    forbids = ("replace",)
+    runs_after = ("select",)
+    not_after = ("replace",)
     structural = True
 
     def check(self, graph: Graph) -> None:
-        convert = graph.meta.get("select", {}).get("convert", [])
-        if not convert:
+        selection = graph.meta.get("select")
+        if not isinstance(selection, LayerSelection):
+            raise PassConfigError(f"graph.meta['select'] is {type(selection).__name__}, not the LayerSelection select records.", "Run select before replace.")
+        if not selection.convert:
             raise PassConfigError("select chose no layer to convert.", "Run select with a policy that converts at least one layer.")
 
     def run(self, graph: Graph) -> PassResult:
-        convert = graph.meta["select"]["convert"]
+        convert = graph.meta["select"].convert
         teacher = graph.gm
         params = dict(teacher.named_parameters(remove_duplicate=False))
         device, dtype = graph.device, graph.dtype
@@ -139,6 +165,20 @@ class Replace(Pass):
         graph.teacher, graph.gm = teacher, hybrid
         graph.meta["replace"] = {"layers": list(convert), "modules": modules, "copies": copies, "config": self.config.to_dict()}
         return PassResult(graph, modified=True, info={"layers": list(convert), "nodes_removed": removed, "copies": len(copies)})
+
+    def ensures(self, graph: Graph) -> None:
+        """Every converted layer is one GatedDeltaNet call, and none of its attention is left."""
+        calls = {n.target: n for n in graph.gm.graph.nodes if n.op == "call_module"}
+        targets = graph.gdn_targets()
+        if sorted(targets) != sorted(graph.meta["replace"]["layers"]):
+            raise self.broken(f"GDN modules sit at layers {sorted(targets)}, but layers {graph.meta['replace']['layers']} were converted.")
+        for layer, target in targets.items():
+            module = graph.gm.get_submodule(target) if target in calls else None
+            if not isinstance(module, GatedDeltaNet):
+                raise self.broken(f"layer {layer} is not a GatedDeltaNet call at '{target}' in the hybrid graph.")
+            left = attention_left(graph.gm, graph.sites[layer], calls[target])
+            if left:
+                raise self.broken(f"layer {layer} still holds attention nodes {left} after its GDN at '{target}' replaced them.")
 
     @staticmethod
     def _splice(gm, site: AttentionSite, target: str, gdn: GatedDeltaNet) -> None:

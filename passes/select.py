@@ -30,6 +30,7 @@ from .teacher_data import TeacherDataConfig
 from .align import AlignConfig
 from .calibrate import CalibrateConfig
 from .replace import ReplaceConfig
+from .selection import LayerSelection
 
 POLICIES = ("uniform", "keep", "convert", "ar", "greedy")
 SCORED = ("ar", "greedy")
@@ -93,7 +94,7 @@ def uniform_keep(num_layers: int, keep_ratio: float | None, stride: int | None, 
 class Select(Pass):
     name = "select"
     config_cls = SelectConfig
-    forbids = ("replace",)
+    not_after = ("replace",)
     structural = True
 
     def keep_count(self, num_layers: int) -> int:
@@ -148,8 +149,7 @@ class Select(Pass):
         if c.policy not in SCORED:
             convert = self.decide(graph.num_layers)
             keep = [i for i in range(graph.num_layers) if i not in convert]
-            graph.meta["select"] = {"policy": c.policy, "convert": convert, "keep": keep}
-            return PassResult(graph, modified=False, info=graph.meta["select"])
+            return self.record(graph, LayerSelection(c.policy, convert, keep))
         k = self.keep_count(graph.num_layers)
         text = self.scoring_windows(graph)  # before any model work: a short text fails fast
         if c.policy == "ar":
@@ -165,9 +165,17 @@ class Select(Pass):
             row["rank"] = rank
         keep = sorted(r["layer"] for r in ranked[:k])
         convert = [i for i in range(graph.num_layers) if i not in keep]
-        graph.meta["select"] = {"policy": c.policy, "convert": convert, "keep": keep, "keep_count": k, **extra,
-                                "tokens": int(text.numel()), "scores": rows}
-        return PassResult(graph, modified=False, info=graph.meta["select"])
+        return self.record(graph, LayerSelection(c.policy, convert, keep, keep_count=k, **extra, tokens=int(text.numel()), scores=rows))
+
+    @staticmethod
+    def record(graph: Graph, selection: LayerSelection) -> PassResult:
+        graph.meta["select"] = selection
+        return PassResult(graph, modified=False, info=selection.to_dict())
+
+    def ensures(self, graph: Graph) -> None:
+        s = graph.meta["select"]
+        if sorted(s.convert + s.keep) != list(range(graph.num_layers)):
+            raise self.broken(f"convert {s.convert} and keep {s.keep} do not split the {graph.num_layers} layers.")
 
     def init_passes(self) -> list[str]:
         return list(DEFAULT_INIT if self.config.init is None else self.config.init)
@@ -203,4 +211,4 @@ class Select(Pass):
         return {l: (t, branch.gm.get_submodule(t)) for l, t in branch.gdn_targets().items()}
 
     def replay(self, graph: Graph, decisions: dict) -> None:
-        graph.meta["select"] = decisions
+        graph.meta["select"] = LayerSelection.from_dict(decisions)

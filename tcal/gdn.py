@@ -119,6 +119,38 @@ class GDNCache:
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
+# Each parameter's role, named once; align, distill and replace read it through param_groups().
+PARAMETER_ROLES = {
+    "qkv": ("q_proj", "k_proj", "v_proj"),              # copied from the teacher's attention
+    "conv": ("q_conv1d", "k_conv1d", "v_conv1d"),        # new, start as the identity
+    "gates": ("a_proj", "b_proj", "g_proj", "A_log", "dt_bias"),  # new, set by Phase 1
+    "output": ("o_proj",),                               # copied from the teacher's attention
+    "norm": ("o_norm",),                                 # new
+}
+COPIED_ROLES = ("qkv", "output")
+
+
+def fused_weight(owner: nn.Module, layers) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The concatenated weight and bias of `layers`. When no gradient is needed (inference, decoding
+    one token at a time) the concatenation is kept on `owner` until a parameter changes (tensor
+    version counter or storage), so a decode step does not copy every projection matrix again."""
+    params = [p for l in layers for p in (l.weight, l.bias) if p is not None]
+    inference = not (torch.is_grad_enabled() and any(p.requires_grad for p in params))
+    key = tuple((p.data_ptr(), p._version, p.dtype, p.device) for p in params)
+    cached = owner.__dict__.get("_fused_cache")
+    if inference and cached is not None and cached[0] == key:
+        return cached[1], cached[2]
+    weight = torch.cat([l.weight for l in layers])
+    bias = None
+    if any(l.bias is not None for l in layers):
+        bias = torch.cat([l.bias if l.bias is not None else l.weight.new_zeros(l.out_features) for l in layers])
+    if inference:
+        owner.__dict__["_fused_cache"] = (key, weight, bias)
+    else:
+        owner.__dict__.pop("_fused_cache", None)
+    return weight, bias
+
+
 class GatedDeltaNet(nn.Module):
     """Gated DeltaNet layer: [B, T, hidden] -> [B, T, hidden]. See METHOD.md, 'The student layer'."""
 
@@ -140,32 +172,13 @@ class GatedDeltaNet(nn.Module):
         backend: str = "auto",
         layer_idx: int | None = None,
     ):
+        arguments = dict(locals())  # the constructor arguments, in order: gdn_config() rebuilds from them
         super().__init__()
         if v_activation not in V_ACTIVATIONS:
             raise ValueError(f"v_activation must be one of {sorted(V_ACTIVATIONS)}, got {v_activation!r}")
-        self._config = dict(
-            hidden_size=hidden_size,
-            num_heads=num_heads,
-            head_dim=head_dim,
-            q_bias=q_bias,
-            k_bias=k_bias,
-            v_bias=v_bias,
-            o_bias=o_bias,
-            use_short_conv=use_short_conv,
-            conv_size=conv_size,
-            conv_identity_init=conv_identity_init,
-            norm_eps=norm_eps,
-            v_activation=v_activation,
-            backend=backend,
-            layer_idx=layer_idx,
-        )
-        self.hidden_size = hidden_size
-        self.num_heads = num_heads
-        self.head_dim = head_dim
-        self.use_short_conv = use_short_conv
-        self.v_activation = v_activation
-        self.backend = backend
-        self.layer_idx = layer_idx
+        self._config = {k: v for k, v in arguments.items() if k not in ("self", "__class__")}
+        self.hidden_size, self.num_heads, self.head_dim, self.layer_idx = hidden_size, num_heads, head_dim, layer_idx
+        self.use_short_conv, self.v_activation, self.backend = use_short_conv, v_activation, backend
 
         inner = num_heads * head_dim
         self.q_proj = nn.Linear(hidden_size, inner, bias=q_bias)
@@ -176,8 +189,7 @@ class GatedDeltaNet(nn.Module):
         a_log, dt_bias = _fla_decay_init(num_heads)
         self.A_log = nn.Parameter(a_log)
         self.dt_bias = nn.Parameter(dt_bias)
-        self.A_log._no_weight_decay = True
-        self.dt_bias._no_weight_decay = True
+        self.A_log._no_weight_decay = self.dt_bias._no_weight_decay = True
         if use_short_conv:
             self.q_conv1d = CausalConv1d(inner, conv_size, conv_identity_init)
             self.k_conv1d = CausalConv1d(inner, conv_size, conv_identity_init)
@@ -185,6 +197,29 @@ class GatedDeltaNet(nn.Module):
         self.g_proj = nn.Linear(hidden_size, inner, bias=False)
         self.o_norm = GatedRMSNorm(head_dim, eps=norm_eps)
         self.o_proj = nn.Linear(inner, hidden_size, bias=o_bias)
+
+    PARAMETER_ROLES = PARAMETER_ROLES
+    COPIED_ROLES = COPIED_ROLES
+
+    def param_groups(self) -> dict[str, list[tuple[str, nn.Parameter]]]:
+        """role -> [(name, parameter)] in named_parameters order, for every role in PARAMETER_ROLES."""
+        role_of = {root: role for role, roots in self.PARAMETER_ROLES.items() for root in roots}
+        groups: dict[str, list] = {role: [] for role in self.PARAMETER_ROLES}
+        for name, p in self.named_parameters():
+            root = name.split(".")[0]
+            if root not in role_of:
+                raise KeyError(f"GatedDeltaNet parameter {name!r} has no role in PARAMETER_ROLES")
+            groups[role_of[root]].append((name, p))
+        return groups
+
+    def copied_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """The parameters replace fills from the teacher (the rest keep their own init)."""
+        groups = self.param_groups()
+        return [item for role in self.COPIED_ROLES for item in groups[role]]
+
+    def new_cache(self) -> GDNCache:
+        """An empty decoding state for this layer (surgery.decode carries it between calls)."""
+        return GDNCache()
 
     def gdn_config(self) -> dict:
         """Constructor arguments, enough to rebuild this module before loading its state_dict."""
@@ -210,29 +245,9 @@ class GatedDeltaNet(nn.Module):
         """All six projections of x as ONE matmul (weights concatenated): at short lengths the layer is
         launch-bound, and one GEMM replaces six."""
         layers = [getattr(self, n) for n in self.INPUT_PROJECTIONS]
-        weight, bias = self._fused_weight(layers)
+        weight, bias = fused_weight(self, layers)
         parts = F.linear(x, weight, bias).split([l.out_features for l in layers], dim=-1)
         return dict(zip(self.INPUT_PROJECTIONS, parts))
-
-    def _fused_weight(self, layers) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The concatenated weight and bias. When no gradient is needed (inference, decoding one
-        token at a time) the concatenation is kept until a parameter changes (tensor version counter
-        or storage), so a decode step does not copy every projection matrix again."""
-        params = [p for l in layers for p in (l.weight, l.bias) if p is not None]
-        inference = not (torch.is_grad_enabled() and any(p.requires_grad for p in params))
-        key = tuple((p.data_ptr(), p._version, p.dtype, p.device) for p in params)
-        cached = self.__dict__.get("_fused_cache")
-        if inference and cached is not None and cached[0] == key:
-            return cached[1], cached[2]
-        weight = torch.cat([l.weight for l in layers])
-        bias = None
-        if any(l.bias is not None for l in layers):
-            bias = torch.cat([l.bias if l.bias is not None else l.weight.new_zeros(l.out_features) for l in layers])
-        if inference:
-            self.__dict__["_fused_cache"] = (key, weight, bias)
-        else:
-            self.__dict__.pop("_fused_cache", None)
-        return weight, bias
 
     def _stream(self, y: torch.Tensor, name: str, activation, cache: GDNCache | None = None) -> torch.Tensor:
         """Optional short convolution, activation, split into heads."""

@@ -1,10 +1,11 @@
 """Phase 2 of Taylor-Calibrate: layer-local, teacher-forced alignment of GDN layers (METHOD.md).
 
 Each layer learns to map the teacher's attention input to the teacher's attention output (MSE).
-Layers are independent, so they train in one loop with one optimizer, but everything that couples
-parameters (gradient clipping, best-state tracking, early stopping) is done per layer so the result
-equals aligning each layer on its own. Training runs in float32 master weights whatever the model's
-dtype, and the best state of each layer is restored at the end.
+Layers are independent, so they train in one loop with one optimizer; gradient clipping and the
+best state are per layer (each layer's best state is restored at the end), but early stopping is
+shared: all layers stop together once no layer has improved for `patience` steps. Training runs in
+float32 master weights whatever the model's dtype. The parameter groups follow the GDN's own roles
+(GatedDeltaNet.param_groups): q/k/v and convolutions, gates; output projection and norm stay frozen.
 """
 from __future__ import annotations
 
@@ -14,10 +15,6 @@ import torch
 import torch.nn.functional as F
 
 from .gdn import GatedDeltaNet
-
-QKV = ("q_proj", "k_proj", "v_proj", "q_conv1d", "k_conv1d", "v_conv1d")
-GATES = ("a_proj", "b_proj", "g_proj", "A_log", "dt_bias")
-FROZEN = ("o_proj", "o_norm")
 
 
 @dataclass
@@ -32,14 +29,18 @@ class AlignOptions:
     seed: int = 0
 
 
+def _roles(gdn: GatedDeltaNet) -> tuple[list, list, list]:
+    """(qkv, gates, frozen) parameters, each in named_parameters order."""
+    roles = gdn.param_groups()
+
+    def pick(*names):
+        return [p for role in names for _, p in roles[role]]
+
+    return pick("qkv", "conv"), pick("gates"), pick("output", "norm")
+
+
 def _groups(gdn: GatedDeltaNet, opts: AlignOptions) -> list[dict]:
-    qkv, gates = [], []
-    for name, p in gdn.named_parameters():
-        root = name.split(".")[0]
-        if root in QKV:
-            qkv.append(p)
-        elif root in GATES:
-            gates.append(p)
+    qkv, gates, _ = _roles(gdn)
     no_decay = [p for p in gates if getattr(p, "_no_weight_decay", False)]
     decay = [p for p in gates if not getattr(p, "_no_weight_decay", False)]
     groups = [{"params": qkv, "lr": opts.lr_qkv}, {"params": decay, "lr": opts.lr_gates}]
@@ -60,8 +61,9 @@ def align_layers(modules: dict[int, GatedDeltaNet], data: dict[int, tuple[torch.
     trainable = {}
     groups = []
     for l, m in modules.items():
-        for name, p in m.named_parameters():
-            p.requires_grad_(name.split(".")[0] not in FROZEN)
+        frozen = {id(p) for p in _roles(m)[2]}
+        for p in m.parameters():
+            p.requires_grad_(id(p) not in frozen)
         layer_groups = _groups(m, opts)
         trainable[l] = [p for g in layer_groups for p in g["params"]]
         groups += layer_groups

@@ -156,22 +156,10 @@ class AttentionStats:
         names = ("rows", "distance", "entropy", "norm_rows", "norm_entropy")
         self._sums = {name: torch.zeros(num_heads, dtype=torch.float64) for name in names}
 
-    def update_from_qk(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        *,
-        scale: float,
-        mask: torch.Tensor | None = None,
-        window: int | None = None,
-        softcap: float | None = None,
-        query_chunk: int = 256,
-    ) -> None:
-        """Accumulate from post-RoPE q [B,H,Tq,D] and k [B,Hk,Tk,D]; see `attention_rows`."""
-        rows = attention_rows(
-            q, k, scale=scale, mask=mask, window=window, softcap=softcap, query_chunk=query_chunk
-        )
-        for chunk in rows:
+    def update_from_qk(self, q: torch.Tensor, k: torch.Tensor, **options) -> None:
+        """Accumulate from post-RoPE q [B,H,Tq,D] and k [B,Hk,Tk,D]; options (scale, mask, window,
+        softcap, query_chunk) are those of `attention_rows`."""
+        for chunk in attention_rows(q, k, **options):
             self._accumulate(chunk)
 
     def update_from_probs(self, p: torch.Tensor, *, query_offset: int | None = None, query_chunk: int = 256) -> None:

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from surgery import PassManager
 from surgery.data.windows import calibration_ids
 from surgery.passes.teacher_data import collect
-from surgery.errors import CalibrationError
+from surgery.errors import CalibrationError, PassFailedError
 from surgery.data.text import tokenize
 from surgery.eval.perplexity import perplexity
 
@@ -361,3 +361,61 @@ def test_nan_teacher_weight_is_a_calibration_error(stories):
         with torch.no_grad():
             weight.copy_(saved)
     assert torch.isfinite(g.teacher.get_parameter("model.layers.1.self_attn.q_proj.weight")).all()
+
+
+# ------------------------------------------------------------------------------------------------
+# all or nothing, and what calibrate and align promise (ensures)
+
+
+def test_calibrate_failing_at_one_layer_changes_no_layer(stories, monkeypatch):
+    import surgery.passes.calibrate as calibrate_module
+
+    g = convert(stories(), [1, 2, 3])
+    before = {l: gdn_params(m) for l, m in g.gdn_modules().items()}
+    real, moved = calibrate_module.calibrate_layer, []
+
+    def fails_at_layer_2(gdn, *args):
+        if gdn.layer_idx == 2:
+            raise ValueError("layer 2 cannot be calibrated")
+        report = real(gdn, *args)
+        moved.extend(k for k, v in gdn_params(gdn).items() if not torch.equal(v, before[gdn.layer_idx][k]))
+        return report
+
+    monkeypatch.setattr(calibrate_module, "calibrate_layer", fails_at_layer_2)
+    with pytest.raises(CalibrationError, match="layer 2"):
+        PassManager(["calibrate"], {"calibrate": SMALL})(g)
+    assert "b_proj.weight" in moved  # layer 1 was calibrated before layer 2 failed ...
+    for l, m in g.gdn_modules().items():  # ... and is back where it was, as every layer
+        for k, v in gdn_params(m).items():
+            assert torch.equal(v, before[l][k]), f"layer {l} {k} changed by a calibrate that failed"
+    assert "calibrate" not in g.meta and [h["pass"] for h in g.history] == ["select", "replace"]
+
+
+def test_calibrate_that_leaves_nan_is_caught(stories, monkeypatch):
+    import surgery.passes.calibrate as calibrate_module
+
+    real = calibrate_module.calibrate_layer
+
+    def nan_at_layer_3(gdn, *args):
+        report = real(gdn, *args)
+        if gdn.layer_idx == 3:
+            gdn.A_log.data[0] = float("nan")
+        return report
+
+    monkeypatch.setattr(calibrate_module, "calibrate_layer", nan_at_layer_3)
+    with pytest.raises(PassFailedError) as info:
+        PassManager(["calibrate"], {"calibrate": SMALL})(convert(stories(), [1, 3]))
+    problem = info.value.problem
+    assert "Pass 'calibrate'" in problem and "did not keep its promise" in problem and "layer 3" in problem and "A_log" in problem
+
+
+def test_align_that_leaves_nan_is_caught(stories, monkeypatch):
+    import surgery.passes.align as align_module
+
+    def nan_align(modules, pairs, options, progress=None):
+        next(iter(modules.values())).q_proj.weight.data[0, 0] = float("inf")
+        return {"steps": 1, "layers": {l: {"initial": 1.0, "best": 1.0, "best_step": 0} for l in modules}}
+
+    monkeypatch.setattr(align_module, "align_layers", nan_align)
+    with pytest.raises(PassFailedError, match=r"Pass 'align'.*layer 1's GDN has NaN/inf in q_proj.weight"):
+        PassManager(["align"], {"align": {**SMALL, "steps": 1, "progress": False}})(convert(stories(), [1, 3]))

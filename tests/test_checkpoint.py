@@ -286,3 +286,60 @@ def test_recipe_decisions_that_disagree_with_the_weights_are_refused(damaged):
     with pytest.raises(CheckpointError) as info:
         surgery.load(damaged)
     assert "do not match the rebuilt hybrid" in str(info.value)
+
+
+def _set(path: str, value):
+    """An edit of the recipe at a dotted path (list indices and dict keys alike)."""
+    def edit(recipe):
+        *parents, last = path.split(".")
+        node = recipe
+        for key in parents:
+            node = node[int(key)] if isinstance(node, list) else node[key]
+        if isinstance(node, list):
+            node[int(last)] = value
+        else:
+            node[last] = value
+    return edit
+
+
+@pytest.mark.parametrize("edit, words", [
+    (_set("decisions.replace.layers.0", -1), "decisions.replace.layers[0] = -1 is out of range 0..4"),
+    (_set("decisions.replace.layers.1", 5), "decisions.replace.layers[1] = 5 is out of range 0..4"),
+    (_set("decisions.replace.layers.0", "1"), "decisions.replace.layers[0] = '1' is not an integer"),
+    (_set("decisions.replace.layers.0", 1.0), "decisions.replace.layers[0] = 1.0 is not an integer"),
+    (_set("decisions.replace.layers", "1,3"), "decisions.replace.layers = '1,3' is not a list"),
+    (_set("decisions.replace.layers", [1, 1]), "names a layer twice"),
+    (_set("decisions.replace.layers", [1, 3, 4]), "decisions.replace.layers = 4 has no entry in decisions.replace.modules"),
+    (_set("decisions.select.convert.0", -1), "decisions.select.convert[0] = -1 is out of range"),
+    (_set("decisions.select.keep", [0, 2, 40]), "decisions.select.keep[2] = 40 is out of range"),
+    (_set("decisions.replace.modules.9", {"target": "x", "gdn_config": {}}), "decisions.replace.modules['9'] = 9 is out of range"),
+    (_set("decisions.replace.modules.1.gdn_config.num_heads", "8"), "decisions.replace.modules['1'].gdn_config.num_heads = '8' is not an integer"),
+    (_set("decisions.replace.modules.1.gdn_config.head_dim", 4), "decisions.replace.modules['1'].gdn_config builds 'model.layers.1.self_attn.q_proj.weight' with shape [32, 64]"),
+    (_set("decisions.replace.modules.3.gdn_config.use_short_conv", "yes"), "gdn_config.use_short_conv = 'yes' is not true or false"),
+    (_set("decisions.replace.modules.3.target", 7), "decisions.replace.modules['3'].target = 7 is not a string"),
+    (_set("sites", {"0": {}}), "sites = {'0': {}} is not a list"),
+    (_set("sites.0.layer", "0"), "sites[0].layer = '0' is not an integer"),
+    (_set("passes", {}), "passes = {} is not a list"),
+    (_set("passes.1.config.v_activation", "gelu"), "passes[1] ('replace'): v_activation 'gelu'"),
+    (_set("capture.dtype", "manual_seed"), "capture.dtype = 'manual_seed' is not one of"),
+    (_set("capture.max_length", "512"), "capture.max_length = '512' is not an integer"),
+    (_set("config", [1]), "config = [1] is not an object"),
+    (_set("weights.files", {"../other/model.safetensors": "0" * 64}), "weights.files = '../other/model.safetensors' is not a .safetensors file name"),
+    (_set("weights.aliases", {"lm_head.weight": "nowhere"}), "weights.aliases['lm_head.weight'] = 'nowhere' names no stored tensor"),
+])
+def test_every_recipe_field_is_validated(damaged, edit, words):
+    """A damaged recipe is refused with the field it got wrong, never read as something else
+    (layer -1 would be the last layer) nor a TypeError/IndexError traceback."""
+    file = damaged / "recipe.json"
+    recipe = json.loads(file.read_text())
+    edit(recipe)
+    file.write_text(json.dumps(recipe))
+    with pytest.raises(CheckpointError) as info:
+        surgery.load(damaged)
+    assert words in str(info.value) and f"{damaged}/recipe.json" in str(info.value)
+
+
+def test_binary_recipe_is_a_checkpoint_error(damaged):
+    (damaged / "recipe.json").write_bytes(b"\xff\xfe{\x00")
+    with pytest.raises(CheckpointError, match="not text"):
+        surgery.load(damaged)

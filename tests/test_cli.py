@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -53,7 +54,7 @@ def applied(runner, stories_path, tmp_path_factory):
 def test_passes_lists_the_four_passes(runner):
     result = invoke(runner, "passes")
     assert result.exit_code == 0
-    lines = [l for l in result.stdout.splitlines() if "requires=" in l]
+    lines = [l for l in result.stdout.splitlines() if "runs_after=" in l]
     assert [l.split()[0] for l in lines] == ["align", "calibrate", "replace", "select"]
     assert "keep_ratio=0.5" in result.stdout and "steps=300" in result.stdout
 
@@ -156,7 +157,7 @@ def test_unknown_pass_name(runner, stories_path, tmp_path):
     assert not (tmp_path / "x").exists()
 
 
-def test_apply_refuses_an_existing_out_without_force(runner, stories_path, tmp_path):
+def test_apply_refuses_an_existing_out_without_force(runner, stories_path, tmp_path, applied):
     out = tmp_path / "exists"
     out.mkdir()
     (out / "keep.txt").write_text("mine")
@@ -164,8 +165,14 @@ def test_apply_refuses_an_existing_out_without_force(runner, stories_path, tmp_p
     assert_clean_failure(result, "already exists", "--force")
     assert (out / "keep.txt").read_text() == "mine"
     result = invoke(runner, "apply", "--model", stories_path, "--passes", "select,replace", "--out", out, "--force")
+    assert_clean_failure(result, "did not write", "keep.txt")  # --force replaces only what surgery wrote
+    assert (out / "keep.txt").read_text() == "mine"
+    (out / "keep.txt").unlink()
+    shutil.copytree(applied[0], out, dirs_exist_ok=True)
+    result = invoke(runner, "apply", "--model", stories_path, "--passes", "select,replace", "--layers", "2", "--out", out, "--force")
     assert result.exit_code == 0, result.output
-    assert (out / "recipe.json").exists() and not (out / "keep.txt").exists()
+    assert json.loads((out / "recipe.json").read_text())["decisions"]["select"]["convert"] == [2]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["exists"]  # nothing staged or moved aside is left
 
 
 @pytest.mark.parametrize("args, words", [

@@ -8,6 +8,8 @@ import dataclasses
 import json
 import math
 import os
+import pickle
+import shutil
 import socket
 import subprocess
 import sys
@@ -21,8 +23,10 @@ import surgery
 from surgery import PassManager
 import importlib
 from surgery.core.run import placeholder_values
-from surgery.train.distill import (DistillConfig, DistillError, distill, forward_params, gradient_checkpointing, lr_factor,
-                             param_kind, tap_module)
+from surgery.errors import DistillError
+from surgery.train import DistillConfig, distill
+from surgery.train.config import lr_factor
+from surgery.train.stages import forward_params, gradient_checkpointing, parameter_kinds, tap_module
 from surgery.data.text import tokenize
 from surgery.eval.perplexity import perplexity
 from surgery.data.corpus import TokenCorpus, WindowOrder
@@ -30,7 +34,7 @@ from surgery.errors import DataError
 
 from cli_checks import assert_clean_failure, invoke
 
-distill_module = importlib.import_module("surgery.train.distill")  # the package exports the function under the same name
+stages_module = importlib.import_module("surgery.train.stages")  # the stage kl loss calls graph_logits there
 
 
 # TinyStories-like training text (stories260K is a TinyStories model) and a different paragraph to score.
@@ -116,7 +120,7 @@ def reference(loaded, files, stories_teacher, tmp_path_factory):
 def test_window_order_is_a_function_of_seed_step_rank_and_world(stories_teacher, files):
     corpus = TokenCorpus.build([files / "train.txt"], stories_teacher.tokenizer)
     again = TokenCorpus.build([files / "train.txt"], stories_teacher.tokenizer)
-    assert again.path == corpus.path and len(corpus) > 10 * L  # cached by content and tokenizer
+    assert again.cache_files == corpus.cache_files and len(corpus) > 10 * L  # cached by content and tokenizer
     order = WindowOrder(corpus, L, G, seed=3)
     n = order.windows
     steps = [order.indices(s) for s in range(2 * n)]
@@ -147,14 +151,19 @@ def test_teacher_taps_and_flop_counts(stories_teacher, record):
     assert 0 < forward_params(taps) < forward_params(gm) / 2
 
 
-def test_parameter_groups_and_schedule():
-    targets = ["model.layers.1.self_attn"]
-    assert param_kind("model.layers.1.self_attn.q_proj.weight", targets) == "copied"
-    assert param_kind("model.layers.1.self_attn.o_proj.weight", targets) == "copied"
-    assert param_kind("model.layers.1.self_attn.A_log", targets) == "new"
-    assert param_kind("model.layers.1.self_attn.o_norm.weight", targets) == "new"
-    assert param_kind("model.layers.1.mlp.up_proj.weight", targets) == "rest"
-    assert param_kind("model.layers.11.self_attn.q_proj.weight", targets) == "rest"
+def kinds_by_name(graph) -> dict[str, str]:
+    kinds = parameter_kinds(graph)
+    return {n: kinds.get(id(p), "rest") for n, p in graph.gm.named_parameters()}
+
+
+def test_parameter_groups_and_schedule(loaded):
+    kind = kinds_by_name(loaded)  # layers 1, 3, 4 are GDN
+    assert kind["model.layers.1.self_attn.q_proj.weight"] == "copied"
+    assert kind["model.layers.1.self_attn.o_proj.weight"] == "copied"
+    assert kind["model.layers.1.self_attn.A_log"] == "new"
+    assert kind["model.layers.1.self_attn.o_norm.weight"] == "new"
+    assert kind["model.layers.1.mlp.up_proj.weight"] == "rest"
+    assert kind["model.layers.0.self_attn.q_proj.weight"] == "rest"
     factors = [lr_factor(s, 10, 0.2, "cosine", 0.1) for s in range(10)]
     assert factors[:3] == [0.5, 1.0, 1.0] and factors[-1] > 0.1 and all(b < a for a, b in zip(factors[2:], factors[3:]))
     assert [lr_factor(s, 10, 0.0, "constant", 0.0) for s in (0, 9)] == [1.0, 1.0]
@@ -203,8 +212,8 @@ def test_loss_decreases(stage, loaded, hybrid, files, stories_teacher, tmp_path)
     assert result["tokens_per_s"] > 0 and result["flops_per_s"] > result["tokens_per_s"] * 6 * 1000
     trained = dict(start.gm.named_parameters())
     original = load_file(hybrid / "model.safetensors")
-    targets = list(start.gdn_targets().values())
-    moved = {param_kind(n, targets) for n, p in trained.items() if n in original and not torch.equal(p.detach(), original[n])}
+    kind = kinds_by_name(start)
+    moved = {kind[n] for n, p in trained.items() if n in original and not torch.equal(p.detach(), original[n])}
     # stage l2 fits the GDN layers only; stage kl moves the rest of the model too
     assert moved == ({"new", "copied"} if stage == "l2" else {"new", "copied", "rest"})
 
@@ -246,6 +255,49 @@ def test_resume_repeats_the_uninterrupted_run(reference, loaded, files, stories_
     # a finished run resumed again has nothing left to do
     again = distill(loaded, [files / "train.txt"], out, both_config(files), teacher=stories_teacher, progress=False, resume=True)
     assert again["steps"] == 6 and again["tokens_per_s"] is None and again["eval_ppl"] == result["eval_ppl"]
+
+
+class Planted:
+    """Unpickling this runs a shell command: what a planted trainer_state.pt could do."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (os.system, (f"touch '{self.marker}'",))
+
+
+def test_resume_never_unpickles_a_planted_trainer_state(reference, loaded, files, stories_teacher, tmp_path):
+    """Trainer state is JSON + safetensors: a pickle planted in a run directory (beside the state, or
+    as an old-format trainer_state.pt) is never loaded by --resume, which resumes cleanly or refuses."""
+    ref_out, _ = reference
+    pickle.loads(pickle.dumps(Planted(tmp_path / "proof")))
+    assert (tmp_path / "proof").exists()  # the payload does run when unpickled
+    marker = tmp_path / "executed"
+
+    def copy_of_reference(name, *drop):
+        out = tmp_path / name
+        shutil.copytree(ref_out, out, symlinks=True)
+        for path in drop:
+            shutil.rmtree(out / path)
+        for checkpoint in out.glob("checkpoint-*"):
+            torch.save({"rng": Planted(marker)}, checkpoint / "trainer_state.pt")
+        return out
+
+    def resume(out):
+        return distill(loaded, [files / "train.txt"], out, both_config(files), teacher=stories_teacher, progress=False, resume=True)
+
+    assert resume(copy_of_reference("finished"))["complete"] and not marker.exists()
+    unfinished = copy_of_reference("unfinished", "checkpoint-00000006")
+    assert resume(unfinished)["steps"] == 6 and not marker.exists()
+    assert step_losses(unfinished) == step_losses(ref_out)
+    old = copy_of_reference("old-format", "checkpoint-00000006")
+    for state in old.glob("checkpoint-*/trainer_state.*"):
+        if state.suffix != ".pt":
+            state.unlink()
+    with pytest.raises(DistillError, match="older version") as info:
+        resume(old)
+    assert "new run" in info.value.fix and not marker.exists()
 
 
 def test_time_limit_stops_with_a_checkpoint_and_resume_repeats_the_run(reference, loaded, files, stories_teacher, tmp_path):
@@ -351,6 +403,16 @@ def test_cli_distills_with_the_teacher_named_in_the_recipe(runner, hybrid, files
     assert recipe["results"]["distill"]["tokens"] == 256 and recipe["source"]["gguf_file"] == "stories260K.gguf"
     assert_clean_failure(invoke(runner, *args), "already exists", "--resume")
 
+    # the run directory itself opens as its latest checkpoint (eval, generate, diff, inspect)
+    ppl = invoke(runner, "eval", "--model", out, "--text", files / "train.txt", "--chunk", L, "--json")
+    assert ppl.exit_code == 0, ppl.output
+    direct = invoke(runner, "eval", "--model", out / "checkpoint-00000002", "--text", files / "train.txt", "--chunk", L, "--json")
+    assert json.loads(ppl.stdout.strip().splitlines()[-1])["perplexity"] == json.loads(direct.stdout.strip().splitlines()[-1])["perplexity"]
+    empty = tmp_path / "empty-run"
+    empty.mkdir()
+    (empty / "distill.json").write_text("{}")
+    assert_clean_failure(invoke(runner, "eval", "--model", empty, "--text", files / "train.txt"), "no checkpoint yet")
+
 
 def test_bad_inputs_fail_with_a_fix(runner, reference, loaded, hybrid, files, stories_teacher, tmp_path, stories_path, monkeypatch):
     ref_out, _ = reference
@@ -370,14 +432,14 @@ def test_bad_inputs_fail_with_a_fix(runner, reference, loaded, hybrid, files, st
     with pytest.raises(DistillError, match="other training data"):
         distill(loaded, [files / "eval.txt"], ref_out, both_config(files), teacher=stories_teacher, resume=True, progress=False)
     # a micro-batch that does not fit names the knobs that make it fit
-    real = distill_module.graph_logits
+    real = stages_module.graph_logits
 
     def no_room(gm, ids, *extra):
         if torch.is_grad_enabled():  # training forwards; evaluations (no grad) still run
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 12.00 GiB.")
         return real(gm, ids, *extra)
 
-    monkeypatch.setattr(distill_module, "graph_logits", no_room)
+    monkeypatch.setattr(stages_module, "graph_logits", no_room)
     with pytest.raises(DistillError, match="micro-batch of 2 x 32 tokens") as info:
         distill(fresh(loaded), [files / "train.txt"], tmp_path / "h", both_config(files, stage="kl", l2_tokens=None), teacher=stories_teacher, progress=False)
     assert "--micro-batch (e.g. 1" in info.value.fix and "--grad-checkpoint" in info.value.fix

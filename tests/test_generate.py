@@ -143,9 +143,9 @@ def test_position_bias_is_refused(tiny, name, words):
 def test_self_check_refuses_what_it_cannot_continue(tiny, monkeypatch):
     """Without the position rewrite, RoPE would see position 0 at every step: the construction-time
     comparison with full recomputation must catch it rather than decode wrongly."""
-    from surgery.decode import decoder as decode
+    from surgery.decode import runtime as decode
 
-    monkeypatch.setattr(decode, "_rewrite_positions", lambda *args: None)
+    monkeypatch.setattr(decode, "rewrite_positions", lambda *args: None)
     with pytest.raises(DecodeError, match="disagrees with full recomputation"):
         Decoder(tiny("llama").graph)
 
@@ -154,12 +154,12 @@ def test_self_check_in_bf16_accepts_rounding_and_refuses_wrong_positions(stories
     """In bf16 incremental and full logits differ by rounding (more through GDN layers); the check
     must pass a correct decoder of a bf16 hybrid and still refuse one that keeps positions at 0."""
     from surgery import PassManager, capture
-    from surgery.decode import decoder as decode
+    from surgery.decode import runtime as decode
 
     graph = capture(stories_path, dtype=torch.bfloat16)
     PassManager(["select", "replace"], {"select": {"keep_ratio": 0.5}})(graph)
     Decoder(graph)  # passes its self-check
-    monkeypatch.setattr(decode, "_rewrite_positions", lambda *args: None)
+    monkeypatch.setattr(decode, "rewrite_positions", lambda *args: None)
     with pytest.raises(DecodeError, match="relative logit error"):
         Decoder(graph)
 

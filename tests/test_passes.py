@@ -11,9 +11,10 @@ import torch
 import surgery
 from archs import ARCHS
 from surgery import PassManager
-from surgery.errors import CalibrationError, PassConfigError, PassOrderError, SurgeryError
+from surgery.errors import CalibrationError, PassConfigError, PassFailedError, PassOrderError, SurgeryError
 from surgery.core.pipeline import REGISTRY
 from surgery.passes.select import SelectConfig, uniform_keep
+from surgery.passes.selection import LayerSelection
 
 PASSES = ["align", "calibrate", "replace", "select"]
 
@@ -125,9 +126,18 @@ def test_select_policies_decide_the_converted_layers():
 def test_select_on_a_graph_records_its_decision(stories):
     g = stories()
     result = PassManager(["select"], {"select": {"policy": "keep", "layers": [0, 4]}})(g)
-    assert g.meta["select"] == {"policy": "keep", "convert": [1, 2, 3], "keep": [0, 4]}
+    assert g.meta["select"] == LayerSelection("keep", convert=[1, 2, 3], keep=[0, 4])
+    assert result.info["select"] == {"policy": "keep", "convert": [1, 2, 3], "keep": [0, 4]}  # what the recipe writes
     assert result.modified is False and g.history[-1]["pass"] == "select"
     assert g.layer_kinds == ["attention"] * 5  # nothing replaced yet
+
+
+def test_replace_reads_only_a_typed_selection(stories):
+    g = stories()
+    g.meta["select"] = {"policy": "convert", "convert": [1], "keep": [0, 2, 3, 4]}  # a dict is not a decision
+    with pytest.raises(PassConfigError, match="LayerSelection"):
+        surgery.get_pass("replace")(g)
+    assert g.teacher is None and "replace" not in g.meta
 
 
 @pytest.mark.parametrize("config", [{"policy": "convert", "layers": [5]}, {"policy": "keep", "layers": [0, -1]}])
@@ -174,6 +184,20 @@ def test_bad_orders_are_refused_before_anything_runs(stories, order):
     assert g.history == [] and g.gm is gm and "select" not in g.meta
 
 
+@pytest.mark.parametrize("order, twice", [(["select", "replace", "replace"], "replace"),
+                                          (["select", "replace", "calibrate", "calibrate"], "calibrate")])
+def test_a_pass_given_twice_is_named_as_such(order, twice):
+    with pytest.raises(PassOrderError) as info:
+        PassManager(order).validate()
+    assert f"Pass '{twice}' appears twice" in info.value.problem and "cannot run twice" in info.value.problem
+    assert f"before {twice}" not in info.value.fix
+
+
+def test_pass_declarations_are_ordering_names():
+    assert REGISTRY["replace"].runs_after == ("select",) and REGISTRY["calibrate"].not_after == ("align", "calibrate")
+    assert not hasattr(REGISTRY["replace"], "requires") and not hasattr(REGISTRY["replace"], "forbids")
+
+
 def test_order_is_checked_against_the_graph_history(stories):
     g = stories()
     convert(g, [1])
@@ -181,7 +205,7 @@ def test_order_is_checked_against_the_graph_history(stories):
     PassManager(["align"], {"align": {"steps": 1, "samples": 1, "length": 32, "progress": False}})(g)
     with pytest.raises(PassOrderError) as info:
         PassManager(["calibrate"])(g)  # calibrate after align would undo it
-    assert "align" in info.value.problem
+    assert "align" in info.value.problem and "already run on this graph" in info.value.problem
     with pytest.raises(PassOrderError):
         PassManager(["select"])(g)
     assert [h["pass"] for h in g.history] == ["select", "replace", "calibrate", "align"]
@@ -241,6 +265,47 @@ def test_replace_every_arch(name, tiny, record, gdn_at):
     hybrid_nodes = {n.name for n in g.gm.graph.nodes}
     assert sites[first].attn_node not in hybrid_nodes
     assert sites[0].attn_node in hybrid_nodes
+
+
+# ------------------------------------------------------------------------------------------------
+# what replace promises (ensures), checked after it runs
+
+
+def test_replace_that_leaves_the_attention_in_place_is_caught(stories, monkeypatch):
+    import surgery.passes.replace as replace_module
+
+    monkeypatch.setattr(replace_module, "prune", lambda gm: 0)  # the old region stays in the graph
+    g = stories()
+    with pytest.raises(PassFailedError) as info:
+        convert(g, [1, 3])
+    problem = info.value.problem
+    assert "Pass 'replace'" in problem and "did not keep its promise" in problem and "layer 1" in problem
+    assert g.sites[1].attn_node in problem
+
+
+def test_replace_that_splices_no_gdn_is_caught(stories, monkeypatch):
+    from surgery.passes.replace import Replace
+
+    monkeypatch.setattr(Replace, "_splice", staticmethod(lambda gm, site, target, gdn: None))
+    with pytest.raises(PassFailedError, match="is not a GatedDeltaNet call"):
+        convert(stories(), [2])
+
+
+def test_replace_copies_exactly_the_gdn_copied_parameters(stories, monkeypatch):
+    import surgery.passes.replace as replace_module
+
+    made = replace_module.gdn_for_site
+
+    def with_o_bias(site, config):  # a GDN with an output bias the teacher has no value for
+        gdn = made(site, config)
+        gdn.o_proj = torch.nn.Linear(gdn.o_proj.in_features, gdn.o_proj.out_features, bias=True)
+        return gdn
+
+    monkeypatch.setattr(replace_module, "gdn_for_site", with_o_bias)
+    g = stories()
+    with pytest.raises(PassFailedError, match="o_proj.bias"):
+        convert(g, [1])
+    assert g.teacher is None and "replace" not in g.meta  # refused before the graph changed
 
 
 # ------------------------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ from surgery.data.windows import held_out_windows
 from surgery.cli.app import app
 from surgery.errors import CalibrationError, PassConfigError
 from surgery.passes.select import SelectConfig
+from surgery.passes.selection import LayerSelection
 
 TEXT = (
     "Once upon a time, there was a little girl named Mia. She had a red ball that she loved very much. "
@@ -76,12 +77,12 @@ def test_ar_keeps_the_layers_whose_removal_hurts_most(stories, stories_eager, st
     ids = story[1]
     teacher = eager_perplexity(stories_eager, ids, {})
     brute = {l: eager_perplexity(stories_eager, ids, {l: zero}) for l in range(5)}
-    assert sel["teacher_perplexity"] == pytest.approx(teacher, rel=1e-4)
-    assert {r["layer"]: r["perplexity"] for r in sel["scores"]} == pytest.approx(brute, rel=1e-4)
-    assert all(r["increase"] == pytest.approx(brute[r["layer"]] - teacher, rel=1e-3) for r in sel["scores"])
-    assert sel["keep"] == top(brute, 2, highest=True)
-    assert sel["convert"] == [l for l in range(5) if l not in sel["keep"]]
-    assert sel["tokens"] == ids.numel()
+    assert sel.teacher_perplexity == pytest.approx(teacher, rel=1e-4)
+    assert {r["layer"]: r["perplexity"] for r in sel.scores} == pytest.approx(brute, rel=1e-4)
+    assert all(r["increase"] == pytest.approx(brute[r["layer"]] - teacher, rel=1e-3) for r in sel.scores)
+    assert sel.keep == top(brute, 2, highest=True)
+    assert sel.convert == [l for l in range(5) if l not in sel.keep]
+    assert sel.tokens == ids.numel()
 
 
 def test_greedy_keeps_the_layers_whose_single_layer_probe_is_best(stories, stories_eager, story, gdn_at):
@@ -89,7 +90,7 @@ def test_greedy_keeps_the_layers_whose_single_layer_probe_is_best(stories, stori
     config = scoring(story, policy="greedy", keep_ratio=0.4, init=["calibrate"], init_configs={"calibrate": CALIBRATE})
     PassManager(["select"], {"select": config})(g)
     sel = g.meta["select"]
-    assert sel["init"] == ["replace", "calibrate"] and sel["keep_count"] == 2
+    assert sel.init == ["replace", "calibrate"] and sel.keep_count == 2
 
     # the same init, through the public pipeline, for all five layers; then each probe by hand
     ref = stories()
@@ -100,8 +101,8 @@ def test_greedy_keeps_the_layers_whose_single_layer_probe_is_best(stories, stori
 
     ids = story[1]
     brute = {i: eager_perplexity(stories_eager, ids, {l: swap(gdn_at(ref, l)) for l in range(5) if l != i}) for i in range(5)}
-    assert {r["layer"]: r["perplexity"] for r in sel["scores"]} == pytest.approx(brute, rel=1e-4)
-    assert sel["keep"] == top(brute, 2, highest=False)
+    assert {r["layer"]: r["perplexity"] for r in sel.scores} == pytest.approx(brute, rel=1e-4)
+    assert sel.keep == top(brute, 2, highest=False)
 
     # a probe built from scratch (select keep [i] -> replace -> calibrate) differs only by replace's random draws
     for i in (0, 2):
@@ -127,7 +128,7 @@ def test_scores_survive_save_and_load_without_rescoring(stories, story, tmp_path
     PassManager(["select", "replace"], {"select": scoring(story, policy="ar", keep_count=2)})(g)
     surgery.save(g, tmp_path / "hybrid")
     recipe = json.loads((tmp_path / "hybrid" / "recipe.json").read_text())
-    assert recipe["decisions"]["select"]["scores"] == g.meta["select"]["scores"]
+    assert recipe["decisions"]["select"]["scores"] == g.meta["select"].scores
 
     import surgery.passes.select as select_module
 
@@ -136,8 +137,9 @@ def test_scores_survive_save_and_load_without_rescoring(stories, story, tmp_path
 
     monkeypatch.setattr(select_module, "removal_scores", no_scoring)
     loaded = surgery.load(tmp_path / "hybrid")
-    assert loaded.meta["select"] == json.loads(json.dumps(g.meta["select"]))
-    assert loaded.layer_kinds == g.layer_kinds == ["gdn" if l in g.meta["select"]["convert"] else "attention" for l in range(5)]
+    assert isinstance(loaded.meta["select"], LayerSelection)  # replay rebuilds the typed decision
+    assert loaded.meta["select"] == LayerSelection.from_dict(json.loads(json.dumps(g.meta["select"].to_dict())))
+    assert loaded.layer_kinds == g.layer_kinds == ["gdn" if l in g.meta["select"].convert else "attention" for l in range(5)]
 
 
 def test_held_out_windows_avoid_the_fitted_text():

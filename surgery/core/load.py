@@ -53,6 +53,29 @@ def _gguf_in(folder: Path) -> Path | None:
     return files[0] if len(files) == 1 else None
 
 
+def looks_like_hybrid(folder: Path) -> bool:
+    """What surgery.save writes besides recipe.json: its weights files (and a tokenizer/)."""
+    return (folder / "model.safetensors").exists() or any(folder.glob("model-*-of-*.safetensors"))
+
+
+def check_gguf(path: Path) -> None:
+    """A GGUF whose header or tensor data is cut short, refused with the word that says so
+    (transformers would fail deep inside numpy: "cannot reshape array ...")."""
+    try:
+        from gguf import GGUFReader
+    except ImportError:
+        return  # transformers names the missing package itself
+    size = path.stat().st_size
+    try:
+        reader = GGUFReader(path)
+        end = max((t.data_offset + int(t.n_bytes) for t in reader.tensors), default=0)
+    except Exception as exc:  # numpy and struct errors of a short or damaged file
+        raise ModelLoadError(f"The GGUF file '{path}' is truncated or damaged ({size:,} bytes; reading it failed: {first_line(exc)}).",
+                             "Download or copy the file again.") from exc
+    if end > size:
+        raise ModelLoadError(f"The GGUF file '{path}' is truncated: its tensors need {end:,} bytes, the file has {size:,}.", "Download or copy the file again.")
+
+
 def load_model(source, *, dtype: torch.dtype = torch.float32, attn_implementation: str = "sdpa"):
     """Return (model, tokenizer, source_info). `source` is a module, a directory, a .gguf or a short name.
 
@@ -67,10 +90,15 @@ def load_model(source, *, dtype: torch.dtype = torch.float32, attn_implementatio
     path = resolve(source)
     if path.is_dir() and (path / "recipe.json").exists():
         raise ModelLoadError(f"'{path}' is a saved hybrid, not a teacher.", "Use surgery.load(DIR) (or pass it to `surgery eval`/`diff`, which accept hybrids).")
+    if path.is_dir() and not (path / "config.json").exists() and looks_like_hybrid(path):
+        raise ModelLoadError(f"'{path}' looks like a saved hybrid (model.safetensors without config.json) whose recipe.json is missing.",
+                             "recipe.json is what rebuilds a hybrid: restore it, or write the hybrid again with `surgery apply --out`.")
     if path.is_file() and path.suffix == ".gguf":
+        check_gguf(path)
         folder, gguf = path.parent, path.name
     elif path.is_dir() and not (path / "config.json").exists() and _gguf_in(path):
         folder, gguf = path, _gguf_in(path).name
+        check_gguf(folder / gguf)
     elif path.is_dir():
         folder, gguf = path, None
     else:

@@ -22,6 +22,11 @@ class PassConfig:
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
+    def project(self, cls):
+        """This config's values for the fields of dataclass `cls` (a pass config that extends the
+        options of a tcal function hands them over this way)."""
+        return cls(**{f.name: getattr(self, f.name) for f in dataclasses.fields(cls)})
+
     @classmethod
     def from_dict(cls, data: dict | None) -> "PassConfig":
         data = dict(data or {})
@@ -82,15 +87,20 @@ class PassResult:
 class Pass:
     """A graph rewrite. Subclasses set `name`, `config_cls`, the ordering they need, and `run`.
 
-    requires   passes that must have run before this one
-    forbids    passes that must NOT have run before this one (e.g. calibrate after align would undo it)
+    runs_after passes that must have run before this one (an ordering declaration the manager checks
+               before anything runs, not torch's PassBase.requires precondition hook)
+    not_after  passes that must NOT have run before this one (e.g. calibrate after align would undo
+               it); a pass naming itself runs once
     structural True when the pass changes the architecture: checkpoint.load replays it from the recipe
+
+    check (before) and ensures (after) bracket run: check refuses what cannot work before anything
+    changes, ensures verifies what the pass promises once it has run.
     """
 
     name: ClassVar[str] = ""
     config_cls: ClassVar[type[PassConfig]] = PassConfig
-    requires: ClassVar[tuple[str, ...]] = ()
-    forbids: ClassVar[tuple[str, ...]] = ()
+    runs_after: ClassVar[tuple[str, ...]] = ()
+    not_after: ClassVar[tuple[str, ...]] = ()
     structural: ClassVar[bool] = False
 
     def __init__(self, config: PassConfig | dict | None = None, **options):
@@ -112,6 +122,13 @@ class Pass:
     def run(self, graph: Graph) -> PassResult:
         raise NotImplementedError
 
+    def ensures(self, graph: Graph) -> None:
+        """What the pass promises about the graph it leaves; raise broken(...) when it does not hold."""
+
+    def broken(self, what: str) -> PassFailedError:
+        """The error for a promise that does not hold: `what` says what broke."""
+        return PassFailedError(f"Pass '{self.name}' did not keep its promise: {what}", "This is a bug in the pass; run with --debug and report it.")
+
     def replay(self, graph: Graph, decisions: dict) -> None:
         """Rebuild this pass's structural change from recorded decisions (checkpoint load)."""
         raise NotImplementedError(f"pass '{self.name}' is not structural")
@@ -122,6 +139,7 @@ class Pass:
         graph.history.append({"pass": self.name, "config": self.config.to_dict()})
         if result.modified:
             lint(graph)
+        self.ensures(graph)
         return result
 
     def __repr__(self) -> str:
@@ -173,13 +191,17 @@ class PassManager:
     def validate(self, already: list[str] | None = None) -> None:
         done = list(already or [])
         for p in self.passes:
-            missing = [r for r in p.requires if r not in done]
+            if p.name in p.not_after and p.name in done:
+                where = "has already run on this graph" if p.name in (already or []) else "appears twice"
+                raise PassOrderError(f"Pass '{p.name}' {where} (order given: {self.order(already)}); it cannot run twice.",
+                                     f"Give {p.name} once, e.g. --passes select,replace,calibrate,align.")
+            missing = [r for r in p.runs_after if r not in done]
             if missing:
                 raise PassOrderError(
                     f"Pass '{p.name}' requires {', '.join(repr(m) for m in missing)} to run before it; order given: {self.order(already)}.",
                     f"Put {', '.join(missing)} before {p.name}, e.g. --passes select,replace,calibrate,align.",
                 )
-            clash = [f for f in p.forbids if f in done]
+            clash = [f for f in p.not_after if f in done]
             if clash:
                 raise PassOrderError(
                     f"Pass '{p.name}' cannot run after {', '.join(repr(c) for c in clash)}; order given: {self.order(already)}.",
@@ -194,13 +216,12 @@ class PassManager:
         self.validate([h["pass"] for h in graph.history])
         modified, info = False, {}
         for p in self.passes:
+            before = ", ".join(h["pass"] for h in graph.history) or "nothing"
             try:
                 result = p(graph)
             except SurgeryError as exc:
-                before = ", ".join(h["pass"] for h in graph.history) or "nothing"
                 raise type(exc)(f"Pass '{p.name}' failed (after: {before}). {exc.problem}", exc.fix) from exc
             except Exception as exc:
-                before = ", ".join(h["pass"] for h in graph.history) or "nothing"
                 raise PassFailedError(f"Pass '{p.name}' failed (after: {before}): {type(exc).__name__}: {exc}", "Run with --debug for the trace.") from exc
             modified |= result.modified
             info[p.name] = result.info

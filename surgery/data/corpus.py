@@ -1,14 +1,12 @@
-"""Training corpora for distillation: text files tokenised once with the teacher's tokenizer into one
-flat memory-mapped array (cached by file content and tokenizer, so a second run or a second rank
-reads it without tokenising), cut into fixed-length windows that are visited in an order that is a
+"""Training corpora for distillation: text files tokenised with the teacher's tokenizer through the
+token cache (surgery.data.cache, block rule: a second run or a second rank reads ids, never text),
+joined with EOS between files, cut into fixed-length windows that are visited in an order that is a
 pure function of (seed, step, rank, world): a resumed run, or the same run on more processes, reads
 exactly the same sequences at the same step."""
 from __future__ import annotations
 
 import hashlib
 import json
-import lzma
-import os
 from pathlib import Path
 
 import numpy as np
@@ -16,39 +14,7 @@ import torch
 
 from ..core.files import sha256_file as file_digest
 from ..errors import DataError
-from .cache import cache_dir, tokenizer_fingerprint
-
-FORMAT = 1               # bump when the on-disk layout or the tokenisation rule changes
-BLOCK_CHARS = 1 << 20    # text is tokenised in blocks of about this many characters, cut at newlines
-
-
-def cache_root() -> Path:
-    return cache_dir("corpus")
-
-
-def _blocks(path: Path):
-    """The file's text in blocks cut after a newline, so a fast tokenizer never holds a whole corpus."""
-    opener = lzma.open if path.suffix == ".xz" else open
-    with opener(path, "rt", encoding="utf-8", newline=None) as f:
-        rest = ""
-        while True:
-            chunk = f.read(BLOCK_CHARS)
-            if not chunk:
-                break
-            text = rest + chunk
-            cut = text.rfind("\n")
-            if cut < 0:
-                rest = text
-                continue
-            yield text[:cut + 1]
-            rest = text[cut + 1:]
-        if rest:
-            yield rest
-
-
-def _token_dtype(tokenizer) -> np.dtype:
-    size = len(tokenizer) if hasattr(tokenizer, "__len__") else len(tokenizer.get_vocab())
-    return np.dtype(np.uint16) if size <= np.iinfo(np.uint16).max else np.dtype(np.uint32)
+from .cache import FORMAT, file_tokens, token_dtype, tokenizer_fingerprint
 
 
 def check_files(files) -> list[Path]:
@@ -63,44 +29,48 @@ def check_files(files) -> list[Path]:
 
 
 class TokenCorpus:
-    """The tokens of the training files, in order, as a read-only np.memmap (EOS between files)."""
+    """The tokens of the training files, in order, with EOS between files: a view over each file's
+    cached ids (read-only memmaps), so no corpus-sized array is built in memory."""
 
-    def __init__(self, path: Path, key: str, files: list[str]):
-        self.path, self.key, self.files = path, key, files
-        dtype = np.dtype(path.suffix.lstrip("."))
-        self.ids = np.memmap(path, dtype=dtype, mode="r") if path.stat().st_size else np.zeros(0, dtype)
+    def __init__(self, parts: list[np.ndarray], key: str, files: list[str], cache_files: list):
+        self.parts, self.key, self.files, self.cache_files = parts, key, files, cache_files
+        self.starts = np.cumsum([0] + [len(p) for p in parts])
 
     def __len__(self) -> int:
-        return int(self.ids.shape[0])
+        return int(self.starts[-1])
+
+    def window(self, start: int, stop: int) -> np.ndarray:
+        """Tokens [start, stop) of the corpus as int64, across file boundaries."""
+        first = int(np.searchsorted(self.starts, start, side="right")) - 1
+        out, at = [], start
+        for k in range(first, len(self.parts)):
+            if at >= stop:
+                break
+            lo = at - int(self.starts[k])
+            piece = self.parts[k][lo:lo + stop - at]
+            out.append(np.asarray(piece, dtype=np.int64))
+            at += len(piece)
+        return np.concatenate(out) if len(out) != 1 else out[0]
 
     @classmethod
-    def build(cls, files, tokenizer, *, digests: list[str] | None = None, cache_dir: Path | None = None) -> "TokenCorpus":
+    def build(cls, files, tokenizer, *, digests: list[str] | None = None) -> "TokenCorpus":
         """Tokenise (or find in the cache) the files; raise DataError for missing or empty data.
         `digests`: the files' sha256 when the caller has them already (a large corpus is read once)."""
         paths = check_files(files)
         if tokenizer is None:
             raise DataError("Neither the teacher nor the hybrid has a tokenizer to read the training text with.", "Use a teacher source that carries one (a GGUF or a model directory with tokenizer files).")
-        dtype = _token_dtype(tokenizer)
         digests = digests or [file_digest(p) for p in paths]
-        key = hashlib.sha256(json.dumps([FORMAT, digests, tokenizer_fingerprint(tokenizer)]).encode()).hexdigest()[:24]
-        folder = cache_dir or cache_root()
-        target = folder / f"{key}.{dtype.name}"
-        if not target.exists():
-            folder.mkdir(parents=True, exist_ok=True)
-            tmp = folder / f".{key}.{os.getpid()}.tmp"
-            eos = getattr(tokenizer, "eos_token_id", None)
-            try:
-                with open(tmp, "wb") as f:
-                    for i, path in enumerate(paths):
-                        if i and eos is not None:
-                            np.asarray([eos], dtype=dtype).tofile(f)
-                        for block in _blocks(path):
-                            ids = tokenizer(block, add_special_tokens=False, return_attention_mask=False)["input_ids"]
-                            np.asarray(ids, dtype=dtype).tofile(f)
-                os.replace(tmp, target)  # concurrent builders write identical bytes; the last rename wins
-            finally:
-                tmp.unlink(missing_ok=True)
-        corpus = cls(target, key, [str(p) for p in paths])
+        fingerprint = tokenizer_fingerprint(tokenizer)
+        key = hashlib.sha256(json.dumps([FORMAT, digests, fingerprint]).encode()).hexdigest()[:24]
+        eos = getattr(tokenizer, "eos_token_id", None)
+        parts, cache_files = [], []
+        for i, (path, digest) in enumerate(zip(paths, digests)):
+            if i and eos is not None:
+                parts.append(np.asarray([eos], dtype=token_dtype(tokenizer)))
+            ids, where = file_tokens(path, tokenizer, rule="blocks", fingerprint=fingerprint, digest=digest)
+            parts.append(ids)
+            cache_files.append(where)
+        corpus = cls(parts, key, [str(p) for p in paths], cache_files)
         if len(corpus) == 0:
             raise DataError(f"The training data ({', '.join(map(str, paths))}) holds no tokens.", "Pass non-empty text files with --data.")
         return corpus
@@ -137,5 +107,5 @@ class WindowOrder:
 
     def batch(self, step: int, rank: int = 0, world: int = 1) -> torch.Tensor:
         """[global_batch // world, seq_len] token ids (int64)."""
-        rows = [np.asarray(self.corpus.ids[i * self.seq_len:(i + 1) * self.seq_len], dtype=np.int64) for i in self.indices(step, rank, world)]
+        rows = [self.corpus.window(i * self.seq_len, (i + 1) * self.seq_len) for i in self.indices(step, rank, world)]
         return torch.from_numpy(np.stack(rows))

@@ -1,27 +1,77 @@
 """Reading text files (plain or .xz, newlines normalised) and turning text into token ids."""
 from __future__ import annotations
 
+import lzma
 from pathlib import Path
 
 import torch
 
-from ..errors import SurgeryError
+from ..errors import DataError, SurgeryError
+
+
+BLOCK_CHARS = 1 << 20    # text is handed out in blocks of about this many characters, cut at newlines
+
+
+def text_blocks(path: str | Path):
+    """The file's text (plain or .xz; CRLF and CR read as LF) in blocks cut after a newline, so a
+    fast tokenizer never holds a whole corpus. Joined, the blocks are the whole text."""
+    path = Path(path)
+    if not path.is_file():
+        raise SurgeryError(f"Text file '{path}' does not exist.", "Check the path.")
+    opener = lzma.open if path.suffix == ".xz" else open
+    with opener(path, "rt", encoding="utf-8", newline=None) as f:
+        rest = ""
+        while True:
+            chunk = f.read(BLOCK_CHARS)
+            if not chunk:
+                break
+            text = rest + chunk
+            cut = text.rfind("\n")
+            if cut < 0:
+                rest = text
+                continue
+            yield text[:cut + 1]
+            rest = text[cut + 1:]
+        if rest:
+            yield rest
 
 
 def read_text(path: str | Path) -> str:
-    path = Path(path)
-    if not path.exists():
-        raise SurgeryError(f"Text file '{path}' does not exist.", "Check the path.")
-    if path.suffix == ".xz":
-        import lzma
-
-        with lzma.open(path, "rt", encoding="utf-8") as f:
-            return f.read()
-    return path.read_text(encoding="utf-8")
+    """The whole text of a file (the one reader: text_blocks, joined)."""
+    return "".join(text_blocks(path))
 
 
 def tokenize(tokenizer, text: str) -> torch.Tensor:
+    """Token ids [N] of `text` as one tokenizer call, without special tokens."""
     if tokenizer is None:
         raise SurgeryError("This model has no tokenizer.", "Load it from a directory or GGUF that carries one.")
     ids = tokenizer(text, add_special_tokens=False, return_attention_mask=False)["input_ids"]
     return torch.tensor(ids, dtype=torch.long)
+
+
+TEXT_PROBE_BYTES = 1 << 16
+
+
+def check_text_file(path: str | Path, what: str = "Text file") -> Path:
+    """Refuse, before any model loads, a text input that is missing, unreadable or not text: NUL
+    bytes or invalid UTF-8 in its first block (of the decompressed stream for .xz)."""
+    import codecs
+
+    path = Path(path)
+    if not path.exists():
+        raise DataError(f"{what} '{path}' does not exist.", "Check the path.")
+    if path.is_dir():
+        raise DataError(f"{what} '{path}' is a directory.", "Pass a text file.")
+    opener = lzma.open if path.suffix == ".xz" else open
+    try:
+        with opener(path, "rb") as f:
+            block = f.read(TEXT_PROBE_BYTES)
+    except (OSError, EOFError, lzma.LZMAError) as exc:
+        raise DataError(f"{what} '{path}' cannot be read: {exc}.", "Check the file and its permissions.") from exc
+    if b"\0" in block:
+        raise DataError(f"{what} '{path}' is not text (it holds NUL bytes, at byte {block.index(0)}).", "Pass a UTF-8 text file (or a .xz of one).")
+    try:
+        codecs.getincrementaldecoder("utf-8")().decode(block, final=len(block) < TEXT_PROBE_BYTES)
+    except UnicodeDecodeError as exc:
+        raise DataError(f"{what} '{path}' is not UTF-8 text (byte {exc.start} cannot be decoded).", "Pass a UTF-8 text file (or a .xz of one).") from exc
+    return path

@@ -1,7 +1,7 @@
 """The modules that live in a decode graph and carry state between calls: the shared position
-offset (DecodeState), the KV cache of each kept softmax-attention core (KVCacheAttention, with
-`attend`, the attention it computes), and the recurrent state of each GDN layer (GDNDecode).
-surgery.decode finds where they go in the graph; this module is what runs there."""
+offset (DecodeState) and the KV cache of each kept softmax-attention core (KVCacheAttention, with
+`attend`, the attention it computes; CachePrep, how K/V become cache rows). The GDN layers' state
+is surgery.decode.gdn_state; surgery.decode.plan finds where they all go in the graph."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -9,8 +9,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-
-from tcal.gdn import GDNCache
 
 from ..errors import DecodeError
 
@@ -93,7 +91,7 @@ def _expand(x, head_map, heads: int):
 
 
 @dataclass
-class Prep:
+class CachePrep:
     """How the K (or V) tensor reaching the attention call becomes cache rows [B, Hc, T, D]."""
 
     transposed: bool = False         # it arrives as [B, H, D, T] (eager K^T)
@@ -115,7 +113,7 @@ class KVCacheAttention(nn.Module):
     window layers keep a ring of at most `window` positions. The cache is as wide as the layer's KV
     heads (Hc), not its query heads."""
 
-    def __init__(self, state: DecodeState, layer: int, *, k_prep: Prep, v_prep: Prep, k_map, v_map,
+    def __init__(self, state: DecodeState, layer: int, *, k_prep: CachePrep, v_prep: CachePrep, k_map, v_map,
                  scale: float, softcap: float | None, window: int | None, out_dtype: torch.dtype, limit: int):
         super().__init__()
         self._state = (state,)  # shared with the graph's DecodeState; a tuple keeps it out of the module tree
@@ -248,47 +246,3 @@ class KVCacheAttention(nn.Module):
         self.v_cache[:, :, slots] = v[:, :, -n:]
         self.pos[slots] = q_pos[-n:]
         return keys, values, allowed
-
-
-class GDNDecode(nn.Module):
-    """A GatedDeltaNet of the graph with the GDNCache it carries between calls (the module itself is
-    shared with the graph, which stays stateless). With `in_place` (a decoder that takes static or
-    CUDA-graph steps) its state tensors keep their memory from the prefill on, so a captured step
-    reads and writes the same memory each replay; without it each call just keeps the new state."""
-
-    def __init__(self, gdn: nn.Module, in_place: bool = True):
-        super().__init__()
-        self.gdn = gdn
-        self.in_place = in_place
-        self.reset()
-
-    def reset(self) -> None:
-        self.cache = GDNCache()
-
-    def nbytes(self) -> int:
-        return self.cache.nbytes()
-
-    def forward(self, hidden_states):
-        """The layer continued from the cache. In place, a new state is copied into the tensors that
-        held the old one (when shapes agree), so their memory stays where a captured step reads it."""
-        work = GDNCache()
-        work.recurrent, work.conv = self.cache.recurrent, dict(self.cache.conv)
-        out = self.gdn(hidden_states, cache=work)
-        if self.in_place and self.cache.recurrent is not None and self.cache.recurrent.shape == work.recurrent.shape:
-            self.cache.recurrent.copy_(work.recurrent)
-            for name, tensor in work.conv.items():
-                self.cache.conv[name].copy_(tensor)
-        else:
-            self.cache = work
-        return out
-
-    def snapshot(self) -> list:
-        """Copies of the state tensors (restored by `restore` into the same tensors)."""
-        return [t.clone() for t in self._tensors()]
-
-    def restore(self, saved: list) -> None:
-        for t, s in zip(self._tensors(), saved):
-            t.copy_(s)
-
-    def _tensors(self) -> list:
-        return [t for t in (self.cache.recurrent, *self.cache.conv.values()) if t is not None]

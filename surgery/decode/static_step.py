@@ -1,11 +1,12 @@
 """Decode steps with every shape fixed, replayed as one CUDA graph.
 
-A decode step of a small model launches about a thousand tiny kernels; issued from Python (the FX
-graph, or transformers' generate) the step is bound by the host: 50-150 ms per step for a 135M model
-on the H200 machine, whatever the context length. With the KV buffers at full capacity, the new
-token's slot and position given by a device tensor (DecodeState.index) and the GDN states updated in
-place, a step launches the same kernels on the same memory at every offset, so it is captured once
-per reset (batch, capacity) and then replayed: one launch per token.
+A decode step of a small model launches many tiny kernels; issued from Python (the FX
+graph, or transformers' generate) the step is bound by the host, whatever the context length (the
+measured times per step are in bench/RESULTS.md, "Numbers formerly in decode comments"). With the
+KV buffers at full capacity, the new token's slot and position given by a device tensor
+(DecodeState.index) and the GDN states updated in place, a step launches the same kernels on the
+same memory at every offset, so it is captured once per reset (batch, capacity) and then replayed:
+one launch per token.
 
 The capture runs two warm-up steps first (compiling kernels, filling the fused-weight caches); they
 write the KV slot of the current offset, which the real step rewrites with the same values, and

@@ -18,8 +18,9 @@ from safetensors.torch import load_file, save_file
 
 from ..core.files import sha256_file
 from ..core.graph import Graph
-from ..errors import CheckpointError
+from ..errors import CheckpointError, SurgeryError, first_line
 from . import recipe as recipes
+from .outdir import EXTRA_FILES, check_replaceable, clean_stale_staging, describe_os_error, hybrid_leftovers, staging_prefix
 
 DEFAULT_SHARD_BYTES = 2 * 1024**3
 INDEX = "model.safetensors.index.json"
@@ -54,49 +55,87 @@ def _shards(state: dict, limit: int) -> list[dict]:
 def save(graph: Graph, out: str | Path, *, force: bool = False, shard_bytes: int = DEFAULT_SHARD_BYTES,
          extra: Callable[[Path], None] | None = None) -> Path:
     """extra(staging_dir) writes further files (e.g. a training state) that appear with the
-    checkpoint in the same final rename."""
+    checkpoint in the same final rename. force replaces only a hybrid or run directory surgery
+    wrote, never one that holds the graph's own source (outdir.check_replaceable)."""
     out = Path(out)
-    if out.exists() and not force:
-        raise CheckpointError(f"'{out}' already exists.", "Choose another --out, or pass --force to replace it.")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    check_replaceable(out, force=force, inputs=source_paths(graph.source))
+    clean_stale_staging(out)
     try:
-        state, aliases = unique_state(graph.gm)
-        shards = _shards(state, shard_bytes)
-        files = {}
-        if len(shards) == 1:
-            save_file(shards[0], tmp / "model.safetensors", metadata={"format": "pt"})
-            files["model.safetensors"] = sha256_file(tmp / "model.safetensors")
-        else:
-            index = {}
-            for i, shard in enumerate(shards, 1):
-                name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-                save_file(shard, tmp / name, metadata={"format": "pt"})
-                files[name] = sha256_file(tmp / name)
-                index.update({k: name for k in shard})
-            (tmp / INDEX).write_text(json.dumps({"weight_map": index}, indent=1))
-        weights = {"files": files, "aliases": aliases, "tensors": len(state)}
-        (tmp / "recipe.json").write_text(json.dumps(recipes.build(graph, weights), indent=1))
-        if graph.tokenizer is not None:
-            graph.tokenizer.save_pretrained(tmp / "tokenizer")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=staging_prefix(out), dir=out.parent))
+    except OSError as exc:
+        raise write_error(exc, out) from exc
+    try:
+        write_hybrid(graph, tmp, shard_bytes)
         if extra is not None:
             extra(tmp)
+            record_extra_files(tmp)
         _swap_in(tmp, out)
-    except BaseException:
+    except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
+        if (isinstance(exc, OSError) and exc.errno is not None) or isinstance(exc, SafetensorError):
+            raise write_error(exc, out) from exc
         raise
     return out
+
+
+def write_hybrid(graph: Graph, folder: Path, shard_bytes: int = DEFAULT_SHARD_BYTES) -> None:
+    """The weights (sharded past shard_bytes), recipe.json and tokenizer/ into `folder`."""
+    state, aliases = unique_state(graph.gm)
+    shards = _shards(state, shard_bytes)
+    files = {}
+    if len(shards) == 1:
+        save_file(shards[0], folder / "model.safetensors", metadata={"format": "pt"})
+        files["model.safetensors"] = sha256_file(folder / "model.safetensors")
+    else:
+        index = {}
+        for i, shard in enumerate(shards, 1):
+            name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, folder / name, metadata={"format": "pt"})
+            files[name] = sha256_file(folder / name)
+            index.update({k: name for k in shard})
+        (folder / INDEX).write_text(json.dumps({"weight_map": index}, indent=1))
+    weights = {"files": files, "aliases": aliases, "tensors": len(state)}
+    (folder / "recipe.json").write_text(json.dumps(recipes.build(graph, weights), indent=1))
+    if graph.tokenizer is not None:
+        graph.tokenizer.save_pretrained(folder / "tokenizer")
+
+
+def record_extra_files(folder: Path) -> None:
+    """Name in recipe.json what save's `extra` added, so a later --force knows them as the project's."""
+    added = hybrid_leftovers(folder)
+    if added:
+        recipe = json.loads((folder / "recipe.json").read_text())
+        recipe[EXTRA_FILES] = [name.rstrip("/") for name in added]
+        (folder / "recipe.json").write_text(json.dumps(recipe, indent=1))
+
+
+def source_paths(source) -> list[Path]:
+    """The files a graph was captured from (its recipe's source), which save must never replace."""
+    if not isinstance(source, dict) or not source.get("path"):
+        return []
+    folder = Path(source["path"])
+    return [folder / source["gguf_file"]] if source.get("gguf_file") else [folder]
+
+
+def write_error(exc: Exception, out: Path) -> CheckpointError:
+    """A full disk, a read-only or unwritable --out during save: one paragraph, not a traceback."""
+    reason = describe_os_error(exc, out) if isinstance(exc, OSError) else f"'{out}': {first_line(exc)}"
+    return CheckpointError(f"Saving the hybrid failed: {reason}.", "Free space or choose a writable --out; nothing was replaced and no partial output is left.")
 
 
 def _swap_in(tmp: Path, out: Path) -> None:
     """Rename tmp onto out; an existing out is moved aside first and deleted only after."""
     old = None
-    if out.exists():
+    if os.path.lexists(out):
         old = out.with_name(f".{out.name}.old-{os.getpid()}")
         os.replace(out, old)
     os.replace(tmp, out)
     if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+        if old.is_dir() and not old.is_symlink():
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            old.unlink(missing_ok=True)
 
 
 def read_recipe(path: str | Path) -> dict:
@@ -105,9 +144,11 @@ def read_recipe(path: str | Path) -> dict:
     if not file.exists():
         raise CheckpointError(f"'{path}' has no recipe.json.", "Point at a directory written by `surgery apply --out`.")
     try:
-        recipe = json.loads(file.read_text())
+        recipe = json.loads(file.read_text(encoding="utf-8"))
     except json.JSONDecodeError as exc:
         raise CheckpointError(f"'{file}' is not valid JSON ({exc.msg} at line {exc.lineno}).", "The checkpoint is corrupt; write it again.") from exc
+    except UnicodeDecodeError as exc:
+        raise CheckpointError(f"'{file}' is not text (byte {exc.start} is not UTF-8).", "The checkpoint is corrupt; write it again.") from exc
     recipes.check(recipe, str(path))
     return recipe
 
@@ -125,6 +166,8 @@ def _load_weights(path: Path, recipe: dict, verify: bool) -> dict:
         except (SafetensorError, OSError, ValueError) as exc:
             raise CheckpointError(f"Weights file '{file}' cannot be read: {exc}.", "The file is corrupt; write the checkpoint again.") from exc
     for alias, name in recipe["weights"].get("aliases", {}).items():
+        if name not in state:
+            raise CheckpointError(f"{path}/recipe.json: weights.aliases[{alias!r}] = {name!r} names no stored tensor.", recipes.RECIPE_FIX)
         state[alias] = state[name]
     return state
 
@@ -146,14 +189,13 @@ def load(path: str | Path, *, device=None, dtype: torch.dtype | None = None, ver
     from transformers import AutoModelForCausalLM
 
     from ..core.capture import capture_graph
-    from ..core.pipeline import get_pass, lint
     from ..sites import find_sites
 
     path = Path(path)
     recipe = read_recipe(path)
     state = _load_weights(path, recipe, verify)
     config = teacher_config(recipe)
-    saved_dtype = getattr(torch, recipe["capture"].get("dtype", "float32"))
+    saved_dtype = getattr(torch, recipe["capture"].get("dtype", "float32"))  # one of recipes.DTYPES (checked)
     dtype = dtype or saved_dtype
     model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=config._attn_implementation or "sdpa").eval()
     graph = capture_graph(model, max_length=recipe["capture"].get("max_length"), device=device, dtype=dtype)
@@ -161,11 +203,7 @@ def load(path: str | Path, *, device=None, dtype: torch.dtype | None = None, ver
     graph.source = recipe["source"]
     if len(graph.sites) != len(recipe["sites"]):
         raise CheckpointError(f"The rebuilt teacher has {len(graph.sites)} attention layers, the recipe {len(recipe['sites'])}.", "The transformers version differs too much from the one that wrote it.")
-    for entry in recipe["passes"]:
-        decisions = recipe["decisions"].get(entry["pass"])
-        if decisions is not None:
-            get_pass(entry["pass"], entry["config"]).replay(graph, decisions)
-            lint(graph)
+    replay_passes(graph, recipe, path)
     graph.history = list(recipe["passes"])
     graph.meta.update(recipe.get("results", {}))
     missing, unexpected = _compare_keys(graph.gm, state)
@@ -174,6 +212,7 @@ def load(path: str | Path, *, device=None, dtype: torch.dtype | None = None, ver
             f"The weights in '{path}' do not match the rebuilt hybrid: {len(missing)} missing (e.g. {missing[:3]}), {len(unexpected)} unexpected (e.g. {unexpected[:3]}).",
             "The checkpoint and its recipe disagree; write it again.",
         )
+    check_shapes(graph.gm, state, recipe, path)
     with torch.no_grad():
         graph.gm.load_state_dict({k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}, strict=True)
     tok = path / "tokenizer"
@@ -188,3 +227,39 @@ def load(path: str | Path, *, device=None, dtype: torch.dtype | None = None, ver
 def _compare_keys(gm, state: dict) -> tuple[list, list]:
     expected = set(gm.state_dict().keys())
     return sorted(expected - set(state)), sorted(set(state) - expected)
+
+
+def replay_passes(graph: Graph, recipe: dict, path: Path) -> None:
+    """The structural passes of the recipe, in order, from their decisions; a recipe whose pass,
+    config or decisions cannot be replayed is a damaged checkpoint, named by its field."""
+    from ..core.pipeline import get_pass, lint
+
+    for i, entry in enumerate(recipe["passes"]):
+        decisions = recipe["decisions"].get(entry["pass"])
+        if decisions is None:
+            continue
+        try:
+            step = get_pass(entry["pass"], entry.get("config"))
+        except SurgeryError as exc:
+            raise CheckpointError(f"{path}/recipe.json: passes[{i}] ({entry['pass']!r}): {exc.problem}", recipes.RECIPE_FIX) from exc
+        try:
+            step.replay(graph, decisions)
+        except (KeyError, IndexError, TypeError, ValueError) as exc:
+            raise CheckpointError(f"{path}/recipe.json: decisions.{entry['pass']} cannot be replayed ({type(exc).__name__}: {first_line(exc)}).",
+                                  recipes.RECIPE_FIX) from exc
+        lint(graph)
+
+
+def check_shapes(gm: torch.nn.Module, state: dict, recipe: dict, path: Path) -> None:
+    """Every stored tensor has the shape the rebuilt hybrid expects; a GDN's is named by its
+    recipe field (decisions.replace.modules[...].gdn_config)."""
+    modules = recipe["decisions"].get("replace", {}).get("modules", {})
+    for name, expected in gm.state_dict().items():
+        stored = state[name]
+        if tuple(stored.shape) == tuple(expected.shape):
+            continue
+        owner = [k for k, m in modules.items() if name.startswith(m["target"] + ".")]
+        field = f"decisions.replace.modules[{owner[0]!r}].gdn_config" if owner else "config"
+        raise CheckpointError(
+            f"{path}/recipe.json: {field} builds '{name}' with shape {list(expected.shape)}, the weights hold {list(stored.shape)}.",
+            recipes.RECIPE_FIX)

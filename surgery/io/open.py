@@ -10,7 +10,9 @@ import torch
 from ..core.capture import capture_graph
 from ..core.graph import Graph
 from ..sites import find_sites
+from ..errors import CheckpointError
 from .checkpoint import load
+from .outdir import LAST, RUN_FILE
 
 
 def capture(source, *, tokenizer=None, max_length: int | None = None, dtype: torch.dtype | None = None,
@@ -28,10 +30,22 @@ def is_hybrid(source) -> bool:
     return isinstance(source, (str, Path)) and Path(source).is_dir() and (Path(source) / "recipe.json").exists()
 
 
+def latest_checkpoint(run: Path) -> Path:
+    """The newest checkpoint of a distillation run directory (what its `last` link names)."""
+    last = run / LAST
+    if not is_hybrid(last):
+        raise CheckpointError(f"'{run}' is a distillation run directory with no checkpoint yet ({LAST} is missing).",
+                              "Open it once the run has written a checkpoint, or point at a checkpoint-N/ directory inside it.")
+    return last.resolve()
+
+
 def open_model(source, *, device=None, dtype: torch.dtype | None = None, debug: bool = False) -> Graph:
-    """A saved hybrid (its recipe replayed, surgery.load) or any teacher source (captured)."""
+    """A saved hybrid (its recipe replayed, surgery.load), a distillation run directory (its latest
+    checkpoint) or any teacher source (captured)."""
     if isinstance(source, Graph):
         return source
+    if isinstance(source, (str, Path)) and (Path(source) / RUN_FILE).is_file():
+        source = latest_checkpoint(Path(source))
     if is_hybrid(source):
         return load(source, device=device, dtype=dtype)
     return capture(source, device=device, dtype=dtype, debug=debug)

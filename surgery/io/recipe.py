@@ -53,20 +53,129 @@ def build(graph: Graph, weights: dict) -> dict:
     }
 
 
+RECIPE_FIX = "The recipe was edited or damaged; write the checkpoint again with `surgery apply`."
+FIELD_TYPES = {"config": dict, "passes": list, "decisions": dict, "weights": dict, "sites": list, "capture": dict}
+GDN_INTS = ("hidden_size", "num_heads", "head_dim", "conv_size")
+GDN_BOOLS = ("q_bias", "k_bias", "v_bias", "o_bias", "use_short_conv", "conv_identity_init")
+DTYPES = ("float32", "float16", "bfloat16", "float64")
+TYPE_NAMES = {dict: "an object", list: "a list", int: "an integer", str: "a string", bool: "true or false"}
+
+
 def check(recipe: dict, where: str) -> None:
-    if recipe.get("format") != FORMAT:
-        raise CheckpointError(f"'{where}' is not a surgery hybrid (format {recipe.get('format')!r}).", "Point at a directory written by `surgery apply --out`.")
-    if recipe.get("version", 0) > VERSION:
+    """Every field a load reads, checked before anything is built: CheckpointError naming the field."""
+    if not isinstance(recipe, dict) or recipe.get("format") != FORMAT:
+        found = recipe.get("format") if isinstance(recipe, dict) else type(recipe).__name__
+        raise CheckpointError(f"'{where}' is not a surgery hybrid (format {found!r}).", "Point at a directory written by `surgery apply --out`.")
+    if not isinstance(recipe.get("version", 0), int) or recipe.get("version", 0) > VERSION:
         raise CheckpointError(f"'{where}' was written by a newer surgery (recipe version {recipe['version']}).", "Upgrade surgery.")
-    for key in ("config", "passes", "decisions", "weights", "sites", "capture"):
+    for key, kind in FIELD_TYPES.items():
         if key not in recipe:
             raise CheckpointError(f"The recipe in '{where}' lacks '{key}'.", "The checkpoint is incomplete; write it again with `surgery apply`.")
+        expect(recipe[key], kind, key, where)
+    check_capture(recipe["capture"], where)
+    check_weights(recipe["weights"], where)
+    for i, entry in enumerate(recipe["passes"]):
+        expect(entry, dict, f"passes[{i}]", where)
+        expect(entry.get("pass"), str, f"passes[{i}].pass", where)
+        expect(entry.get("config", {}), dict, f"passes[{i}].config", where)
+    for i, site in enumerate(recipe["sites"]):
+        expect(site, dict, f"sites[{i}]", where)
+        layer_index(site.get("layer"), f"sites[{i}].layer", len(recipe["sites"]), where)
+    check_decisions(recipe["decisions"], len(recipe["sites"]), where)
+
+
+def bad_field(where: str, field: str, value, problem: str) -> CheckpointError:
+    return CheckpointError(f"{where}/recipe.json: {field} = {value!r} {problem}.", RECIPE_FIX)
+
+
+def expect(value, kind, field: str, where: str) -> None:
+    """value is a `kind` (bool is no int here: JSON true is not a layer)."""
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise bad_field(where, field, value, f"is not {TYPE_NAMES[kind]}")
+
+
+def layer_index(value, field: str, layers: int, where: str) -> int:
+    expect(value, int, field, where)
+    if not 0 <= value < layers:
+        raise bad_field(where, field, value, f"is out of range 0..{layers - 1}")
+    return value
+
+
+def layer_list(value, field: str, layers: int, where: str) -> list[int]:
+    expect(value, list, field, where)
+    return [layer_index(v, f"{field}[{i}]", layers, where) for i, v in enumerate(value)]
+
+
+def check_capture(capture: dict, where: str) -> None:
+    if capture.get("max_length") is not None:
+        expect(capture["max_length"], int, "capture.max_length", where)
+        if capture["max_length"] < 1:
+            raise bad_field(where, "capture.max_length", capture["max_length"], "is not a positive length")
+    if capture.get("dtype", "float32") not in DTYPES:
+        raise bad_field(where, "capture.dtype", capture.get("dtype"), f"is not one of {', '.join(DTYPES)}")
+
+
+def check_weights(weights: dict, where: str) -> None:
+    """File names are plain names inside the checkpoint (no path escapes it); aliases name tensors."""
+    expect(weights.get("files"), dict, "weights.files", where)
+    for name, digest in weights["files"].items():
+        if "/" in name or "\\" in name or name.startswith(".") or not name.endswith(".safetensors"):
+            raise bad_field(where, "weights.files", name, "is not a .safetensors file name inside the checkpoint")
+        expect(digest, str, f"weights.files[{name!r}]", where)
+    expect(weights.get("aliases", {}), dict, "weights.aliases", where)
+    for alias, name in weights.get("aliases", {}).items():
+        expect(name, str, f"weights.aliases[{alias!r}]", where)
+
+
+def check_decisions(decisions: dict, layers: int, where: str) -> None:
+    """select's convert/keep and replace's layers and modules: layer numbers of this model, and
+    every replaced layer with its module's target and GDN config."""
+    select = decisions.get("select")
+    if select is not None:
+        expect(select, dict, "decisions.select", where)
+        for key in ("convert", "keep"):
+            if key in select:
+                layer_list(select[key], f"decisions.select.{key}", layers, where)
+    replace = decisions.get("replace")
+    if replace is None:
+        return
+    expect(replace, dict, "decisions.replace", where)
+    replaced = layer_list(replace.get("layers"), "decisions.replace.layers", layers, where)
+    if len(set(replaced)) != len(replaced):
+        raise bad_field(where, "decisions.replace.layers", replaced, "names a layer twice")
+    modules = replace.get("modules")
+    expect(modules, dict, "decisions.replace.modules", where)
+    for key in modules:
+        if not key.isdigit():
+            raise bad_field(where, "decisions.replace.modules", key, "is not a layer number")
+        layer_index(int(key), f"decisions.replace.modules[{key!r}]", layers, where)
+    for layer in replaced:
+        field = f"decisions.replace.modules[{str(layer)!r}]"
+        if str(layer) not in modules:
+            raise bad_field(where, "decisions.replace.layers", layer, "has no entry in decisions.replace.modules")
+        expect(modules[str(layer)], dict, field, where)
+        expect(modules[str(layer)].get("target"), str, f"{field}.target", where)
+        check_gdn_config(modules[str(layer)].get("gdn_config"), f"{field}.gdn_config", where)
+
+
+def check_gdn_config(config, field: str, where: str) -> None:
+    expect(config, dict, field, where)
+    for key in GDN_INTS:
+        if key in config:
+            expect(config[key], int, f"{field}.{key}", where)
+            if config[key] < 1:
+                raise bad_field(where, f"{field}.{key}", config[key], "is not a positive size")
+    for key in GDN_BOOLS:
+        if key in config:
+            expect(config[key], bool, f"{field}.{key}", where)
 
 
 def _jsonable(value):
     """Decisions and results hold tensors and tuples at times; the recipe stores plain JSON."""
     import torch
 
+    if hasattr(value, "to_dict"):  # a typed decision (select's LayerSelection): its plain form
+        return _jsonable(value.to_dict())
     if isinstance(value, dict):
         return {str(k): _jsonable(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):

@@ -31,6 +31,7 @@ class AttentionOp:
     scale: float | None = None
     causal_flag: bool = False
     gqa: bool = False
+    scores: Node | None = None      # eager form: the Q.K^T matmul (or baddbmm) before the softmax
 
 
 def to_4d(node: Node, run: ValueRun, up: bool) -> Node:
@@ -94,7 +95,8 @@ def eager_op(softmax: Node, run: ValueRun) -> AttentionOp | None:
     t_q, d = run.shape(q)[-2:]
     k_transposed = run.shape(kt)[-2:] == (d, run.shape(kt)[-1]) and run.shape(kt)[-1] != d
     path = descendants(logits_mm) & ancestors(softmax)
-    return AttentionOp("eager", attn_out, q, kt, v, k_transposed=k_transposed, probs=softmax, logits_path=path, scale=alpha)
+    return AttentionOp("eager", attn_out, q, kt, v, k_transposed=k_transposed, probs=softmax, logits_path=path, scale=alpha,
+                       scores=logits_mm)
 
 
 def softcap_and_scale(core: AttentionOp) -> tuple[float | None, float]:
@@ -106,3 +108,14 @@ def softcap_and_scale(core: AttentionOp) -> tuple[float | None, float]:
     before = core.logits_path - after - {tanh[0]}
     cap = path_scalars(after)
     return cap, path_scalars(before) * cap
+
+
+def op_scale(core: AttentionOp, head_dim: int) -> float:
+    """The factor the op itself applies to Q.K: SDPA's scale argument (else d**-0.5); eager, the
+    constant factors between the score matmul and the softmax times the matmul's alpha. Unlike a
+    site's `scale`, it leaves out factors applied to Q or K before the op."""
+    if core.kind == "sdpa":
+        return float(core.scale) if core.scale is not None else head_dim ** -0.5
+    _, scale = softcap_and_scale(core)
+    scale *= core.scale or 1.0
+    return float(scale)

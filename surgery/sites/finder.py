@@ -17,7 +17,7 @@ from torch.fx import Node
 from ..core.rewrite import ancestors, descendants
 from ..core.run import run_graph
 from ..errors import NoAttentionError, SiteError
-from .attention_op import AttentionOp, find_attention_ops, softcap_and_scale
+from .attention_op import AttentionOp, find_attention_ops, op_scale, softcap_and_scale
 from .ops import SHAPE_OPS, SOFTMAX_OPS, SDPA_OPS, bias_add, module_path, param_names, path_params, path_scalars, projection_parts, touches
 from .probe import ValueRun, index_heads
 from .site import AttentionSite, Projection
@@ -62,6 +62,23 @@ def output_node(o: Node, run: ValueRun, like: tuple) -> Node:
     return o
 
 
+def output_projection(layer: int, core: AttentionOp, gm, run: ValueRun, params: set[str], heads: int, d: int):
+    """Forward to the projection that consumes the attention output: (node, (weight, bias,
+    transposed), o_heads), o_heads[h][i] = the input column that head h's dimension i reaches."""
+    after = descendants(core.attn)
+    o_proj = next((n for n in gm.graph.nodes if n in after and projection_parts(n, params) is not None), None)
+    if o_proj is None:
+        raise SiteError(f"Attention {layer}: no output projection consumes the attention output.", "This attention layout is not supported yet.")
+    o_in, o_w, o_b, o_t = projection_parts(o_proj, params)
+    out_val = torch.arange(heads * d, dtype=torch.float64, device=run[core.attn].device).view(1, heads, 1, d).expand(run.shape(core.attn))
+    cols = run.probe(core.attn, o_in, out_val)
+    flat = cols.reshape(-1, cols.shape[-1])[0]
+    o_heads = [[0] * d for _ in range(heads)]
+    for j, src in enumerate(flat.round().long().tolist()):
+        o_heads[src // d][src % d] = j
+    return o_proj, (o_w, o_b, o_t), o_heads
+
+
 def build_site(layer: int, core: AttentionOp, gm, run: ValueRun, params: set[str]) -> AttentionSite:
     q_proj, (q_in, q_w, q_b, q_t) = projection_of(core.q, params, "Q", layer)
     k_proj, (k_in, k_w, k_b, k_t) = projection_of(core.k, params, "K", layer)
@@ -89,18 +106,7 @@ def build_site(layer: int, core: AttentionOp, gm, run: ValueRun, params: set[str
     k_heads = [list(u[0]) for u in unique]
     v_heads = [list(u[1]) for u in unique]
 
-    # forward to the output projection
-    after = descendants(core.attn)
-    o_proj = next((n for n in gm.graph.nodes if n in after and projection_parts(n, params) is not None), None)
-    if o_proj is None:
-        raise SiteError(f"Attention {layer}: no output projection consumes the attention output.", "This attention layout is not supported yet.")
-    o_in, o_w, o_b, o_t = projection_parts(o_proj, params)
-    out_val = torch.arange(heads * d, dtype=torch.float64, device=run[core.attn].device).view(1, heads, 1, d).expand(run.shape(core.attn))
-    cols = run.probe(core.attn, o_in, out_val)
-    flat = cols.reshape(-1, cols.shape[-1])[0]
-    o_heads = [[0] * d for _ in range(heads)]
-    for j, src in enumerate(flat.round().long().tolist()):
-        o_heads[src // d][src % d] = j
+    o_proj, (o_w, o_b, o_t), o_heads = output_projection(layer, core, gm, run, params, heads, d)
     o_out, o_bias_add = bias_add(o_proj, params, run.shape(o_proj)[-1], run)
     q_b = q_b or bias_add(q_proj, params, run.shape(q_proj)[-1], run)[1]
     k_b = k_b or bias_add(k_proj, params, run.shape(k_proj)[-1], run)[1]
@@ -130,6 +136,22 @@ def build_site(layer: int, core: AttentionOp, gm, run: ValueRun, params: set[str
         q_node=core.q.name, k_node=core.k.name, v_node=core.v.name,
         probs_node=core.probs.name if core.probs is not None else None,
         mask_node=core.mask.name if core.mask is not None else None,
+        **decode_fields(core, gm, run, d),
+    )
+
+
+def decode_fields(core: AttentionOp, gm, run: ValueRun, head_dim: int) -> dict:
+    """What decoding reads from a site: the op's own scale, the SDPA flag and mask, the eager score
+    matmul and the path from it to the softmax (node names, so the site stays JSON)."""
+    mask_mode = None
+    if core.mask is not None:
+        dtype = core.mask.meta["val"].dtype if "val" in core.mask.meta else run[core.mask].dtype
+        mask_mode = "keep" if dtype == torch.bool else "additive"
+    return dict(
+        op_scale=op_scale(core, head_dim), k_transposed=core.k_transposed, is_causal=core.causal_flag, mask_mode=mask_mode,
+        scores_node=core.scores.name if core.scores is not None else None,
+        scores_bias=core.scores is not None and core.scores.target is aten.baddbmm.default,
+        logits_path=[n.name for n in gm.graph.nodes if n in core.logits_path],
     )
 
 

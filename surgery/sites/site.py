@@ -68,6 +68,14 @@ class AttentionSite:
     v_node: str = ""
     probs_node: str | None = None   # eager form: the softmax output [B, H, T, T]
     mask_node: str | None = None
+    # what decoding reads, so that it never searches the graph for the attention op again
+    op_scale: float | None = None   # the op's own factor on Q.K (SDPA's scale or d**-0.5; eager: the score path's times alpha)
+    k_transposed: bool = False      # K arrives as K^T [B, H, D, T] (eager)
+    scores_node: str | None = None  # eager form: the Q.K^T product
+    scores_bias: bool = False       # that product is baddbmm(bias, Q, K^T): a bias on the scores (ALiBi-style)
+    is_causal: bool = False         # SDPA's is_causal flag
+    mask_mode: str | None = None    # how SDPA's attn_mask reads: "keep" (bool) or "additive" (float)
+    logits_path: list = field(default_factory=list)  # eager form: the nodes from the scores to the softmax
 
     @property
     def fused_qkv(self) -> bool:

@@ -1,0 +1,44 @@
+"""select's decision, the one replace acts on: which attention layers become GDN and which stay.
+
+A typed record in graph.meta["select"] (not a dict any reader may misspell); the recipe stores its
+to_dict() and Select.replay rebuilds it with from_dict()."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from surgery.errors import CheckpointError
+
+
+@dataclass
+class LayerSelection:
+    """policy              the select policy that decided
+    convert, keep        the layers that become GDN / stay attention (together: every layer, once)
+    keep_count           ar, greedy: k, the number of layers kept
+    metric               ar, greedy: what the scores measure and which way is better
+    teacher_perplexity   ar: the unablated teacher's perplexity on the scoring text
+    init                 greedy: the passes each probe was initialised with
+    tokens, scores       ar, greedy: the scoring text's size and the per-layer scores"""
+
+    policy: str
+    convert: list[int]
+    keep: list[int]
+    keep_count: int | None = None
+    metric: str | None = None
+    teacher_perplexity: float | None = None
+    init: list[str] | None = None
+    tokens: int | None = None
+    scores: list[dict] | None = None
+
+    def to_dict(self) -> dict:
+        """Plain data; the fields a policy leaves unset are left out, as select has always written it."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "LayerSelection":
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - names)
+        if unknown or not {"policy", "convert", "keep"} <= set(data):
+            raise CheckpointError(f"The recorded select decision {sorted(data)} is not a layer selection (fields: {', '.join(sorted(names))}).",
+                                  "The recipe was edited or written by another version; write it again with `surgery apply`.")
+        return cls(**data)

@@ -1,0 +1,50 @@
+"""The recurrent state of each GatedDeltaNet placed by the replace pass, carried between decoding
+calls. The layer makes its own cache (new_cache), so decoding needs nothing from the method's code."""
+from __future__ import annotations
+
+import torch.nn as nn
+
+
+class GDNState(nn.Module):
+    """A GatedDeltaNet of the graph with the cache it carries between calls, made by the layer's own
+    new_cache() (the module itself is shared with the graph, which stays stateless). With `in_place`
+    (a decoder that takes static or CUDA-graph steps) its state tensors keep their memory from the
+    prefill on, so a captured step reads and writes the same memory each replay; without it each
+    call just keeps the new state."""
+
+    def __init__(self, gdn: nn.Module, in_place: bool = True):
+        super().__init__()
+        self.gdn = gdn
+        self.in_place = in_place
+        self.reset()
+
+    def reset(self) -> None:
+        self.cache = self.gdn.new_cache()
+
+    def nbytes(self) -> int:
+        return self.cache.nbytes()
+
+    def forward(self, hidden_states):
+        """The layer continued from the cache. In place, a new state is copied into the tensors that
+        held the old one (when shapes agree), so their memory stays where a captured step reads it."""
+        work = self.gdn.new_cache()
+        work.recurrent, work.conv = self.cache.recurrent, dict(self.cache.conv)
+        out = self.gdn(hidden_states, cache=work)
+        if self.in_place and self.cache.recurrent is not None and self.cache.recurrent.shape == work.recurrent.shape:
+            self.cache.recurrent.copy_(work.recurrent)
+            for name, tensor in work.conv.items():
+                self.cache.conv[name].copy_(tensor)
+        else:
+            self.cache = work
+        return out
+
+    def snapshot(self) -> list:
+        """Copies of the state tensors (restored by `restore` into the same tensors)."""
+        return [t.clone() for t in self._tensors()]
+
+    def restore(self, saved: list) -> None:
+        for t, s in zip(self._tensors(), saved):
+            t.copy_(s)
+
+    def _tensors(self) -> list:
+        return [t for t in (self.cache.recurrent, *self.cache.conv.values()) if t is not None]

@@ -1,0 +1,195 @@
+"""The Decoder: incremental (stateful) decoding over a captured or rewritten graph.
+
+A captured GraphModule recomputes the whole sequence on every call. From the plan of a graph
+(surgery.decode.plan) the Decoder builds a second GraphModule over the same parameter tensors in which
+
+  * every kept softmax-attention core (the SDPA op, or the eager softmax(QK^T)V region) becomes a
+    KVCacheAttention: it appends the new K/V to a preallocated cache that is only as wide as the
+    model's KV heads and attends over [cache; new] with the site's own scale, softcap and causal or
+    sliding-window mask;
+  * every GatedDeltaNet placed by the replace pass carries its recurrent and conv state (GDNState);
+  * whatever the graph computes from the input's length alone is evaluated at cache+new length and
+    sliced to the new tokens (surgery.decode.positions).
+
+A self-check against full recomputation on a short probe guards what the plan cannot see: a wrong
+answer is refused, never returned."""
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from ..core.rewrite import prune, set_submodule, splice_module
+from ..core.run import graph_logits
+from ..errors import DecodeError
+from .agreement import agrees
+from .caches import DecodeState, KVCacheAttention
+from .gdn_state import GDNState
+from .lengths import FIX_FULL
+from .masks import MASK_PROBE
+from .plan import DecodePlan, plan_decode
+from .positions import rewrite_positions
+from .static_step import StaticStep
+
+SELF_CHECK = 12        # tokens of the construction-time comparison with full recomputation
+STEP_MODES = ("auto", "dynamic", "static", "cuda-graph")
+
+
+def check_step_mode(step_mode: str, device: torch.device) -> str:
+    """The step mode a Decoder on `device` runs ("auto" resolved)."""
+    if step_mode not in STEP_MODES:
+        raise DecodeError(f"Unknown step_mode {step_mode!r}.", f"Use one of: {', '.join(STEP_MODES)}.")
+    if step_mode == "cuda-graph" and device.type != "cuda":
+        raise DecodeError(f"step_mode 'cuda-graph' needs the graph on a CUDA device, not {device}.", "Use step_mode 'static' or 'auto'.")
+    if step_mode == "auto":
+        step_mode = "cuda-graph" if device.type == "cuda" else "dynamic"
+    return step_mode
+
+
+def build_decode_graph(plan: DecodePlan, state: DecodeState, in_place: bool):
+    """Rewrite plan.gm into the decode graph: KV-cache attention and GDN state modules in place of
+    the layers, positions continued from the offset. Returns the attention and GDN modules by layer."""
+    gm = plan.gm
+    attention: dict[int, KVCacheAttention] = {}
+    for layer, p in plan.attention.items():
+        attention[layer] = p.module(state, plan.max_length)
+        splice_module(gm, f"_decode_attn.layer{layer}", attention[layer], [p.q, p.k_source, p.v_source], p.attn)
+    gdn: dict[int, GDNState] = {}
+    for n in list(gm.graph.nodes):
+        if n.op == "call_module" and n.target in plan.gdn:
+            layer = plan.gdn[n.target]
+            gdn[layer] = GDNState(gm.get_submodule(n.target), in_place=in_place)
+            set_submodule(gm, f"_decode_gdn.layer{layer}", gdn[layer])
+            n.target = f"_decode_gdn.layer{layer}"
+    prune(gm)
+    set_submodule(gm, "_decode", state)
+    rewrite_positions(gm, plan.lengths, "_decode")
+    prune(gm)
+    gm.graph.lint()
+    gm.recompile()
+    return attention, gdn
+
+
+class Decoder:
+    """Incremental decoding of a Graph (teacher or hybrid): reset, prefill, then step token by token.
+
+        dec = Decoder(graph); dec.reset(batch_size=1, capacity=prompt + new)
+        logits = dec.prefill(ids)              # [B, T, V]
+        logits = dec.step(next_ids)            # next_ids [B, 1] -> [B, 1, V]
+
+    Parameters are shared with graph.gm (nothing is copied), so a Decoder is cheap next to the
+    model; graph.gm itself stays stateless. verify=True compares prefill + steps with full
+    recomputation on a short probe at construction and refuses the graph if they disagree.
+
+    step_mode: how `step` runs once reset was given a capacity. "dynamic": the graph on exactly the
+    tokens cached so far (shapes grow each step). "static": fixed shapes (KV buffers at capacity with
+    a position mask, positions picked by a device index, GDN states updated in place; surgery.decode.static_step).
+    "cuda-graph": static steps captured once per reset and replayed (CUDA only). "auto": cuda-graph on
+    CUDA, dynamic elsewhere."""
+
+    def __init__(self, graph, *, verify: bool = True, mask_probe: int = MASK_PROBE, step_mode: str = "auto"):
+        self.step_mode = check_step_mode(step_mode, graph.device)
+        self.capacity: int | None = None
+        self.graph = graph
+        plan = plan_decode(graph, mask_probe=mask_probe)
+        self.max_length = plan.max_length
+        self.state = DecodeState()
+        self.attention, self.gdn = build_decode_graph(plan, self.state, in_place=self.step_mode != "dynamic")
+        self.gm = plan.gm
+        self.cores = plan.attention
+        self._warned = False
+        self._static = StaticStep(self, cuda_graph=self.step_mode == "cuda-graph")
+        self.reset()
+        if verify:
+            self._self_check(plan.vocab)
+
+    @property
+    def offset(self) -> int:
+        """Tokens in the caches."""
+        return self.state.offset
+
+    def reset(self, batch_size: int | None = None, capacity: int | None = None) -> "Decoder":
+        """Empty every cache. capacity (prompt + new tokens) preallocates the KV caches; without it
+        they start at the prefill's length and double."""
+        if capacity is not None and capacity > self.max_length:
+            raise DecodeError(f"A capacity of {capacity} tokens exceeds this graph's position limit of {self.max_length}.", "Use a shorter prompt or fewer new tokens.")
+        self._static.release()
+        self.state.offset = 0
+        self.batch_size, self.capacity = batch_size, capacity
+        for m in self.attention.values():
+            m.reset(batch_size, capacity)
+        for m in self.gdn.values():
+            m.reset()
+        return self
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Feed T new tokens [B, T] (or one row [T]) after those already cached; logits [B, T, V]."""
+        return self._run(self._checked(input_ids))
+
+    __call__ = forward
+
+    def _run(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The graph on checked ids (see _checked), advancing the offset."""
+        with torch.no_grad():
+            logits = graph_logits(self.gm, input_ids)
+        self.state.offset += input_ids.shape[1]
+        return logits
+
+    def _checked(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids on the graph's device, after every check of what the caches can take."""
+        if input_ids.dim() == 1:
+            input_ids = input_ids[None]
+        if input_ids.dim() != 2 or input_ids.shape[1] < 1:
+            raise DecodeError(f"Token ids must be [batch, length >= 1], got shape {tuple(input_ids.shape)}.", "Pass a 2-D LongTensor.")
+        if self.batch_size is not None and input_ids.shape[0] != self.batch_size:
+            raise DecodeError(f"The decoder was reset for batch {self.batch_size} but got {input_ids.shape[0]} rows.", "Call reset(batch_size) first.")
+        need = self.state.offset + input_ids.shape[1]
+        if need > self.max_length:
+            raise DecodeError(f"{need} tokens exceed this graph's position limit of {self.max_length}.", "Use a shorter prompt or fewer new tokens.")
+        for c in self.cores.values():
+            if need > c.exact_len and c.rule is None:
+                raise DecodeError(f"The mask of attention {c.layer} could only be checked up to {c.exact_len} tokens; {need} were asked for.", FIX_FULL)
+            if need > c.exact_len and not self._warned:
+                warnings.warn(f"Attention {c.layer} looked like full causal attention up to {c.exact_len} tokens; a longer sliding window "
+                              "would not have been seen.", stacklevel=2)
+                self._warned = True
+        return input_ids.to(self.graph.device)
+
+    def prefill(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The prompt [B, T] (the whole of it in one call; later calls continue it): logits [B, T, V]."""
+        return self.forward(input_ids)
+
+    def step(self, next_ids: torch.Tensor) -> torch.Tensor:
+        """One new token per row ([B, 1] or [B]): logits [B, 1, V]."""
+        if next_ids.dim() == 2 and next_ids.shape[1] != 1:
+            raise DecodeError(f"step takes one token per row, got shape {tuple(next_ids.shape)}.", "Use prefill for several tokens.")
+        ids = self._checked(next_ids.reshape(-1, 1))
+        if self.step_mode != "dynamic" and self._static.ready(ids):
+            return self._static(ids)
+        return self._run(ids)
+
+    def cache_bytes(self, per_layer: bool = False) -> dict:
+        """Bytes held by the caches, by layer kind ({"attention", "gdn", "total"}) or by layer."""
+        att = {i: m.nbytes() for i, m in self.attention.items()}
+        gdn = {i: m.nbytes() for i, m in self.gdn.items()}
+        if per_layer:
+            return dict(sorted((att | gdn).items()))
+        return {"attention": sum(att.values()), "gdn": sum(gdn.values()), "total": sum(att.values()) + sum(gdn.values())}
+
+    def _self_check(self, vocab: int) -> None:
+        """Prefill + steps against full recomputation on a short random probe."""
+        n = min(self.max_length, SELF_CHECK)
+        ids = torch.randint(0, vocab, (1, n), generator=torch.Generator().manual_seed(0)).to(self.graph.device)
+        with torch.no_grad():
+            full = self.graph.logits(ids)
+        first = max(1, n - 4)
+        self.reset(1, n)
+        got = [self.prefill(ids[:, :first])] + [self.step(ids[:, t:t + 1]) for t in range(first, n)]
+        self.reset()
+        ok, diff = agrees(torch.cat(got, dim=1), full)
+        if not ok:
+            raise DecodeError(
+                f"Incremental decoding disagrees with full recomputation on a {n}-token probe ({diff}): "
+                "the graph computes something from the sequence that the decoder does not carry over (positions in an unusual form?).",
+                FIX_FULL,
+            )

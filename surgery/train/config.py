@@ -1,0 +1,136 @@
+"""What a distillation run is asked to do: DistillConfig (its checks, the stages it plans, their
+steps and learning rates) and the learning-rate schedule."""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+from ..core.pipeline import PassConfig
+from ..errors import DistillError
+
+STAGES = ("l2", "kl", "both")
+SCHEDULES = ("cosine", "constant")
+# Fields that change how a run is executed or reported but not the numbers it trains on; --resume
+# accepts new values for these (micro_batch changes only the float summation order).
+OPERATIONAL = ("micro_batch", "save_every", "keep_checkpoints", "grad_checkpoint", "eval_every", "eval_text", "eval_tokens", "time_limit")
+
+
+@dataclass
+class DistillConfig(PassConfig):
+    """tokens         training tokens over all stages; a stage runs tokens // (global_batch x seq_len) steps
+    stage          "l2" (per-layer, teacher-forced MSE), "kl" (end-to-end logits), or "both" in turn
+    l2_tokens      with stage "both": tokens of stage 1 (default tokens // 7, the reference's 100M of 700M)
+    global_batch   sequences per optimizer step over all processes; micro_batch: per forward on one
+                   process (default: the process's whole share, i.e. no accumulation)
+    lr_<stage>_<group>  groups: "new" (GDN parameters the teacher does not have: a/b/g_proj, A_log,
+                   dt_bias, o_norm, convolutions), "copied" (q/k/v/o_proj, from the teacher), "rest"
+                   (everything outside the GDN layers; only stage kl can move it). 0 freezes a group.
+                   Defaults from METHOD.md: stage 1 lr 1e-3 on the GDN layers; stage 2 1e-4 / 7e-6.
+    warmup         fraction of each stage's steps with a linear warmup; schedule: cosine | constant
+    eval_every, save_every  in tokens; 0 = only at the start (eval) and at the end
+    autocast       bf16 autocast (None: on CUDA); float32 master weights stay in the model's dtype
+    time_limit     seconds of training in this process (0: none); when they are up the run writes a
+                   checkpoint at the next step boundary and stops, and --resume continues it: a long run
+                   fits job slots or time-limited machines, and its curve is that of an uninterrupted one"""
+
+    tokens: int = 0
+    stage: str = "kl"
+    l2_tokens: int | None = None
+    seq_len: int = 512
+    global_batch: int = 8
+    micro_batch: int | None = None
+    lr_l2_new: float = 1e-3
+    lr_l2_copied: float = 1e-3
+    lr_kl_new: float = 1e-4
+    lr_kl_copied: float = 1e-4
+    lr_kl_rest: float = 7e-6
+    warmup: float = 0.01
+    schedule: str = "cosine"
+    min_lr_ratio: float = 0.0
+    weight_decay: float = 0.01
+    beta1: float = 0.9
+    beta2: float = 0.95
+    clip: float = 1.0
+    temperature: float = 1.0
+    seed: int = 0
+    eval_text: str | None = None
+    eval_tokens: int = 32768
+    eval_every: int = 0
+    save_every: int = 0
+    keep_checkpoints: int = 2
+    grad_checkpoint: bool = False
+    autocast: bool | None = None
+    time_limit: float = 0.0
+
+    def validate(self) -> None:
+        def bad(problem: str, fix: str):
+            raise DistillError(problem, fix)
+
+        if self.stage not in STAGES:
+            bad(f"stage '{self.stage}' is not one of {', '.join(STAGES)}.", "Use --stage l2, kl or both.")
+        if self.schedule not in SCHEDULES:
+            bad(f"schedule '{self.schedule}' is not one of {', '.join(SCHEDULES)}.", "Use cosine or constant.")
+        for key in ("tokens", "seq_len", "global_batch", "eval_tokens", "keep_checkpoints"):
+            if getattr(self, key) < 1:
+                bad(f"{key} must be >= 1, got {getattr(self, key)}.", "Use a positive number.")
+        if self.seq_len < 2:
+            bad("seq_len must be >= 2 tokens.", "Use e.g. --seq-len 512.")
+        if self.micro_batch is not None and self.micro_batch < 1:
+            bad(f"micro_batch must be >= 1, got {self.micro_batch}.", "Use a positive number, or leave it unset.")
+        for key in ("eval_every", "save_every", "weight_decay", "clip", "min_lr_ratio", "time_limit") + tuple(f.name for f in dataclasses.fields(self) if f.name.startswith("lr_")):
+            if getattr(self, key) < 0:
+                bad(f"{key} must be >= 0, got {getattr(self, key)}.", "Use 0 or a positive number.")
+        if not 0 <= self.warmup < 1:
+            bad(f"warmup is a fraction of each stage's steps in [0, 1), got {self.warmup}.", "Use e.g. 0.01.")
+        if self.min_lr_ratio > 1:
+            bad(f"min_lr_ratio must be <= 1, got {self.min_lr_ratio}.", "Use e.g. 0.1.")
+        if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
+            bad(f"betas must lie in [0, 1), got {self.beta1}, {self.beta2}.", "Use e.g. 0.9 and 0.95.")
+        if self.temperature <= 0:
+            bad(f"temperature must be > 0, got {self.temperature}.", "Use e.g. 1.0.")
+        if self.l2_tokens is not None and self.stage != "both":
+            bad("l2_tokens only applies to --stage both.", "Drop --l2-tokens, or use --stage both.")
+        for name, tokens in self.plan():
+            if tokens < self.tokens_per_step:
+                bad(f"Stage {name} has a budget of {tokens:,} tokens, less than one optimizer step "
+                    f"({self.global_batch} sequences x {self.seq_len} tokens = {self.tokens_per_step:,}).",
+                    "Raise --tokens (or --l2-tokens), or lower --batch-size / --seq-len.")
+            if not any(v > 0 for v in self.learning_rates(name).values()):
+                bad(f"Every learning rate of stage {name} is 0: nothing would train.", f"Give stage {name} a positive learning rate (e.g. --lr).")
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.global_batch * self.seq_len
+
+    def plan(self) -> list[tuple[str, int]]:
+        """[(stage, tokens)] in the order they run."""
+        if self.stage == "both":
+            l2 = self.tokens // 7 if self.l2_tokens is None else self.l2_tokens
+            return [("l2", l2), ("kl", self.tokens - l2)]
+        return [(self.stage, self.tokens)]
+
+    def steps(self) -> list[tuple[str, int]]:
+        return [(name, tokens // self.tokens_per_step) for name, tokens in self.plan()]
+
+    def learning_rates(self, stage: str) -> dict[str, float]:
+        if stage == "l2":  # the rest cannot change a teacher-forced layer-local loss
+            return {"new": self.lr_l2_new, "copied": self.lr_l2_copied, "rest": 0.0}
+        return {"new": self.lr_kl_new, "copied": self.lr_kl_copied, "rest": self.lr_kl_rest}
+
+    def differences(self, saved: dict) -> list[str]:
+        """Fields (other than OPERATIONAL ones) whose value differs from a saved config."""
+        now = self.to_dict()
+        keys = sorted((set(now) | set(saved)) - set(OPERATIONAL))
+        return [f"{k} (run: {saved.get(k)!r}, now: {now.get(k)!r})" for k in keys if saved.get(k) != now.get(k)]
+
+
+def lr_factor(step: int, steps: int, warmup: float, schedule: str, min_ratio: float) -> float:
+    """Multiplier of the base learning rate at 0-based `step` of a stage of `steps` steps."""
+    warm = math.ceil(warmup * steps)
+    if step < warm:
+        return (step + 1) / warm
+    if schedule == "constant":
+        return 1.0
+    progress = (step - warm) / max(1, steps - warm)
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))

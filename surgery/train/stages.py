@@ -1,0 +1,161 @@
+"""The two stages as (module to train, loss of a micro-batch, FLOPs per token): stage l2 fits each
+GDN layer to the teacher's attention output at its site (teacher-forced), stage kl the whole
+student to the teacher's logits. Also which parameters each stage trains, and at what rate."""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from ..core.graph import Graph
+from ..core.rewrite import prune
+from ..core.run import graph_logits, placeholder_values
+from ..errors import DistillError
+from .losses import kl_divergence
+from .placement import Placement
+
+KINDS = ("new", "copied", "rest")  # the AdamW groups, in this order
+
+
+def parameter_kinds(graph: Graph) -> dict[int, str]:
+    """id(parameter) -> "copied" (filled from the teacher) or "new" for every GDN parameter, as the
+    GDN modules name them (copied_parameters, param_groups); absent ids are "rest"."""
+    kinds: dict[int, str] = {}
+    for module in graph.gdn_modules().values():
+        for _, p in module.copied_parameters():
+            kinds[id(p)] = "copied"
+        for items in module.param_groups().values():
+            for _, p in items:
+                kinds.setdefault(id(p), "new")
+    return kinds
+
+
+def param_groups(graph: Graph, lrs: dict[str, float], weight_decay: float) -> list[dict]:
+    """AdamW groups per kind (new / copied / rest) with lr > 0; 1-D tensors and parameters marked
+    _no_weight_decay (A_log, dt_bias) get no weight decay. Order follows named_parameters, which a
+    reloaded hybrid reproduces, so optimizer states line up on resume."""
+    kinds = parameter_kinds(graph)
+    buckets: dict[tuple[str, bool], list] = {}
+    for _, p in graph.gm.named_parameters():
+        kind = kinds.get(id(p), "rest")
+        if lrs[kind] > 0 and p.is_floating_point():
+            decay = p.ndim >= 2 and not getattr(p, "_no_weight_decay", False)
+            buckets.setdefault((kind, decay), []).append(p)
+    return [{"params": ps, "lr": lrs[kind], "weight_decay": weight_decay if decay else 0.0, "kind": kind}
+            for kind in KINDS for decay in (True, False) if (ps := buckets.get((kind, decay)))]
+
+
+def tap_module(gm: torch.fx.GraphModule, names: list[str]) -> torch.fx.GraphModule:
+    """A copy of gm's graph that returns the named nodes' values and stops there: what only feeds
+    later layers and the LM head is pruned, so stage 1 never computes it. It shares gm's tensors and
+    takes placeholder_values(gm, ids) positionally."""
+    graph = torch.fx.Graph()
+    env: dict = {}
+    graph.graph_copy(gm.graph, env)
+    by_name = {n.name: env[n] for n in gm.graph.nodes if n in env}
+    missing = [n for n in names if n not in by_name]
+    if missing:
+        raise DistillError(f"The teacher graph has no node(s) {missing}.", "The teacher and its attention sites disagree; capture the teacher again.")
+    graph.output(tuple(by_name[n] for n in names))
+    tapped = torch.fx.GraphModule(gm, graph)
+    tapped.meta = dict(getattr(gm, "meta", {}))
+    prune(tapped)
+    tapped.recompile()
+    return tapped
+
+
+LOOKUPS = (torch.ops.aten.embedding.default,)
+
+
+def forward_params(gm: torch.nn.Module) -> int:
+    """Parameters a forward pass multiplies with (a training step costs about 6 FLOPs per such
+    parameter and token); a table used only for embedding lookups costs none and is left out."""
+    named = dict(gm.named_parameters(remove_duplicate=False))
+    lookup_only: dict[int, bool] = {}
+    if isinstance(gm, torch.fx.GraphModule):
+        for n in gm.graph.nodes:
+            if n.op == "get_attr" and n.target in named:
+                only = bool(n.users) and all(u.op == "call_function" and u.target in LOOKUPS for u in n.users)
+                key = id(named[n.target])
+                lookup_only[key] = lookup_only.get(key, True) and only
+    unique = {id(p): p for p in gm.parameters()}
+    return sum(p.numel() for key, p in unique.items() if not lookup_only.get(key, False))
+
+
+class Layers(torch.nn.Module):
+    """The GDN modules as one module, so DDP sees exactly stage 1's trainable parameters."""
+
+    def __init__(self, modules: dict[int, torch.nn.Module]):
+        super().__init__()
+        self.layers = torch.nn.ModuleDict({str(l): m for l, m in modules.items()})
+
+    def forward(self, xs: list[torch.Tensor]) -> list[torch.Tensor]:
+        return [m(x) for m, x in zip(self.layers.values(), xs)]
+
+
+def checkpointed_forward(module, x):
+    return torch.utils.checkpoint.checkpoint(type(module).forward, module, x, use_reentrant=False)
+
+
+@contextlib.contextmanager
+def gradient_checkpointing(modules, enabled: bool):
+    """Recompute each GDN layer in backward instead of keeping its internals (chunk matrices,
+    gates): the layer's activations are the large part of its memory, its FLOPs a small part."""
+    patched = []
+    try:
+        if enabled:
+            for m in modules:
+                m.forward = lambda x, m=m: checkpointed_forward(m, x)
+                patched.append(m)
+        yield
+    finally:
+        for m in patched:
+            del m.forward
+
+
+@dataclass
+class Stage:
+    """module: what DDP wraps (its no_sync skips gradient averaging between micro-batches);
+    loss(ids): the micro-batch's loss; flops_per_token: model FLOPs of one trained token."""
+
+    module: torch.nn.Module
+    loss: Callable[[torch.Tensor], torch.Tensor]
+    flops_per_token: int
+
+
+def stage_l2(student: Graph, teacher: Graph, place: Placement, autocast: Callable) -> Stage:
+    """MSE between each GDN layer's output and the teacher's attention output at its site, the
+    layer fed the teacher's input there; the teacher runs only up to the last GDN site."""
+    gdn = student.gdn_modules()
+    sites = teacher.sites
+    names = [n for l in student.gdn_targets() for n in (sites[l].input_node, sites[l].output_node)]
+    taps = tap_module(teacher.gm, names)
+    wrapped = place.wrap(Layers(gdn))
+
+    def loss(ids):
+        with torch.no_grad(), autocast():
+            outs = taps(*placeholder_values(taps, ids))
+        with autocast():
+            preds = wrapped(list(outs[0::2]))
+        return torch.stack([F.mse_loss(p.float(), t.float()) for p, t in zip(preds, outs[1::2])]).mean()
+
+    gdn_params = sum(p.numel() for m in gdn.values() for p in m.parameters())
+    return Stage(wrapped, loss, 6 * gdn_params + 2 * forward_params(taps))
+
+
+def stage_kl(student: Graph, teacher: Graph, place: Placement, autocast: Callable, temperature: float) -> Stage:
+    """KL(teacher || student) over the logits, the whole student trained."""
+    wrapped = place.wrap(student.gm)
+    extra = student.gm.meta.get("extra_inputs", {})
+
+    def loss(ids):
+        with torch.no_grad(), autocast():
+            target = graph_logits(teacher.gm, ids)
+        with autocast():
+            logits = graph_logits(wrapped, ids, extra)
+        return kl_divergence(logits, target, temperature)
+
+    return Stage(wrapped, loss, 6 * forward_params(student.gm) + 2 * forward_params(teacher.gm))
