@@ -12,8 +12,9 @@ from rich.table import Table
 from surgery.errors import SurgeryError
 from surgery.io import open_model
 
-from .common import err, guard, model_inputs, out, placement
+from .common import err, guard, model_inputs, more_files, out, placement
 from .distill import distill as distill_command
+from .export import export as export_command
 from .generate import generate as generate_command
 from .options import DebugOpt, DeviceOpt, DtypeOpt, ModelOpt
 
@@ -122,7 +123,8 @@ def apply(
     layers: Optional[str] = typer.Option(None, "--layers", help="Layers to convert, e.g. 1,3,5 (overrides --keep-ratio)."),
     select_policy: Optional[str] = typer.Option(None, "--select-policy", help="uniform, ar (attention removal) or greedy (GA-S2): which layers stay attention."),
     keep_count: Optional[int] = typer.Option(None, "--keep-count", help="Number of attention layers kept (overrides --keep-ratio)."),
-    calibration: Optional[List[Path]] = typer.Option(None, "--calibration", help="Calibration text file(s); default: the built-in sample."),
+    calibration: Optional[List[Path]] = typer.Option(None, "--calibration", help="Calibration text file(s): --calibration a.txt b.txt (or repeat the flag); default: the built-in sample."),
+    more_calibration: Optional[List[Path]] = typer.Argument(None, help="More calibration files (after --calibration).", show_default=False),
     options: Optional[List[str]] = typer.Option(None, "--set", help="Pass option pass.key=value (repeatable), e.g. align.steps=100."),
     device: Optional[str] = DeviceOpt, dtype: Optional[str] = DtypeOpt, debug: bool = DebugOpt,
 ):
@@ -133,6 +135,7 @@ def apply(
     from surgery.io.outdir import check_replaceable
 
     with guard(debug):
+        calibration = more_files(calibration, more_calibration, "--calibration")
         names = pass_names(passes)
         configs = parse_options(options)
         if "select" in names:
@@ -259,6 +262,7 @@ def list_passes():
 
 app.command("distill")(distill_command)
 app.command("generate")(generate_command)
+app.command("export")(export_command)
 
 
 def main() -> None:

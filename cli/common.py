@@ -90,3 +90,11 @@ def model_inputs(source: str) -> list:
     from surgery.core.load import resolve
 
     return [resolve(source)]
+
+
+def more_files(given, more, option: str) -> list | None:
+    """An option that takes several values after one flag (`--calibration a.txt b.txt`): click gives
+    the values after the first as extra arguments; they join the option's list."""
+    if more and not given:
+        raise SurgeryError(f"Unexpected argument(s): {', '.join(map(str, more))}.", f"Give them after {option} (e.g. {option} a.txt b.txt).")
+    return [*(given or []), *(more or [])] or None

@@ -63,6 +63,7 @@ def distill(
 ):
     """Continue training a saved hybrid against its teacher (stage l2, kl, or both)."""
 
+    from surgery.data.corpus import check_files
     from surgery.data.text import check_text_file
     from surgery.train import DistillConfig
     from surgery.train import distill as run_distill
@@ -76,7 +77,7 @@ def distill(
         config = DistillConfig.from_dict(settings(given, counts, lr, lr_rest, options))
         weights_dtype = parse_dtype(dtype) if dtype is not None else None
         files = [str(p) for p in [*data, *(more_data or [])]]
-        for path in files:  # before any model loads: a typo or a binary file costs seconds
+        for path in check_files(files):  # before any model loads: a typo or a binary file costs seconds
             check_text_file(path, "Training data file")
         if eval_text is not None:
             check_text_file(eval_text, "Evaluation text")

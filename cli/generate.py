@@ -12,7 +12,7 @@ import typer
 
 from surgery.errors import SurgeryError
 
-from .common import err, guard, model_inputs, placement
+from .common import err, guard, model_inputs, more_files, placement
 from .options import DebugOpt, DeviceOpt, DtypeOpt, ModelOpt
 
 CONTEXT_TOKENS = 8  # prompt tokens decoded with the continuation, so a leading space survives detokenisation
@@ -77,7 +77,8 @@ def read_prompts(prompt: Optional[List[str]], prompt_file: Optional[Path]) -> li
 
 def generate(
     model: str = ModelOpt,
-    prompt: Optional[List[str]] = typer.Option(None, "--prompt", "-p", help="Prompt text (repeatable: one continuation per prompt)."),
+    prompt: Optional[List[str]] = typer.Option(None, "--prompt", "-p", help="Prompt text: --prompt 'a' 'b' (or repeat the flag): one continuation per prompt."),
+    more_prompts: Optional[List[str]] = typer.Argument(None, help="More prompts (after --prompt).", show_default=False),
     prompt_file: Optional[Path] = typer.Option(None, "--prompt-file", help="File with one prompt per line."),
     max_new_tokens: int = typer.Option(64, "--max-new-tokens", "-n", help="New tokens per prompt at most (fewer at end-of-sequence)."),
     temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy; > 0 samples."),
@@ -93,7 +94,7 @@ def generate(
     from surgery.io import open_model
 
     with guard(debug):
-        prompts = read_prompts(prompt, prompt_file)
+        prompts = read_prompts(more_files(prompt, more_prompts, "--prompt"), prompt_file)
         if max_new_tokens < 1:
             raise SurgeryError(f"--max-new-tokens must be at least 1, got {max_new_tokens}.", "Pass e.g. --max-new-tokens 64.")
         check_sampling(temperature, top_k, top_p)  # before the model loads

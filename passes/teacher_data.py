@@ -95,7 +95,8 @@ def collect(graph, layers: list[int], ids: torch.Tensor, *, with_stats: bool, ba
         add(s.output_node, lambda v, l=l: store[l]["target"].append(v.detach()))
         add(s.attn_node, lambda v, l=l: store[l]["ctx"].append(v.detach().transpose(1, 2)))
         if with_stats and s.probs_node:
-            add(s.probs_node, lambda v, l=l: stats[l].update_from_probs(v.detach(), query_chunk=query_chunk))
+            heads = s.num_heads  # an eager layer may softmax over [B*H, T, T] (XGLM's bmm form)
+            add(s.probs_node, lambda v, l=l, h=heads: stats[l].update_from_probs(v.detach().reshape(-1, h, *v.shape[-2:]), query_chunk=query_chunk))
         elif with_stats:
             seen = {}
             add(s.q_node, lambda v, seen=seen: seen.__setitem__("q", v.detach()))

@@ -13,12 +13,12 @@ from .core.pipeline import Pass, PassConfig, PassManager, PassResult, get_pass, 
 from .decode import Decoder, generate
 from .errors import SurgeryError
 from .eval import diff
-from .io import capture, load, open_model, save
+from .io import capture, export, load, open_model, save
 from .sites import AttentionSite, find_sites
 from .train import DistillConfig, distill
 
 __all__ = [
-    "capture", "load", "save", "open_model", "diff", "SurgeryError", "Graph", "Pass", "PassConfig", "PassManager",
+    "capture", "load", "save", "open_model", "export", "diff", "SurgeryError", "Graph", "Pass", "PassConfig", "PassManager",
     "PassResult", "get_pass", "known_passes", "register", "AttentionSite", "find_sites", "Decoder", "generate",
     "DistillConfig", "distill",
 ]

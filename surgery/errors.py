@@ -63,3 +63,7 @@ class DataError(SurgeryError):
 
 class DistillError(SurgeryError):
     """A distillation run cannot start or continue (bad config, model, data or output directory)."""
+
+
+class ExportError(SurgeryError):
+    """A hybrid cannot be written in the asked format (an attention module the format cannot swap, an unknown format)."""

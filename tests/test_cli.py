@@ -151,6 +151,21 @@ def test_apply_with_calibration_file_and_options(runner, stories_path, story_fil
     assert "using the built-in calibration sample" not in result.stderr
 
 
+def test_several_files_after_one_flag(runner, stories_path, story_file, tmp_path):
+    """`--calibration a.txt b.txt` (one flag, several files) works like repeating the flag; extra
+    arguments without the flag are an error that says how to pass several."""
+    other = tmp_path / "other.txt"
+    other.write_text(story_file.read_text())
+    out = tmp_path / "two-files"
+    result = invoke(runner, "apply", "--model", stories_path, "--passes", "select,replace,calibrate", "--out", out,
+                    "--calibration", story_file, other, "--set", "calibrate.samples=2", "--set", "calibrate.length=64")
+    assert result.exit_code == 0, result.output
+    recipe = json.loads((out / "recipe.json").read_text())
+    assert recipe["passes"][2]["config"]["calibration"] == [str(story_file), str(other)]
+    assert_clean_failure(invoke(runner, "apply", "--model", stories_path, "--out", tmp_path / "x", str(other)), "--calibration a.txt b.txt")
+    assert_clean_failure(invoke(runner, "generate", "--model", stories_path, "stray"), "--prompt")
+
+
 def test_unknown_pass_name(runner, stories_path, tmp_path):
     result = invoke(runner, "apply", "--model", stories_path, "--passes", "select,quantize", "--out", tmp_path / "x")
     assert_clean_failure(result, "quantize", "align, calibrate, replace, select")

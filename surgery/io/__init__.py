@@ -1,5 +1,7 @@
-"""Graphs to files and back: opening model sources, hybrid checkpoints and their recipes."""
+"""Graphs to files and back: opening model sources, hybrid checkpoints and their recipes, and exports
+that leave the toolkit (a transformers directory)."""
 from .checkpoint import load, save
+from .export import export
 from .open import capture, open_model
 
-__all__ = ["capture", "load", "open_model", "save"]
+__all__ = ["capture", "export", "load", "open_model", "save"]

@@ -59,22 +59,33 @@ def save(graph: Graph, out: str | Path, *, force: bool = False, shard_bytes: int
     wrote, never one that holds the graph's own source (outdir.check_replaceable)."""
     out = Path(out)
     check_replaceable(out, force=force, inputs=source_paths(graph.source))
+
+    def write(tmp: Path) -> None:
+        write_hybrid(graph, tmp, shard_bytes)
+        if extra is not None:
+            extra(tmp)
+            record_extra_files(tmp)
+
+    return write_staged(out, write)
+
+
+def write_staged(out: Path, write: Callable[[Path], None], what: str = "Saving the hybrid") -> Path:
+    """write(staging_dir) fills a temporary sibling of `out`, which is then renamed onto `out` (an
+    old `out` is moved aside first and deleted only after): an interrupted writer never leaves a
+    half-written `out` nor destroys the old one. OS errors become one CheckpointError naming `what`."""
     clean_stale_staging(out)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=staging_prefix(out), dir=out.parent))
     except OSError as exc:
-        raise write_error(exc, out) from exc
+        raise write_error(exc, out, what) from exc
     try:
-        write_hybrid(graph, tmp, shard_bytes)
-        if extra is not None:
-            extra(tmp)
-            record_extra_files(tmp)
+        write(tmp)
         _swap_in(tmp, out)
     except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
         if (isinstance(exc, OSError) and exc.errno is not None) or isinstance(exc, SafetensorError):
-            raise write_error(exc, out) from exc
+            raise write_error(exc, out, what) from exc
         raise
     return out
 
@@ -82,23 +93,30 @@ def save(graph: Graph, out: str | Path, *, force: bool = False, shard_bytes: int
 def write_hybrid(graph: Graph, folder: Path, shard_bytes: int = DEFAULT_SHARD_BYTES) -> None:
     """The weights (sharded past shard_bytes), recipe.json and tokenizer/ into `folder`."""
     state, aliases = unique_state(graph.gm)
+    files = write_weights(state, folder, shard_bytes)
+    weights = {"files": files, "aliases": aliases, "tensors": len(state)}
+    (folder / "recipe.json").write_text(json.dumps(recipes.build(graph, weights), indent=1))
+    if graph.tokenizer is not None:
+        graph.tokenizer.save_pretrained(folder / "tokenizer")
+
+
+def write_weights(state: dict, folder: Path, shard_bytes: int = DEFAULT_SHARD_BYTES, index_metadata: dict | None = None) -> dict:
+    """model.safetensors, or shards and their index past shard_bytes; returns {file: sha256}."""
     shards = _shards(state, shard_bytes)
     files = {}
     if len(shards) == 1:
         save_file(shards[0], folder / "model.safetensors", metadata={"format": "pt"})
         files["model.safetensors"] = sha256_file(folder / "model.safetensors")
-    else:
-        index = {}
-        for i, shard in enumerate(shards, 1):
-            name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-            save_file(shard, folder / name, metadata={"format": "pt"})
-            files[name] = sha256_file(folder / name)
-            index.update({k: name for k in shard})
-        (folder / INDEX).write_text(json.dumps({"weight_map": index}, indent=1))
-    weights = {"files": files, "aliases": aliases, "tensors": len(state)}
-    (folder / "recipe.json").write_text(json.dumps(recipes.build(graph, weights), indent=1))
-    if graph.tokenizer is not None:
-        graph.tokenizer.save_pretrained(folder / "tokenizer")
+        return files
+    index = {}
+    for i, shard in enumerate(shards, 1):
+        name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, folder / name, metadata={"format": "pt"})
+        files[name] = sha256_file(folder / name)
+        index.update({k: name for k in shard})
+    head = {"metadata": index_metadata} if index_metadata is not None else {}
+    (folder / INDEX).write_text(json.dumps({**head, "weight_map": index}, indent=1))
+    return files
 
 
 def record_extra_files(folder: Path) -> None:
@@ -118,10 +136,10 @@ def source_paths(source) -> list[Path]:
     return [folder / source["gguf_file"]] if source.get("gguf_file") else [folder]
 
 
-def write_error(exc: Exception, out: Path) -> CheckpointError:
+def write_error(exc: Exception, out: Path, what: str = "Saving the hybrid") -> CheckpointError:
     """A full disk, a read-only or unwritable --out during save: one paragraph, not a traceback."""
     reason = describe_os_error(exc, out) if isinstance(exc, OSError) else f"'{out}': {first_line(exc)}"
-    return CheckpointError(f"Saving the hybrid failed: {reason}.", "Free space or choose a writable --out; nothing was replaced and no partial output is left.")
+    return CheckpointError(f"{what} failed: {reason}.", "Free space or choose a writable --out; nothing was replaced and no partial output is left.")
 
 
 def _swap_in(tmp: Path, out: Path) -> None:

@@ -140,6 +140,14 @@ def build_site(layer: int, core: AttentionOp, gm, run: ValueRun, params: set[str
     )
 
 
+ZERO_FACTORIES = {aten.zeros.default, aten.new_zeros.default, aten.zeros_like.default}
+
+
+def is_zeros(node) -> bool:
+    """A tensor the graph builds as zeros (a baddbmm "bias" that adds nothing, GPT-NeoX-Japanese's)."""
+    return isinstance(node, Node) and node.op == "call_function" and node.target in ZERO_FACTORIES
+
+
 def decode_fields(core: AttentionOp, gm, run: ValueRun, head_dim: int) -> dict:
     """What decoding reads from a site: the op's own scale, the SDPA flag and mask, the eager score
     matmul and the path from it to the softmax (node names, so the site stays JSON)."""
@@ -150,7 +158,7 @@ def decode_fields(core: AttentionOp, gm, run: ValueRun, head_dim: int) -> dict:
     return dict(
         op_scale=op_scale(core, head_dim), k_transposed=core.k_transposed, is_causal=core.causal_flag, mask_mode=mask_mode,
         scores_node=core.scores.name if core.scores is not None else None,
-        scores_bias=core.scores is not None and core.scores.target is aten.baddbmm.default,
+        scores_bias=core.scores is not None and core.scores.target is aten.baddbmm.default and not is_zeros(core.scores.args[0]),
         logits_path=[n.name for n in gm.graph.nodes if n in core.logits_path],
     )
 

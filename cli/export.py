@@ -1,0 +1,30 @@
+"""`surgery export`: write a saved hybrid as a directory other libraries load (surgery.export)."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from .common import err, guard, model_inputs, parse_dtype
+from .options import DebugOpt
+
+FormatOpt = typer.Option("hf", "--format", help="hf: a transformers directory (AutoModelForCausalLM, trust_remote_code=True).")
+ExportDtypeOpt = typer.Option(None, "--dtype", help="float32, bfloat16, float16 for the written weights (default: the hybrid's own).")
+
+
+def export(
+    model: str = typer.Option(..., "--model", "-m", help="Saved hybrid (a directory written by `surgery apply --out`)."),
+    out: Path = typer.Option(..., "--out", "-o", help="Directory to write."),
+    format: str = FormatOpt,
+    dtype: Optional[str] = ExportDtypeOpt,
+    force: bool = typer.Option(False, "--force", help="Replace --out when it holds a hybrid or an export surgery wrote."),
+    debug: bool = DebugOpt,
+):
+    """Export a hybrid: --format hf writes config.json, model.safetensors, the tokenizer and a modeling file that needs no surgery."""
+    from surgery.io.export import export as export_model
+
+    with guard(debug):
+        model_inputs(model)
+        written = export_model(model, out, format=format, dtype=parse_dtype(dtype) if dtype else None, force=force)
+        err.print(f"exported {model} as {format} to {written}")

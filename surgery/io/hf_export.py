@@ -1,0 +1,134 @@
+"""`--format hf`: a hybrid as an ordinary transformers model directory that loads without surgery.
+
+DIR holds config.json (the teacher's config, `surgery_hybrid` with each converted attention module's
+GDN, an auto_map to the modeling file), model.safetensors (the teacher's own parameter names, each
+GDN's under its attention module's path), the tokenizer, generation_config.json, and the modeling
+file with tcal's gdn.py and kernels.py copied verbatim beside it: one source of the GDN math.
+
+The modeling file swaps whole attention modules, so the export is exact only where the region the
+replace pass cut is exactly such a module's forward: its input the module's input, its output the
+module's output (eval dropout aside), and none of the module's tensors used by what was kept.
+`plan` checks that for every converted layer before anything is written."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+
+import tcal.gdn
+import tcal.kernels
+
+from ..core.graph import Graph
+from ..errors import ExportError
+from .checkpoint import unique_state, write_weights
+
+MODELING_FILE = Path(__file__).parent / "hf_modeling" / "modeling_surgery_hybrid.py"
+MODEL_CLASS = "SurgeryHybridForCausalLM"
+HYBRID_KEY = "surgery_hybrid"  # the config.json field the modeling file reads
+GDN_SOURCES = {"gdn.py": Path(tcal.gdn.__file__), "kernels.py": Path(tcal.kernels.__file__)}
+# ops that pass a tensor through unchanged in eval mode (an attention module's output dropout)
+IDENTITY_OPS = {"aten.dropout.default", "aten.clone.default", "aten.alias.default", "aten.contiguous.default"}
+DROPPED_CONFIG = ("_name_or_path", "_model_name_or_path", "architectures", "auto_map", "transformers_version")
+
+
+def inside(node: torch.fx.Node, path: str) -> bool:
+    """Whether the node was traced inside the module at `path` (its nn_module_stack names it)."""
+    return any(p == path or p.startswith(path + ".") for p, _ in node.meta.get("nn_module_stack", {}).values())
+
+
+def gdn_call(graph: Graph, target: str) -> torch.fx.Node:
+    return next(n for n in graph.gm.graph.nodes if n.op == "call_module" and n.target == target)
+
+
+def passes_through(node: torch.fx.Node) -> bool:
+    if str(node.target) not in IDENTITY_OPS:
+        return False
+    return not (str(node.target) == "aten.dropout.default" and len(node.args) > 2 and node.args[2])
+
+
+def swap_refusal(graph: Graph, layer: int, target: str) -> str | None:
+    """Why the attention module of `layer` cannot be swapped for its GDN exactly, or None."""
+    path = graph.sites[layer].module_path
+    call = gdn_call(graph, target)
+    if inside(call.args[0], path):
+        return f"its GDN reads '{call.args[0].name}', computed inside the attention module, not the module's input"
+    node = call
+    while len(node.users) == 1 and inside(next(iter(node.users)), path):
+        node = next(iter(node.users))
+        if not passes_through(node):
+            return f"the attention module changes the output projection's result ({node.target}) before it returns it"
+    kept = sorted({n.target for n in graph.gm.graph.nodes if n.op == "get_attr" and inside_path(n.target, path) and not inside_path(n.target, target)})
+    if kept:
+        return f"the hybrid still uses the attention module's tensors {kept[:3]}"
+    return None
+
+
+def inside_path(name: str, path: str) -> bool:
+    return name == path or name.startswith(path + ".")
+
+
+def plan(graph: Graph) -> dict:
+    """module path -> {"layer", "gdn_config", "target"} for every converted layer; ExportError
+    naming each layer that cannot be swapped exactly (checked before anything is written)."""
+    modules = graph.meta.get("replace", {}).get("modules", {})
+    if not modules:
+        raise ExportError("The model has no converted layer: it is the teacher itself.", "Export a hybrid (surgery apply), or use the teacher's own directory.")
+    refused, layers = [], {}
+    for layer, target in graph.gdn_targets().items():
+        reason = swap_refusal(graph, layer, target)
+        if reason:
+            refused.append(f"layer {layer} ('{graph.sites[layer].module_path}'): {reason}")
+        layers[graph.sites[layer].module_path] = {"layer": layer, "gdn_config": modules[str(layer)]["gdn_config"], "target": target}
+    if refused:
+        raise ExportError("--format hf swaps whole attention modules, and these cannot be swapped exactly: " + "; ".join(refused) + ".",
+                          "This teacher's attention does not end where its module does; keep those layers as attention (select) to export.")
+    return layers
+
+
+def hf_state(graph: Graph, layers: dict, dtype: torch.dtype | None) -> dict:
+    """The hybrid's tensors under the names the transformers model has: a GDN placed beside its
+    attention module (<path>_gdn) moves to the module's own path; tied copies are left to the
+    config's tie_word_embeddings, as transformers saves them."""
+    state, _ = unique_state(graph.gm)
+    moves = {entry["target"] + ".": path + "." for path, entry in layers.items() if entry["target"] != path}
+    named = {}
+    for name, tensor in state.items():
+        prefix = next((p for p in moves if name.startswith(p)), None)
+        name = moves[prefix] + name[len(prefix):] if prefix else name
+        named[name] = tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor
+    return named
+
+
+def hf_config(graph: Graph, layers: dict, dtype: torch.dtype) -> dict:
+    """The teacher's config.json plus the hybrid: which modules are GDN and how they are built."""
+    config = {k: v for k, v in graph.config.to_dict().items() if k not in DROPPED_CONFIG}
+    if (config.get("quantization_config") or {}).get("quant_method") == "gguf":
+        config.pop("quantization_config")  # the weights are written dequantized
+    config["dtype"] = str(dtype).removeprefix("torch.")
+    config["architectures"] = [MODEL_CLASS]
+    config["auto_map"] = {"AutoModelForCausalLM": f"{MODELING_FILE.stem}.{MODEL_CLASS}"}
+    config[HYBRID_KEY] = {
+        "gdn_layers": {path: {"layer": e["layer"], "gdn_config": e["gdn_config"]} for path, e in layers.items()},
+        "layer_kinds": graph.layer_kinds,
+        "passes": [entry["pass"] for entry in graph.history],
+    }
+    return config
+
+
+def write_hf(graph: Graph, folder: Path, *, dtype: torch.dtype | None = None, shard_bytes: int) -> None:
+    """Everything of DIR into `folder` (export stages it and renames it into place)."""
+    from transformers import GenerationConfig
+
+    layers = plan(graph)
+    state = hf_state(graph, layers, dtype)
+    write_weights(state, folder, shard_bytes, index_metadata={"total_size": sum(t.numel() * t.element_size() for t in state.values())})
+    config = hf_config(graph, layers, dtype or graph.dtype)
+    (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+    GenerationConfig.from_model_config(graph.config).save_pretrained(folder)
+    if graph.tokenizer is not None:
+        graph.tokenizer.save_pretrained(folder)
+    shutil.copyfile(MODELING_FILE, folder / MODELING_FILE.name)
+    for name, source in GDN_SOURCES.items():
+        shutil.copyfile(source, folder / name)

@@ -1,0 +1,153 @@
+"""A surgery hybrid as an ordinary transformers model, for people who never installed surgery.
+
+The teacher's own transformers class is built from this config; each attention module that was
+converted (config.surgery_hybrid["gdn_layers"], keyed by module path) is then swapped for a
+GDNAttention: the project's GatedDeltaNet (gdn.py and kernels.py beside this file, copied verbatim
+by `surgery export`) called the way the teacher's decoder layer calls its attention.
+
+Imports only torch, transformers and (through kernels.py, on CUDA, when it imports) fla.
+"""
+from __future__ import annotations
+
+import inspect
+
+import torch
+from transformers import AutoModelForCausalLM, PreTrainedModel
+from transformers.cache_utils import Cache
+
+from .gdn import GatedDeltaNet
+
+HYBRID_KEY = "surgery_hybrid"
+CACHE_ARGUMENTS = ("cache", "past_key_values", "past_key_value", "layer_past")
+STATE = "surgery_gdn_state"  # the attribute of a cache layer that holds its GDN's state
+
+
+class PaddingMask:
+    """The 2-D attention mask of the current forward call, shared by the model and its GDN layers
+    (the layers below only see the teacher's 4-D masks, which a recurrence cannot use)."""
+
+    def __init__(self):
+        self.mask: torch.Tensor | None = None
+
+
+def concat_rows(rows: list[dict]) -> dict:
+    """Per-row GDN states -> one batch state; a row without a tensor (nothing seen yet) gets zeros."""
+    merged = {}
+    for key in {k for row in rows for k in row}:
+        like = next(row[key] for row in rows if row.get(key) is not None)
+        merged[key] = torch.cat([row[key] if row.get(key) is not None else torch.zeros_like(like) for row in rows])
+    return merged
+
+
+class GDNAttention(GatedDeltaNet):
+    """A GatedDeltaNet in an attention module's place: forward(hidden_states, ...) returns
+    (output, None) as the teacher's attention returns (output, weights). With a cache, the layer's
+    recurrent and conv state live on the cache's layer object for this layer index, and the layer
+    feeds that object zero-width keys so its sequence length (read for positions and masks) stays
+    right."""
+
+    def __init__(self, gdn_config: dict, cache_index: int, padding: PaddingMask):
+        super().__init__(**gdn_config)
+        self.cache_index = cache_index
+        self.__dict__["padding"] = padding  # shared, not a submodule
+
+    def forward(self, hidden_states: torch.Tensor, *args, **kwargs):
+        cache = next((kwargs[k] for k in CACHE_ARGUMENTS if isinstance(kwargs.get(k), Cache)), None)
+        state = self.cached_state(cache, hidden_states) if cache is not None else None
+        mask = self.padding.mask
+        keep = None if mask is None else mask[:, -hidden_states.shape[1]:].bool()
+        if keep is None or bool(keep.all()):
+            return super().forward(hidden_states, state), None
+        return self.forward_rows(hidden_states, keep, state), None
+
+    def cached_state(self, cache: Cache, hidden_states: torch.Tensor):
+        """This layer's GDN state in `cache` (created empty on the first call)."""
+        batch, length = hidden_states.shape[:2]
+        empty = hidden_states.new_zeros(batch, 1, length, 0)
+        cache.update(empty, empty, self.cache_index)
+        layer = cache.layers[self.cache_index]
+        if getattr(layer, STATE, None) is None:
+            setattr(layer, STATE, self.new_cache())
+        return getattr(layer, STATE)
+
+    def forward_rows(self, hidden_states: torch.Tensor, keep: torch.Tensor, state):
+        """Left-padded rows, one at a time over their real tokens only (a pad token must not enter
+        the recurrence); pad positions get zeros. Right padding or holes cannot be continued."""
+        out, recurrent, conv = torch.zeros_like(hidden_states), [], []
+        length = hidden_states.shape[1]
+        for b in range(hidden_states.shape[0]):
+            n = int(keep[b].sum())
+            if not bool(keep[b, length - n:].all()):
+                raise ValueError("GDN layers support left padding only (each row's real tokens at its end); "
+                                 "pass padding_side='left' to the tokenizer.")
+            row = self.new_cache()
+            if state is not None:
+                row.recurrent = None if state.recurrent is None else state.recurrent[b:b + 1]
+                row.conv = {k: v[b:b + 1] for k, v in state.conv.items()}
+            if n:
+                out[b:b + 1, length - n:] = super().forward(hidden_states[b:b + 1, length - n:], row)
+            recurrent.append({"s": row.recurrent})
+            conv.append(row.conv)
+        if state is not None:
+            state.recurrent = concat_rows(recurrent).get("s")
+            state.conv = concat_rows(conv)
+        return out
+
+
+def teacher_class(config) -> type:
+    """The teacher's own causal-LM class for this config (transformers' mapping, not auto_map)."""
+    return AutoModelForCausalLM._model_mapping[type(config)]
+
+
+class SurgeryHybridForCausalLM(PreTrainedModel):
+    """Stands for the teacher's class with its converted attention swapped: from_pretrained and
+    from_config build `hybrid_class(teacher)`, a subclass of both this class and the teacher's."""
+
+    _hybrid_classes: dict = {}
+
+    @classmethod
+    def hybrid_class(cls, config) -> type:
+        teacher = teacher_class(config)
+        if teacher not in cls._hybrid_classes:
+            cls._hybrid_classes[teacher] = type(cls.__name__, (cls, teacher), {"config_class": type(config), "__module__": cls.__module__})
+        return cls._hybrid_classes[teacher]
+
+    @classmethod
+    def is_resolved(cls) -> bool:
+        return cls is not SurgeryHybridForCausalLM and SurgeryHybridForCausalLM in cls.__mro__[1:]
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, config=None, **kwargs):
+        if cls.is_resolved():
+            return super().from_pretrained(pretrained_model_name_or_path, *args, config=config, **kwargs)
+        if config is None:
+            from transformers import AutoConfig
+
+            config = AutoConfig.from_pretrained(pretrained_model_name_or_path, trust_remote_code=kwargs.get("trust_remote_code"))
+        return cls.hybrid_class(config).from_pretrained(pretrained_model_name_or_path, *args, config=config, **kwargs)
+
+    @classmethod
+    def _from_config(cls, config, **kwargs):
+        if cls.is_resolved():
+            return super()._from_config(config, **kwargs)
+        return cls.hybrid_class(config)._from_config(config, **kwargs)
+
+    def __init__(self, config, *args, **kwargs):
+        super().__init__(config, *args, **kwargs)
+        self.gdn_padding = PaddingMask()
+        for path, entry in getattr(config, HYBRID_KEY)["gdn_layers"].items():
+            parent_path, _, name = path.rpartition(".")
+            parent = self.get_submodule(parent_path)
+            cache_index = getattr(getattr(parent, name), "layer_idx", None)
+            gdn = GDNAttention(entry["gdn_config"], entry["layer"] if cache_index is None else cache_index, self.gdn_padding)
+            setattr(parent, name, gdn.to(dtype=self.dtype))
+        self.register_forward_pre_hook(self.record_padding, with_kwargs=True)
+        self.register_forward_hook(self.forget_padding, with_kwargs=True)
+
+    def record_padding(self, module, args, kwargs):
+        bound = inspect.signature(type(self).forward).bind_partial(self, *args, **kwargs).arguments
+        mask = bound.get("attention_mask")
+        self.gdn_padding.mask = mask if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None
+
+    def forget_padding(self, module, args, kwargs, output):
+        self.gdn_padding.mask = None

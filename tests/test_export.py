@@ -1,0 +1,179 @@
+"""surgery.export --format hf: the directory loads in transformers (trust_remote_code, no surgery) with
+the hybrid's logits, generates the same greedy tokens, takes left-padded batches, round-trips."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import typer
+from safetensors.torch import save_file
+from typer.testing import CliRunner
+
+import surgery
+from surgery import PassManager
+from surgery.decode import generate
+from surgery.errors import CheckpointError, ExportError
+from surgery.io.export import export
+
+
+def convert(graph, layers):
+    PassManager(["select", "replace"], {"select": {"policy": "convert", "layers": list(layers)}})(graph)
+    return graph
+
+
+def hf_load(path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True, dtype=torch.float32).eval()
+
+
+def relative_error(a, b) -> float:
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()
+
+
+def ids_for(shape, vocab, seed=0):
+    return torch.randint(0, vocab, shape, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.fixture(scope="module")
+def stories_export(stories, tmp_path_factory):
+    """(saved hybrid, its export) for stories260K with layers 1 and 3 converted."""
+    root = tmp_path_factory.mktemp("export")
+    surgery.save(convert(stories(), [1, 3]), root / "hybrid")
+    return root / "hybrid", export(root / "hybrid", root / "hf")
+
+
+def test_stories_logits_equal_surgery_load(stories_export):
+    hybrid, out = stories_export
+    config = json.loads((out / "config.json").read_text())
+    assert set(config["surgery_hybrid"]["gdn_layers"]) == {"model.layers.1.self_attn", "model.layers.3.self_attn"}
+    assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_surgery_hybrid.SurgeryHybridForCausalLM"
+    assert {"gdn.py", "kernels.py", "modeling_surgery_hybrid.py", "model.safetensors", "generation_config.json", "tokenizer.json"} <= {p.name for p in out.iterdir()}
+    assert "import surgery" not in (out / "modeling_surgery_hybrid.py").read_text()
+    loaded, model = surgery.load(hybrid), hf_load(out)
+    ids = ids_for((2, 33), 512)
+    with torch.no_grad():
+        assert relative_error(model(ids).logits, loaded(ids)) <= 1e-4
+
+
+def test_stories_greedy_generate_and_left_padding(stories_export):
+    hybrid, out = stories_export
+    loaded, model = surgery.load(hybrid), hf_load(out)
+    long, short = loaded.tokenizer("Once upon a time")["input_ids"], loaded.tokenizer("The dog")["input_ids"]
+    assert len(long) > len(short)
+    expected = generate(loaded, [long, short], max_new_tokens=10, eos_token_id=None)
+    one = model.generate(torch.tensor([long]), max_new_tokens=10, min_new_tokens=10, do_sample=False)
+    assert one[0, len(long):].tolist() == expected[0]
+    pad = len(long) - len(short)
+    ids = torch.tensor([long, [0] * pad + short])
+    mask = torch.tensor([[1] * len(long), [0] * pad + [1] * len(short)])
+    both = model.generate(ids, attention_mask=mask, max_new_tokens=10, min_new_tokens=10, do_sample=False)
+    assert both[:, len(long):].tolist() == expected
+    with pytest.raises(ValueError, match="left padding"):
+        model(torch.tensor([short + [0] * pad]), attention_mask=torch.tensor([[1] * len(short) + [0] * pad]),
+              cache=__import__("transformers").DynamicCache())
+
+
+def test_save_pretrained_round_trip_is_exact(stories_export, tmp_path):
+    model = hf_load(stories_export[1])
+    model.save_pretrained(tmp_path / "again")
+    again = hf_load(tmp_path / "again")
+    ids = ids_for((2, 17), 512, seed=3)
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, again(ids).logits)
+
+
+# fused QKV (phi3, gpt2, falcon_new), GQA (llama), qk-norm (qwen3), sliding window (mistral, gemma3), softcap (gemma2);
+# gemma3 and falcon_new put their GDN beside the attention module (<path>_gdn), which the export moves back
+ARCHS = ["llama", "qwen3", "mistral", "gemma2", "gemma3", "phi3", "gpt2", "falcon_new"]
+
+
+@pytest.mark.parametrize("name", ARCHS)
+def test_tiny_arch_export_matches_hybrid(name, tiny, tmp_path):
+    t = tiny(name)
+    t.require_sites()
+    hybrid = convert(t.graph.branch(), [0])
+    model = hf_load(export(hybrid, tmp_path / "hf"))
+    vocab = t.model.config.vocab_size
+    for shape in [(1, 5), (2, 23)]:
+        ids = ids_for(shape, vocab, seed=shape[1])
+        with torch.no_grad():
+            assert relative_error(model(ids).logits, hybrid(ids)) <= 1e-4, shape
+
+
+def test_attention_that_adds_its_residual_is_refused(tiny, tmp_path):
+    t = tiny("bloom")
+    t.require_sites()
+    with pytest.raises(ExportError, match="layer 0 .*changes the output projection's result"):
+        export(convert(t.graph.branch(), [0]), tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()
+
+
+def test_force_replaces_an_export_only(stories_export, tmp_path):
+    hybrid, _ = stories_export
+    graph = surgery.load(hybrid)
+    out = export(graph, tmp_path / "hf")
+    with pytest.raises(CheckpointError, match="already exists"):
+        export(graph, out)
+    export(graph, out, force=True, dtype=torch.bfloat16)
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(CheckpointError, match="notes.txt"):
+        export(graph, out, force=True)
+    with pytest.raises(CheckpointError, match="input"):
+        export(hybrid, hybrid, force=True)  # refused before the model loads
+
+
+def test_cli_export(stories_export, tmp_path):
+    from cli.export import export as command  # noqa: the command module; app.py registers it as `export`
+
+    app = typer.Typer()
+    app.command()(command)
+    result = CliRunner().invoke(app, ["--model", str(stories_export[0]), "--out", str(tmp_path / "hf")])
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "hf" / "config.json").exists()
+
+
+ISOLATED = """
+import sys
+sys.path.append({site!r})
+try:
+    import surgery
+except ImportError:
+    pass
+else:
+    raise SystemExit("surgery is importable")
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+model = AutoModelForCausalLM.from_pretrained({out!r}, trust_remote_code=True, dtype=torch.float32).eval()
+data = load_file({data!r})
+with torch.no_grad():
+    logits = model(data["ids"]).logits
+error = ((logits - data["logits"]).abs().max() / data["logits"].abs().max()).item()
+tokens = model.generate(data["ids"][:1, :5], max_new_tokens=4, min_new_tokens=4, do_sample=False)
+print(error, tokens[0, 5:].tolist())
+"""
+
+
+def test_export_loads_without_surgery_installed(stories_export, tmp_path):
+    """python -I -S: no site hooks (so no editable finder of this project), only the site-packages
+    directory that holds torch and transformers on sys.path."""
+    import transformers
+
+    hybrid, out = stories_export
+    loaded = surgery.load(hybrid)
+    ids = ids_for((2, 19), 512, seed=5)
+    with torch.no_grad():
+        save_file({"ids": ids, "logits": loaded(ids)}, tmp_path / "data.safetensors")
+    site = str(Path(transformers.__file__).parent.parent)
+    code = ISOLATED.format(site=site, out=str(out), data=str(tmp_path / "data.safetensors"))
+    run = subprocess.run([sys.executable, "-I", "-S", "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+    error, tokens = run.stdout.strip().splitlines()[-1].split(" ", 1)
+    assert float(error) <= 1e-4
+    assert json.loads(tokens) == generate(loaded, [ids[0, :5].tolist()], max_new_tokens=4, eos_token_id=None)[0]
