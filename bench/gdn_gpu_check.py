@@ -149,9 +149,9 @@ def check_auto_backward(batch=1, seq_len=512):
 def check_backward(shapes=((2, 1024), (32, 1024))):
     """fla's backward (when this Triton allows it) against our chunked PyTorch path in float32:
     gradients of every input, and the forward+backward time of both (the training cost per layer)."""
-    from tcal.kernels import _fla_backward_supported
+    from tcal.kernels import fla_backward_supported
 
-    if not _fla_backward_supported():
+    if not fla_backward_supported():
         print(f"fla backward: refused on triton {importlib.metadata.version('triton')} (training uses the torch path)")
         return []
     failures = []

@@ -1,4 +1,4 @@
-"""`surgery distill`: parse, call surgery.distill, render. Under torchrun every process runs the same
+"""`surgery distill`: parse, call surgery.train.distill, render. Under torchrun every process runs the same
 command; only rank 0 prints."""
 from __future__ import annotations
 

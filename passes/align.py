@@ -18,7 +18,7 @@ from .teacher_data import TeacherDataConfig, teacher_data
 
 @dataclass
 class AlignConfig(TeacherDataConfig, AlignOptions):
-    """Phase 2 options (tcal.align.AlignOptions) plus the calibration data."""
+    """Phase 2 options (tcal.phase2.AlignOptions) plus the calibration data."""
 
     progress: bool = True
 

@@ -18,7 +18,7 @@ from .teacher_data import TeacherDataConfig, teacher_data
 
 @dataclass
 class CalibrateConfig(TeacherDataConfig, Phase1Options):
-    """Phase 1 options (tcal.calibrate.Phase1Options) plus the calibration data."""
+    """Phase 1 options (tcal.phase1.Phase1Options) plus the calibration data."""
 
     def validate(self) -> None:
         super().validate()

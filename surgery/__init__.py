@@ -16,6 +16,7 @@ from .eval import diff
 from .io import capture, export, load, open_model, save
 from .sites import AttentionSite, find_sites
 from .train import DistillConfig, distill
+from . import passes  # noqa: E402,F401  (last: importing the passes registers them by name in core.pipeline)
 
 __all__ = [
     "capture", "load", "save", "open_model", "export", "diff", "SurgeryError", "Graph", "Pass", "PassConfig", "PassManager",

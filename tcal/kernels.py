@@ -167,7 +167,7 @@ def _version_tuple(version: str) -> tuple[int, ...]:
 
 
 @functools.lru_cache(maxsize=None)
-def _fla_backward_supported() -> bool:
+def fla_backward_supported() -> bool:
     try:
         return _version_tuple(importlib.metadata.version("triton")) >= FLA_BACKWARD_MIN_TRITON
     except importlib.metadata.PackageNotFoundError:
@@ -200,7 +200,7 @@ def _fla_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_s
 def _use_fla(q, k, v, g, beta, initial_state) -> bool:
     if not (q.is_cuda and fla_available()):
         return False
-    return not _needs_grad(q, k, v, g, beta, initial_state) or _fla_backward_supported()
+    return not _needs_grad(q, k, v, g, beta, initial_state) or fla_backward_supported()
 
 
 def gated_delta_rule(

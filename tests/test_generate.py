@@ -373,7 +373,7 @@ def test_cuda_graph_capture_logic_with_a_stand_in_graph(tiny, monkeypatch):
     the ids copied into that buffer and the offset set before it."""
     import contextlib
 
-    from surgery.decode import static_step as stepgraph
+    from surgery.decode import static_step
 
     graph = hybrid(tiny("llama").graph.branch(), use_short_conv=True)
     decoder = Decoder(graph, step_mode="static")
@@ -392,7 +392,7 @@ def test_cuda_graph_capture_logic_with_a_stand_in_graph(tiny, monkeypatch):
         "CUDAGraph": StandInGraph,
         "graph": staticmethod(lambda g: contextlib.nullcontext()),
     })
-    monkeypatch.setattr(stepgraph.torch, "cuda", fake_cuda)
+    monkeypatch.setattr(static_step.torch, "cuda", fake_cuda)
     step.cuda_graph = True
     ids = torch.tensor([prompt_of(14, 128, seed=8)])
     decoder.reset(1, 14)

@@ -136,10 +136,10 @@ class Pass:
     def __call__(self, graph: Graph) -> PassResult:
         self.check(graph)
         result = self.run(graph)
-        graph.history.append({"pass": self.name, "config": self.config.to_dict()})
         if result.modified:
             lint(graph)
-        self.ensures(graph)
+        self.ensures(graph)  # before the history records the pass: a broken promise is not a pass that ran
+        graph.history.append({"pass": self.name, "config": self.config.to_dict()})
         return result
 
     def __repr__(self) -> str:
@@ -158,8 +158,7 @@ def register(cls: type[Pass]) -> type[Pass]:
 
 
 def known_passes() -> list[str]:
-    import surgery.passes  # noqa: F401  (importing the package registers every pass)
-
+    """The registered passes (importing `surgery` imports surgery.passes, which registers them)."""
     return sorted(REGISTRY)
 
 

@@ -115,7 +115,10 @@ def set_submodule(gm: GraphModule, target: str, module: torch.nn.Module) -> None
     if hasattr(owner, parts[-1]):
         delattr(owner, parts[-1])
     owner.add_module(parts[-1], module)
+
+
 def ancestors(node: Node, stop=lambda n: False) -> set[Node]:
+    """Every node `node` depends on; the walk does not go past nodes for which stop() is true."""
     seen, todo = set(), [node]
     while todo:
         n = todo.pop()
@@ -128,6 +131,7 @@ def ancestors(node: Node, stop=lambda n: False) -> set[Node]:
 
 
 def descendants(node: Node) -> set[Node]:
+    """Every node that depends on `node`."""
     seen, todo = set(), [node]
     while todo:
         for u in todo.pop().users:

@@ -22,7 +22,6 @@ from ..core.files import sha256_file
 from ..errors import CalibrationError, SurgeryError
 from .text import read_text, text_blocks, tokenize
 
-BUILTIN = "built-in sample"
 FORMAT = 2               # bump when the on-disk layout or a tokenisation rule changes
 RULES = ("whole", "blocks")
 

@@ -7,6 +7,7 @@ import torch
 from ..errors import CalibrationError
 from .cache import token_stream
 
+
 def window_starts(total: int, samples: int, length: int, seed: int) -> list[int]:
     """Where windows() cuts: `samples` starts spread evenly over a stream of `total` tokens, offset by the seed."""
     span = total - length

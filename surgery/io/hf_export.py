@@ -39,7 +39,10 @@ def inside(node: torch.fx.Node, path: str) -> bool:
 
 
 def gdn_call(graph: Graph, target: str) -> torch.fx.Node:
-    return next(n for n in graph.gm.graph.nodes if n.op == "call_module" and n.target == target)
+    call = next((n for n in graph.gm.graph.nodes if n.op == "call_module" and n.target == target), None)
+    if call is None:
+        raise ExportError(f"The hybrid's graph has no call of its GDN module '{target}'.", "Save the hybrid again with `surgery apply`; its graph and recipe disagree.")
+    return call
 
 
 def passes_through(node: torch.fx.Node) -> bool:

@@ -93,9 +93,9 @@ def eval_ids(config: DistillConfig, tokenizer) -> torch.Tensor | None:
     """The first eval_tokens tokens of eval_text, scored at the start, every eval_every and the end."""
     if not config.eval_text:
         return None
-    from ..data.text import read_text, tokenize
+    from ..data.cache import text_ids
 
-    ids = tokenize(tokenizer, read_text(config.eval_text))[: config.eval_tokens]
+    ids = text_ids(config.eval_text, tokenizer)[: config.eval_tokens]
     if ids.numel() < 2:
         raise DistillError(f"The evaluation text '{config.eval_text}' holds {ids.numel()} token(s).", "Use a longer --eval-text.")
     return ids

@@ -10,7 +10,7 @@ import os
 import shutil
 from pathlib import Path
 
-from ..core.files import write_json_atomic
+from ..core.files import write_atomic, write_json_atomic
 from ..core.graph import Graph
 from ..errors import DistillError
 from ..io.checkpoint import save
@@ -20,6 +20,14 @@ from .models import describe_source
 from .state import has_state, read_state, write_state
 
 PREFIX = CHECKPOINT_PREFIX
+
+
+def logged_step(line: str) -> float:
+    """The step of a log.jsonl record; a line a killed run left half-written counts as after every step."""
+    try:
+        return json.loads(line).get("step", 0) if line.strip() else float("inf")
+    except ValueError:
+        return float("inf")
 
 
 class RunDir:
@@ -97,10 +105,8 @@ class RunDir:
             write_json_atomic(out / RUN_FILE, run)
         log = out / LOG_FILE
         if resume and log.exists():
-            keep = [] if done is None else [line for line in log.read_text().splitlines() if line.strip() and json.loads(line).get("step", 0) <= done]
-            tmp = log.with_name(f".{LOG_FILE}.{os.getpid()}")
-            tmp.write_text("".join(line + "\n" for line in keep))
-            os.replace(tmp, log)
+            keep = [] if done is None else [line for line in log.read_text().splitlines() if logged_step(line) <= done]
+            write_atomic(log, "".join(line + "\n" for line in keep))
 
     def log(self, record: dict) -> None:
         with open(self.path / LOG_FILE, "a") as f:
