@@ -300,6 +300,28 @@ def test_resume_never_unpickles_a_planted_trainer_state(reference, loaded, files
     assert "new run" in info.value.fix and not marker.exists()
 
 
+def test_force_keeps_the_replaced_run_until_the_new_one_has_a_checkpoint(loaded, files, stories_teacher, tmp_path, monkeypatch):
+    """--force over an earlier run moves it aside; a new run that fails before its first checkpoint
+    leaves it there (.OUT.old-PID), one that writes a checkpoint deletes it."""
+    out = tmp_path / "run"
+    config = DistillConfig(tokens=2 * STEP, stage="kl", seq_len=L, global_batch=G)
+    distill(fresh(loaded), [files / "train.txt"], out, config, teacher=stories_teacher, progress=False)
+    first = final_weights(out)
+
+    def broken(*args, **kwargs):
+        raise torch.OutOfMemoryError("out of memory (planted)")
+
+    monkeypatch.setattr(stages_module, "graph_logits", broken)
+    with pytest.raises(DistillError):
+        distill(fresh(loaded), [files / "train.txt"], out, config, teacher=stories_teacher, force=True, progress=False)
+    monkeypatch.undo()
+    aside = [p for p in tmp_path.iterdir() if p.name.startswith(".run.old-")]
+    assert len(aside) == 1 and all(torch.equal(first[k], v) for k, v in final_weights(aside[0] / "run").items())
+    distill(fresh(loaded), [files / "train.txt"], out, config, teacher=stories_teacher, force=True, progress=False)
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".run.old-")]
+    assert (out / "last").exists()
+
+
 def test_time_limit_stops_with_a_checkpoint_and_resume_repeats_the_run(reference, loaded, files, stories_teacher, tmp_path):
     """A run sliced by time_limit (here: out of time after every step) stops cleanly at each step
     boundary with a checkpoint, and resuming slice after slice gives the uninterrupted run."""

@@ -8,6 +8,7 @@ import contextlib
 import json
 import os
 import shutil
+import tempfile
 from pathlib import Path
 
 from ..core.files import write_atomic, write_json_atomic
@@ -93,10 +94,17 @@ class RunDir:
 
     def start(self, run: dict | None, resume: bool, done: int | None) -> None:
         """Make the directory ready (rank 0): a new run replaces it and writes distill.json (`run`);
-        a resumed one drops what a killed run left after its last checkpoint (step `done`)."""
+        a resumed one drops what a killed run left after its last checkpoint (step `done`). The run
+        a new one replaces (--force) is moved aside, and deleted only once the new run has written
+        its first checkpoint: a run that fails before that leaves the old one in .OUT.old-PID-*/
+        (a replaced run without any checkpoint holds nothing to keep and is deleted at once)."""
         out = self.path
         if not resume and out.exists():
-            shutil.rmtree(out)
+            if self.checkpoints():
+                holder = Path(tempfile.mkdtemp(prefix=f"{self.aside_prefix()}{os.getpid()}-", dir=out.parent))
+                os.replace(out, holder / out.name)
+            else:
+                shutil.rmtree(out)
         out.mkdir(parents=True, exist_ok=True)
         # temporary directories of a killed run: checkpoint.save's staging (.checkpoint-N.XXXX)
         for stale in out.glob(f".*{PREFIX}*"):
@@ -124,4 +132,10 @@ class RunDir:
             os.replace(link, self.path / LAST)
         for _, old in self.checkpoints()[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
+        for aside in self.path.parent.glob(self.aside_prefix() + "*"):  # the new run has a checkpoint:
+            if (aside / self.path.name / RUN_FILE).exists():            # the runs it replaced can go
+                shutil.rmtree(aside, ignore_errors=True)
         return self.path / name
+
+    def aside_prefix(self) -> str:
+        return f".{self.path.name}.old-"
