@@ -1,5 +1,5 @@
 """Peak memory and time of distillation's KL loss (forward + backward): the plain float32 formula
-against surgery.losses.kl_divergence (row chunks, closed-form gradient). Each variant runs in its own
+against surgery.train.losses.kl_divergence (row chunks, closed-form gradient). Each variant runs in its own
 process so peaks do not mix: on CUDA torch.cuda.max_memory_allocated, on the CPU the process's
 peak resident set (the logits themselves included in both).
 
