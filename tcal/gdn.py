@@ -9,6 +9,7 @@ identity (so weights copied from a teacher keep their meaning), and v's activati
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import torch
@@ -299,3 +300,10 @@ class GatedDeltaNet(nn.Module):
     def forward(self, hidden_states: torch.Tensor, cache: GDNCache | None = None) -> torch.Tensor:
         """[B, T, hidden] -> [B, T, hidden]; with a GDNCache, continue the sequence it holds."""
         return self.forward_parts(hidden_states, cache)["out"]
+
+
+def constructor_options(annotation: str) -> tuple[str, ...]:
+    """GatedDeltaNet's constructor arguments annotated `annotation` ("int", "bool"), in order: a
+    recipe's gdn_config is checked against these, so a new option needs no second list."""
+    parameters = inspect.signature(GatedDeltaNet.__init__).parameters.values()
+    return tuple(p.name for p in parameters if p.annotation == annotation)  # strings: annotations are postponed here

@@ -19,8 +19,8 @@ import numpy as np
 import torch
 
 from ..core.files import sha256_file
-from ..errors import CalibrationError, SurgeryError
-from .text import read_text, text_blocks, tokenize
+from ..errors import CalibrationError
+from .text import read_text, require_file, require_tokenizer, text_blocks, tokenize
 
 FORMAT = 2               # bump when the on-disk layout or a tokenisation rule changes
 RULES = ("whole", "blocks")
@@ -77,11 +77,7 @@ def file_tokens(path, tokenizer, *, rule: str = "whole", fingerprint: str | None
     A cache that cannot be written (a read-only home) costs only a re-tokenisation next time."""
     if rule not in RULES:
         raise ValueError(f"rule must be one of {RULES}, got {rule!r}")
-    if tokenizer is None:
-        raise SurgeryError("This model has no tokenizer.", "Load it from a directory or GGUF that carries one.")
-    path, dtype = Path(path), token_dtype(tokenizer)
-    if not path.is_file():
-        raise SurgeryError(f"Text file '{path}' does not exist.", "Check the path.")
+    path, dtype = require_file(path), token_dtype(require_tokenizer(tokenizer))
     fingerprint = fingerprint or tokenizer_fingerprint(tokenizer)
     key = hashlib.sha256(json.dumps([FORMAT, rule, digest or sha256_file(path), fingerprint]).encode()).hexdigest()[:24]
     target = cache_dir() / f"{key}.{dtype.name}"

@@ -12,12 +12,25 @@ from ..errors import DataError, SurgeryError
 BLOCK_CHARS = 1 << 20    # text is handed out in blocks of about this many characters, cut at newlines
 
 
-def text_blocks(path: str | Path):
-    """The file's text (plain or .xz; CRLF and CR read as LF) in blocks cut after a newline, so a
-    fast tokenizer never holds a whole corpus. Joined, the blocks are the whole text."""
+def require_file(path: str | Path) -> Path:
+    """The path of a text input that exists, or the error every reader gives for one that does not."""
     path = Path(path)
     if not path.is_file():
         raise SurgeryError(f"Text file '{path}' does not exist.", "Check the path.")
+    return path
+
+
+def require_tokenizer(tokenizer):
+    """The tokenizer, or the error every tokenising reader gives for a model without one."""
+    if tokenizer is None:
+        raise SurgeryError("This model has no tokenizer.", "Load it from a directory or GGUF that carries one.")
+    return tokenizer
+
+
+def text_blocks(path: str | Path):
+    """The file's text (plain or .xz; CRLF and CR read as LF) in blocks cut after a newline, so a
+    fast tokenizer never holds a whole corpus. Joined, the blocks are the whole text."""
+    path = require_file(path)
     opener = lzma.open if path.suffix == ".xz" else open
     with opener(path, "rt", encoding="utf-8", newline=None) as f:
         rest = ""
@@ -43,9 +56,7 @@ def read_text(path: str | Path) -> str:
 
 def tokenize(tokenizer, text: str) -> torch.Tensor:
     """Token ids [N] of `text` as one tokenizer call, without special tokens."""
-    if tokenizer is None:
-        raise SurgeryError("This model has no tokenizer.", "Load it from a directory or GGUF that carries one.")
-    ids = tokenizer(text, add_special_tokens=False, return_attention_mask=False)["input_ids"]
+    ids = require_tokenizer(tokenizer)(text, add_special_tokens=False, return_attention_mask=False)["input_ids"]
     return torch.tensor(ids, dtype=torch.long)
 
 

@@ -35,7 +35,7 @@ DROPPED_CONFIG = ("_name_or_path", "_model_name_or_path", "architectures", "auto
 
 def inside(node: torch.fx.Node, path: str) -> bool:
     """Whether the node was traced inside the module at `path` (its nn_module_stack names it)."""
-    return any(p == path or p.startswith(path + ".") for p, _ in node.meta.get("nn_module_stack", {}).values())
+    return any(inside_path(p, path) for p, _ in node.meta.get("nn_module_stack", {}).values())
 
 
 def gdn_call(graph: Graph, target: str) -> torch.fx.Node:

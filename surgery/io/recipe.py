@@ -5,6 +5,8 @@ from __future__ import annotations
 import importlib.metadata
 import platform
 
+from tcal.gdn import constructor_options
+
 from ..core.graph import Graph
 from ..errors import CheckpointError
 
@@ -55,8 +57,7 @@ def build(graph: Graph, weights: dict) -> dict:
 
 RECIPE_FIX = "The recipe was edited or damaged; write the checkpoint again with `surgery apply`."
 FIELD_TYPES = {"config": dict, "passes": list, "decisions": dict, "weights": dict, "sites": list, "capture": dict}
-GDN_INTS = ("hidden_size", "num_heads", "head_dim", "conv_size")
-GDN_BOOLS = ("q_bias", "k_bias", "v_bias", "o_bias", "use_short_conv", "conv_identity_init")
+GDN_INTS, GDN_BOOLS = constructor_options("int"), constructor_options("bool")
 DTYPES = ("float32", "float16", "bfloat16", "float64")
 TYPE_NAMES = {dict: "an object", list: "a list", int: "an integer", str: "a string", bool: "true or false"}
 
