@@ -16,7 +16,7 @@ from .common import err, guard, model_inputs, more_files, out, placement
 from .distill import distill as distill_command
 from .export import export as export_command
 from .generate import generate as generate_command
-from .options import DebugOpt, DeviceOpt, DtypeOpt, ModelOpt
+from .options import CompileOpt, DebugOpt, DeviceOpt, DtypeOpt, ModelOpt
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Convert softmax attention to Gated DeltaNet, Taylor-Calibrated.")
 
@@ -126,7 +126,7 @@ def apply(
     calibration: Optional[List[Path]] = typer.Option(None, "--calibration", help="Calibration text file(s): --calibration a.txt b.txt (or repeat the flag); default: the built-in sample."),
     more_calibration: Optional[List[Path]] = typer.Argument(None, help="More calibration files (after --calibration).", show_default=False),
     options: Optional[List[str]] = typer.Option(None, "--set", help="Pass option pass.key=value (repeatable), e.g. align.steps=100."),
-    device: Optional[str] = DeviceOpt, dtype: Optional[str] = DtypeOpt, debug: bool = DebugOpt,
+    device: Optional[str] = DeviceOpt, dtype: Optional[str] = DtypeOpt, debug: bool = DebugOpt, compile: Optional[bool] = CompileOpt,
 ):
     """Run passes on a model and save the hybrid."""
     from surgery import PassManager, capture, diff as graph_diff, save
@@ -143,6 +143,8 @@ def apply(
         for name in ("calibrate", "align"):
             if name in names and calibration:
                 configs.setdefault(name, {})["calibration"] = [str(p) for p in calibration]
+        if "align" in names and compile is not None:
+            configs.setdefault("align", {})["compile"] = compile
         manager = PassManager(names, configs)
         manager.validate()
         for file in calibration or []:
@@ -177,8 +179,8 @@ def check_eval_options(task: str, text, lengths: str, **counts: int) -> list[int
     passkey lengths, and counts in range (a --chunk below 2 predicts no token). -> the lengths."""
     from surgery.data.text import check_text_file
 
-    if task not in ("perplexity", "passkey"):
-        raise SurgeryError(f"Unknown task '{task}'.", "Use --task perplexity or --task passkey.")
+    if task not in ("perplexity", "passkey", "lm-eval"):
+        raise SurgeryError(f"Unknown task '{task}'.", "Use --task perplexity, passkey or lm-eval.")
     if task == "perplexity" and len(text or []) != 1:
         raise SurgeryError("Perplexity scores exactly one text file.", "Pass it with --text FILE.")
     for file in text or []:
@@ -200,14 +202,17 @@ def check_eval_options(task: str, text, lengths: str, **counts: int) -> list[int
 @app.command("eval")
 def evaluate(model: str = ModelOpt,
              text: Optional[List[Path]] = typer.Option(None, "--text", "-t", help="perplexity: the text file to score; passkey: corpus text for the filler (default: built-in sample)."),
-             task: str = typer.Option("perplexity", "--task", help="perplexity or passkey."),
+             task: str = typer.Option("perplexity", "--task", help="perplexity, passkey or lm-eval."),
+             tasks: str = typer.Option("surgery_next_sentence", "--tasks", help="lm-eval: shipped task name(s), comma-separated."),
+             limit: Optional[int] = typer.Option(None, "--limit", help="lm-eval: score only the first N items of each task."),
              as_json: bool = typer.Option(False, "--json"), chunk: int = typer.Option(2048, "--chunk"),
              batch_size: int = typer.Option(1, "--batch-size"),
              lengths: str = typer.Option("1024,2048,4096", "--lengths", help="passkey: prompt lengths in tokens."),
              depths: int = typer.Option(5, "--depths", help="passkey: evenly spaced needle depths per length."),
              trials: int = typer.Option(2, "--trials", help="passkey: keys per (length, depth)."),
              seed: int = typer.Option(0, "--seed", help="passkey: keys and filler offsets."),
-             device: Optional[str] = DeviceOpt, dtype: Optional[str] = DtypeOpt, debug: bool = DebugOpt):
+             device: Optional[str] = DeviceOpt, dtype: Optional[str] = DtypeOpt, debug: bool = DebugOpt,
+             compile: Optional[bool] = CompileOpt):
     """Perplexity on a text file (WikiText-2 protocol) or passkey retrieval, for a teacher or a saved hybrid."""
     from rich.progress import Progress
 
@@ -217,6 +222,8 @@ def evaluate(model: str = ModelOpt,
     with guard(debug):
         length_list = check_eval_options(task, text, lengths, chunk=chunk, batch_size=batch_size, depths=depths, trials=trials)
         model_inputs(model)
+        if task == "lm-eval":
+            return lm_eval_task(model, tasks, limit, device, dtype, batch_size, as_json)
         dev, dt = placement(device, dtype)
         graph = open_model(model, device=dev, dtype=dt, debug=debug)
         if task == "passkey":
@@ -239,12 +246,27 @@ def evaluate(model: str = ModelOpt,
         ids = text_ids(text[0], graph.tokenizer)  # the WikiText-2 protocol: the whole file in one call, cached
         with Progress(console=err, transient=True, disable=as_json or not sys.stderr.isatty()) as bar:
             bar_task = bar.add_task("evaluating", total=None)
-            result = perplexity(graph, ids, chunk=chunk, batch_size=batch_size, progress=lambda i, n: bar.update(bar_task, completed=i, total=n))
+            result = perplexity(graph, ids, chunk=chunk, batch_size=batch_size, progress=lambda i, n: bar.update(bar_task, completed=i, total=n),
+                                compile=compile)
         result |= {"model": model, "text": str(text[0])}
         if as_json:
             print(json.dumps(result))
         else:
             out.print(f"perplexity {result['perplexity']:.3f} over {result['tokens']:,} predicted tokens ({result['chunks']} chunks of {result['chunk_length']})")
+
+
+def lm_eval_task(model, tasks, limit, device, dtype, batch_size, as_json) -> None:
+    """eval --task lm-eval: lm-evaluation-harness on the shipped local task(s), the model exported if a hybrid."""
+    from surgery.eval.lm_harness import check_tasks, evaluate as lm_evaluate
+
+    names = check_tasks(tasks)
+    dev, dt = placement(device, dtype)
+    result = lm_evaluate(model, names, limit=limit, device=str(dev), dtype=str(dt).removeprefix("torch."), batch_size=batch_size)
+    if as_json:
+        print(json.dumps(result | {"model": model}))
+        return
+    for name, r in result["tasks"].items():
+        out.print(f"{name}: acc {r['acc']:.4f}, acc_norm {r['acc_norm']:.4f} over {r['items']} items (lm-eval)")
 
 
 @app.command("passes")

@@ -12,7 +12,7 @@ import typer
 from surgery.errors import SurgeryError
 
 from .common import err, guard, out, parse_device, parse_dtype
-from .options import DebugOpt
+from .options import CompileOpt, DebugOpt
 
 _SUFFIXES = {"k": 10**3, "m": 10**6, "g": 10**9, "b": 10**9}
 
@@ -59,6 +59,7 @@ def distill(
     device: Optional[str] = typer.Option(None, "--device", help="cpu, cuda, cuda:1 ... (default: cuda when available; cuda:LOCAL_RANK under torchrun)."),
     dtype: Optional[str] = typer.Option(None, "--dtype", help="Dtype of the trained weights (default float32; CUDA computes under bf16 autocast)."),
     as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
+    compile: Optional[bool] = CompileOpt,
     debug: bool = DebugOpt,
 ):
     """Continue training a saved hybrid against its teacher (stage l2, kl, or both)."""
@@ -71,7 +72,7 @@ def distill(
     with guard(debug):
         given = {"stage": stage, "seq_len": seq_len, "global_batch": batch_size, "micro_batch": micro_batch, "warmup": warmup,
                  "schedule": schedule, "seed": seed, "eval_text": str(eval_text) if eval_text else None, "time_limit": time_limit,
-                 "tokens": count(tokens, "--tokens"), "grad_checkpoint": grad_checkpoint}
+                 "tokens": count(tokens, "--tokens"), "grad_checkpoint": grad_checkpoint, "compile": compile}
         counts = {"l2_tokens": (l2_tokens, "--l2-tokens"), "eval_every": (eval_every, "--eval-every"),
                   "eval_tokens": (eval_tokens, "--eval-tokens"), "save_every": (save_every, "--save-every")}
         config = DistillConfig.from_dict(settings(given, counts, lr, lr_rest, options))

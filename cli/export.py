@@ -9,7 +9,9 @@ import typer
 from .common import err, guard, model_inputs, parse_dtype
 from .options import DebugOpt
 
-FormatOpt = typer.Option("hf", "--format", help="hf: a transformers directory (AutoModelForCausalLM, trust_remote_code=True).")
+FormatOpt = typer.Option("hf", "--format", help="hf: a transformers directory (AutoModelForCausalLM, trust_remote_code=True). "
+                        "qwen3_5: a native Qwen3.5 text model (Qwen3_5ForCausalLM, no remote code; vLLM, SGLang), "
+                        "where the hybrid fits that class exactly.")
 ExportDtypeOpt = typer.Option(None, "--dtype", help="float32, bfloat16, float16 for the written weights (default: the hybrid's own).")
 
 

@@ -13,7 +13,7 @@ import typer
 from surgery.errors import SurgeryError
 
 from .common import err, guard, model_inputs, more_files, placement
-from .options import DebugOpt, DeviceOpt, DtypeOpt, ModelOpt
+from .options import CompileOpt, DebugOpt, DeviceOpt, DtypeOpt, ModelOpt
 
 CONTEXT_TOKENS = 8  # prompt tokens decoded with the continuation, so a leading space survives detokenisation
 
@@ -87,6 +87,7 @@ def generate(
     seed: Optional[int] = typer.Option(None, "--seed", help="Seed for sampling (reproducible continuations)."),
     device: Optional[str] = DeviceOpt,
     dtype: Optional[str] = DtypeOpt,
+    compile: Optional[bool] = CompileOpt,
     debug: bool = DebugOpt,
 ):
     """Continue prompts with a teacher or a saved hybrid (KV cache for attention, recurrent state for GDN)."""
@@ -112,7 +113,7 @@ def generate(
                     f"Prompt {i} has {len(ids)} tokens; with {max_new_tokens} new ones that exceeds the model's position limit of {graph.max_length}.",
                     "Shorten the prompt or lower --max-new-tokens.",
                 )
-        decoder = Decoder(graph)
+        decoder = Decoder(graph, compile=compile)
         kinds = graph.layer_kinds
         err.print(f"decoding: {kinds.count('attention')} attention layers with a KV cache, {kinds.count('gdn')} GDN layers with a recurrent state")
 

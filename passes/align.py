@@ -5,9 +5,10 @@ import sys
 import time
 from dataclasses import dataclass
 
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from surgery.errors import PassConfigError
+from surgery.core.compiled import CompiledGraph, resolve_compile
 from surgery.core.graph import Graph
 from surgery.core.pipeline import Pass, PassResult, register
 from tcal.phase2 import AlignOptions, align_layers
@@ -18,9 +19,11 @@ from .teacher_data import TeacherDataConfig, teacher_data
 
 @dataclass
 class AlignConfig(TeacherDataConfig, AlignOptions):
-    """Phase 2 options (tcal.phase2.AlignOptions) plus the calibration data."""
+    """Phase 2 options (tcal.phase2.AlignOptions) plus the calibration data; compile: each GDN layer's
+    forward through torch.compile (None: where it pays, surgery.core.compiled)."""
 
     progress: bool = True
+    compile: bool | None = None
 
     def validate(self) -> None:
         super().validate()
@@ -44,15 +47,20 @@ class Align(Pass):
         pairs = {l: (data[l].x, data[l].target) for l in modules}
         show = self.config.progress and sys.stderr.isatty()
         with Progress(TextColumn("align"), BarColumn(), TextColumn("{task.completed}/{task.total} steps"),
-                      TextColumn("mean loss {task.fields[loss]:.3e}"), TimeElapsedColumn(), disable=not show, transient=True) as bar:
+                      TextColumn("mean loss {task.fields[loss]:.3e}"), TimeElapsedColumn(), TextColumn("left"), TimeRemainingColumn(),
+                      disable=not show, transient=True) as bar:
             task = bar.add_task("align", total=self.config.steps, loss=float("nan"))
             def progress(step, losses):
                 mean = sum(losses.values()) / len(losses)
                 bar.update(task, completed=step + 1, loss=mean)
                 if self.config.progress and not show and (step + 1) % 50 == 0:  # logs get a line now and then
-                    print(f"align step {step + 1}/{self.config.steps}: mean loss {mean:.4e}", file=sys.stderr, flush=True)
+                    left = (time.perf_counter() - start) / (step + 1) * (self.config.steps - step - 1)
+                    print(f"align step {step + 1}/{self.config.steps}: mean loss {mean:.4e}, at most {left:.0f} s left", file=sys.stderr, flush=True)
 
-            report = align_layers(modules, pairs, self.config.project(AlignOptions), progress=progress)
+            forwards = None
+            if resolve_compile(self.config.compile, graph.device):
+                forwards = {l: CompiledGraph(m, label=f"GDN layer {l}") for l, m in modules.items()}
+            report = align_layers(modules, pairs, self.config.project(AlignOptions), progress=progress, forwards=forwards)
         seconds = time.perf_counter() - start
         graph.meta["align"] = report | {"seconds": seconds}
         layers = report["layers"].values()

@@ -14,6 +14,16 @@ greedy  GA-S2: per layer, the hybrid that keeps ONLY that layer as attention, ev
         reuse those modules (the reference rebuilds each probe: N times the work; only the random draw
         of the new parameters' default init can differ from a probe built from scratch). Probes are
         scored on windows held out from the ones their init was fitted on.
+
+window (any policy that counts layers: uniform, ar, greedy) treats layers with a sliding window apart
+from global ones, as the graph's masks show them (passes/kv_budget.py). A window layer's KV cache is
+bounded (Gemma-3: 512 of 32k positions), so converting it saves little memory:
+any           today's choice, blind to windows (default)
+global-first  convert the global layers first, then window layers, each group chosen by the policy
+global-only   convert global layers only;  local-only   convert window layers only
+Within a group the policy decides as it would over all layers (uniform: evenly spaced within the
+group; ar, greedy: the group's lowest-ranked layers). With a window mode the record adds the KV
+cache each selection keeps at 32k tokens.
 """
 from __future__ import annotations
 
@@ -28,6 +38,7 @@ from surgery.eval.ablation import keep_one_scores, removal_scores
 
 from .teacher_data import TeacherDataConfig
 from .align import AlignConfig
+from .kv_budget import GLOBAL, WINDOW, kv_report, layer_kinds, layer_windows
 from .calibrate import CalibrateConfig
 from .replace import ReplaceConfig
 from .selection import LayerSelection
@@ -36,6 +47,7 @@ POLICIES = ("uniform", "keep", "convert", "ar", "greedy")
 SCORED = ("ar", "greedy")
 INIT_CONFIGS = {"replace": ReplaceConfig, "calibrate": CalibrateConfig, "align": AlignConfig}
 DEFAULT_INIT = ["calibrate", "align"]
+WINDOW_GROUPS = {"any": None, "global-first": (GLOBAL, WINDOW), "global-only": (GLOBAL,), "local-only": (WINDOW,)}
 
 
 @dataclass
@@ -46,7 +58,8 @@ class SelectConfig(TeacherDataConfig):
     calibration, samples, length, seed, batch_size   the scoring text (ar, greedy), as for calibrate
     init            greedy: passes applied after replace in every probe (default: the pipeline's
                     calibrate/align, else calibrate,align); "calibrate" alone skips Phase 2 for speed
-    init_configs    greedy: {"replace"|"calibrate"|"align": options} for the probes, over the pipeline's"""
+    init_configs    greedy: {"replace"|"calibrate"|"align": options} for the probes, over the pipeline's
+    window          any | global-first | global-only | local-only: how sliding-window layers are treated (above)"""
 
     policy: str = "uniform"
     keep_ratio: float | None = 0.5
@@ -55,6 +68,7 @@ class SelectConfig(TeacherDataConfig):
     layers: list[int] | None = None
     init: list[str] | None = None
     init_configs: dict | None = None
+    window: str = "any"
 
     def validate(self) -> None:
         super().validate()
@@ -71,6 +85,11 @@ class SelectConfig(TeacherDataConfig):
                 raise PassConfigError(f"keep_ratio must be in [0, 1), got {self.keep_ratio}.", "A ratio of 1 would convert nothing; use e.g. 0.5.")
         elif not self.layers:
             raise PassConfigError(f"Policy '{self.policy}' needs a non-empty list of layers.", "Pass --layers i,j,...")
+        if self.window not in WINDOW_GROUPS:
+            raise PassConfigError(f"Unknown select.window '{self.window}'.", f"Use one of: {', '.join(WINDOW_GROUPS)}.")
+        if self.window != "any" and self.policy in ("keep", "convert"):
+            raise PassConfigError(f"select.window={self.window} chooses among layers, but policy '{self.policy}' names them.",
+                                  "Leave select.window at any, or use policy uniform, ar or greedy.")
         if self.init is not None:
             bad = [n for n in self.init if n not in DEFAULT_INIT]
             if bad or self.init != [n for n in DEFAULT_INIT if n in self.init]:
@@ -88,6 +107,36 @@ def uniform_keep(num_layers: int, keep_ratio: float | None, stride: int | None, 
         return list(range(0, num_layers, stride))
     count = round(keep_ratio * num_layers) if count is None else count
     return sorted({(i * num_layers) // count for i in range(count)}) if count else []
+
+
+def uniform_pick(group: list[int], count: int) -> list[int]:
+    """The `count` layers of `group` uniform converts: the complement of evenly spaced kept ones."""
+    keep = set(uniform_keep(len(group), None, None, len(group) - count))
+    return [layer for i, layer in enumerate(group) if i not in keep]
+
+
+def ranked_pick(ranked: list[int]):
+    """pick() for a ranking (best to keep first): a group's `count` lowest-ranked layers."""
+    def pick(group: list[int], count: int) -> list[int]:
+        order = [layer for layer in ranked if layer in group]
+        return order[len(order) - count:] if count else []
+    return pick
+
+
+def windowed_convert(kinds: list[str], count: int, mode: str, pick) -> list[int]:
+    """The `count` layers to convert when `mode` limits conversion to one kind of layer, or converts
+    one kind first: the groups of WINDOW_GROUPS[mode] in order, pick(group, m) choosing within each."""
+    convert, left = [], count
+    for kind in WINDOW_GROUPS[mode]:
+        group = [i for i, k in enumerate(kinds) if k == kind]
+        take = min(left, len(group))
+        convert += pick(group, take)
+        left -= take
+    if left:
+        found = f"{kinds.count(GLOBAL)} global and {kinds.count(WINDOW)} sliding-window layers"
+        raise PassConfigError(f"select.window={mode} cannot convert {count} layers: this model has {found}.",
+                              f"Convert at most {count - left} (raise keep_count or keep_ratio), or use select.window=global-first.")
+    return sorted(convert)
 
 
 @register
@@ -143,13 +192,15 @@ class Select(Pass):
         converts = graph.num_layers - self.keep_count(graph.num_layers) if self.config.policy in SCORED else len(self.decide(graph.num_layers))
         if not converts:
             raise PassConfigError(f"The selection converts no layer (policy {self.config.policy}).", "Lower the keep ratio or name layers to convert.")
+        if self.config.window != "any":  # an impossible request fails before any scoring
+            windowed_convert(layer_kinds(layer_windows(graph)), converts, self.config.window, uniform_pick)
 
     def run(self, graph: Graph) -> PassResult:
         c = self.config
         if c.policy not in SCORED:
-            convert = self.decide(graph.num_layers)
+            convert = self.decide(graph.num_layers) if c.window == "any" else self.windowed(graph, uniform_pick)
             keep = [i for i in range(graph.num_layers) if i not in convert]
-            return self.record(graph, LayerSelection(c.policy, convert, keep))
+            return self.record(graph, LayerSelection(c.policy, convert, keep, **self.window_record(graph, convert)))
         k = self.keep_count(graph.num_layers)
         text = self.scoring_windows(graph)  # before any model work: a short text fails fast
         if c.policy == "ar":
@@ -163,9 +214,25 @@ class Select(Pass):
             extra = {"metric": "perplexity keeping only this layer as attention (lower: keep)", "init": ["replace", *init]}
         for rank, row in enumerate(ranked, 1):
             row["rank"] = rank
-        keep = sorted(r["layer"] for r in ranked[:k])
-        convert = [i for i in range(graph.num_layers) if i not in keep]
+        if c.window == "any":
+            keep = sorted(r["layer"] for r in ranked[:k])
+            convert = [i for i in range(graph.num_layers) if i not in keep]
+        else:
+            convert = self.windowed(graph, ranked_pick([r["layer"] for r in ranked]))
+            keep = [i for i in range(graph.num_layers) if i not in convert]
+        extra |= self.window_record(graph, convert)
         return self.record(graph, LayerSelection(c.policy, convert, keep, keep_count=k, **extra, tokens=int(text.numel()), scores=rows))
+
+    def windowed(self, graph: Graph, pick) -> list[int]:
+        """The layers to convert under select.window, the policy choosing within each group by `pick`."""
+        count = graph.num_layers - self.keep_count(graph.num_layers)
+        return windowed_convert(layer_kinds(layer_windows(graph)), count, self.config.window, pick)
+
+    def window_record(self, graph: Graph, convert: list[int]) -> dict:
+        """With a window mode: the mode and the KV cache the selection keeps (nothing at window=any)."""
+        if self.config.window == "any":
+            return {}
+        return {"window": self.config.window, "kv_cache": kv_report(graph, convert)}
 
     @staticmethod
     def record(graph: Graph, selection: LayerSelection) -> PassResult:

@@ -18,7 +18,9 @@ class LayerSelection:
     metric               ar, greedy: what the scores measure and which way is better
     teacher_perplexity   ar: the unablated teacher's perplexity on the scoring text
     init                 greedy: the passes each probe was initialised with
-    tokens, scores       ar, greedy: the scoring text's size and the per-layer scores"""
+    tokens, scores       ar, greedy: the scoring text's size and the per-layer scores
+    window, kv_cache     with select.window other than any: the mode, and the KV cache the selection
+                         keeps at 32k tokens (passes/kv_budget.kv_report)"""
 
     policy: str
     convert: list[int]
@@ -29,6 +31,8 @@ class LayerSelection:
     init: list[str] | None = None
     tokens: int | None = None
     scores: list[dict] | None = None
+    window: str | None = None
+    kv_cache: dict | None = None
 
     def to_dict(self) -> dict:
         """Plain data; the fields a policy leaves unset are left out, as select has always written it."""

@@ -67,3 +67,7 @@ class DistillError(SurgeryError):
 
 class ExportError(SurgeryError):
     """A hybrid cannot be written in the asked format (an attention module the format cannot swap, an unknown format)."""
+
+
+class EvalTaskError(SurgeryError):
+    """An evaluation task cannot run: a task name no shipped task has, or lm-eval missing."""

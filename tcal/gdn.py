@@ -23,7 +23,10 @@ V_ACTIVATIONS = {"silu": F.silu, "identity": lambda x: x}
 
 def _fused_norms(x: torch.Tensor, backend: str) -> bool:
     """fla's fused norm kernels follow the layer's backend: "fla" always, "auto" for CUDA tensors
-    when fla imports; "torch" (and every CPU run) keeps the eager float32 code."""
+    when fla imports; "torch" (and every CPU run) keeps the eager float32 code. Under torch.compile
+    the eager code is what inductor fuses into one kernel itself (fla's would break the graph)."""
+    if torch.compiler.is_compiling():
+        return False
     return backend == "fla" or (backend == "auto" and x.is_cuda and fla_available())
 
 
@@ -246,6 +249,8 @@ class GatedDeltaNet(nn.Module):
         """All six projections of x as ONE matmul (weights concatenated): at short lengths the layer is
         launch-bound, and one GEMM replaces six."""
         layers = [getattr(self, n) for n in self.INPUT_PROJECTIONS]
+        if torch.compiler.is_compiling():  # no launch cost to save there, and the weight cache would break the graph
+            return {n: l(x) for n, l in zip(self.INPUT_PROJECTIONS, layers)}
         weight, bias = fused_weight(self, layers)
         parts = F.linear(x, weight, bias).split([l.out_features for l in layers], dim=-1)
         return dict(zip(self.INPUT_PROJECTIONS, parts))

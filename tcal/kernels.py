@@ -221,6 +221,8 @@ def gated_delta_rule(
     which use their own chunk size of 64), or "auto" (fla on CUDA when it imports and, if a
     gradient is needed, when its backward is trustworthy on this Triton; else torch)."""
     scale = _default_scale(scale, q.shape[-1])
+    if torch.compiler.is_compiling():  # one opaque op: dynamo neither traces fla nor breaks at its checks
+        return compiled_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state, backend, chunk_size)
     if backend == "auto":
         backend = "fla" if _use_fla(q, k, v, g, beta, initial_state) else "torch"
     if backend == "fla":
@@ -234,3 +236,104 @@ def gated_delta_rule(
     return chunked_gated_delta_rule_torch(
         q, k, v, g, beta, scale, initial_state, output_final_state, chunk_size
     )
+
+
+def _resolved_backend(backend: str, q: torch.Tensor, training: bool) -> str:
+    """The backend "auto" means for this call (the eager rule of _use_fla, with `training` known)."""
+    if backend != "auto":
+        return backend
+    return "fla" if q.is_cuda and fla_available() and (not training or fla_backward_supported()) else "torch"
+
+
+def _rule_outputs(q, k, v, g, beta, initial_state, scale, output_final_state, backend, chunk_size, training):
+    """(o, final state or an empty tensor): a custom op returns tensors, never None, nor its inputs."""
+    backend = _resolved_backend(backend, q, training)
+    if backend == "fla" and training:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule  # the kernel whose backward is used
+
+        o, state = chunk_gated_delta_rule(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                                          output_final_state=output_final_state, use_qk_l2norm_in_kernel=False)
+    else:
+        o, state = gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state, backend, chunk_size)
+    if state is None or state is initial_state:
+        state = q.new_empty(0, dtype=torch.float32) if state is None else state.clone()
+    return o.contiguous(), state.contiguous()  # the strides the fake promises
+
+
+# The dispatch key sets (included, excluded) outside any op, as this module is imported.
+OUTSIDE_DISPATCH_KEYS = (torch._C._dispatch_tls_local_include_set(), torch._C._dispatch_tls_local_exclude_set())
+
+
+@torch.library.custom_op("tcal::gated_delta_rule", mutates_args=())
+def gated_delta_rule_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                        initial_state: torch.Tensor | None, scale: float, output_final_state: bool, backend: str,
+                        chunk_size: int, training: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """gated_delta_rule as one opaque op (what torch.compile sees): the eager kernels run inside it."""
+    return _rule_outputs(q, k, v, g, beta, initial_state, scale, output_final_state, backend, chunk_size, training)
+
+
+def _state_like(q: torch.Tensor, v: torch.Tensor, output_final_state: bool) -> torch.Tensor:
+    if not output_final_state:
+        return q.new_empty(0, dtype=torch.float32)
+    b, _, h, dk = q.shape
+    return q.new_empty(b, h, dk, v.shape[-1], dtype=_compute_dtype(q.dtype))
+
+
+@gated_delta_rule_op.register_fake
+def _(q, k, v, g, beta, initial_state, scale, output_final_state, backend, chunk_size, training):
+    return v.new_empty(*q.shape[:3], v.shape[-1]), _state_like(q, v, output_final_state)
+
+
+@torch.library.custom_op("tcal::gated_delta_rule_backward", mutates_args=())
+def gated_delta_rule_backward_op(grad_o: torch.Tensor, grad_state: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                                 v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, initial_state: torch.Tensor | None,
+                                 scale: float, output_final_state: bool, backend: str, chunk_size: int) -> list[torch.Tensor]:
+    """Gradients w.r.t. q, k, v, g, beta and the initial state (empty when there is none): the forward
+    is recomputed with autograd on (the torch kernels, or fla's chunk kernel and its backward)."""
+    inputs = [t.detach().requires_grad_() for t in (q, k, v, g, beta)]
+    state_in = None if initial_state is None else initial_state.detach().requires_grad_()
+    # An op's kernel runs below autograd (its dispatch keys excluded); the recomputation needs it back.
+    with torch._C._ForceDispatchKeyGuard(*OUTSIDE_DISPATCH_KEYS), torch.enable_grad():
+        o, state = _rule_outputs(*inputs, state_in, scale, output_final_state, backend, chunk_size, True)
+        outputs, grads = [o], [grad_o]
+        if grad_state.numel():
+            outputs.append(state)
+            grads.append(grad_state)
+        wrt = inputs + ([state_in] if state_in is not None else [])
+        found = torch.autograd.grad(outputs, wrt, grads, allow_unused=True)
+    found = [torch.zeros_like(t, memory_format=torch.contiguous_format) if d is None else d.contiguous()
+             for t, d in zip(wrt, found)]
+    return found if state_in is not None else found + [q.new_empty(0)]
+
+
+@gated_delta_rule_backward_op.register_fake
+def _(grad_o, grad_state, q, k, v, g, beta, initial_state, scale, output_final_state, backend, chunk_size):
+    like = [q, k, v, g, beta] + ([] if initial_state is None else [initial_state])
+    grads = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in like]
+    return grads if initial_state is not None else grads + [q.new_empty(0)]
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, g, beta, initial_state, scale, output_final_state, backend, chunk_size, _ = inputs
+    ctx.save_for_backward(q, k, v, g, beta, initial_state)
+    ctx.options = (scale, output_final_state, backend, chunk_size)
+
+
+def _backward(ctx, grad_o, grad_state):
+    q, k, v, g, beta, initial_state = ctx.saved_tensors
+    if grad_state is None:
+        grad_state = q.new_empty(0)
+    grads = gated_delta_rule_backward_op(grad_o, grad_state, q, k, v, g, beta, initial_state, *ctx.options)
+    d_state = grads[5] if initial_state is not None else None
+    return (*grads[:5], d_state, None, None, None, None, None)
+
+
+gated_delta_rule_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def compiled_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state, backend, chunk_size):
+    """gated_delta_rule under torch.compile: the custom op, its None state restored."""
+    training = _needs_grad(q, k, v, g, beta, initial_state)
+    o, state = gated_delta_rule_op(q, k, v, g, beta, initial_state, float(scale), output_final_state, backend,
+                                   chunk_size, training)
+    return o, (state if output_final_state else None)

@@ -50,8 +50,9 @@ def _groups(gdn: GatedDeltaNet, opts: AlignOptions) -> list[dict]:
 
 
 def align_layers(modules: dict[int, GatedDeltaNet], data: dict[int, tuple[torch.Tensor, torch.Tensor]],
-                 opts: AlignOptions, progress=None) -> dict:
-    """Align every module on (x, target) in place. progress(step, losses) is called each step.
+                 opts: AlignOptions, progress=None, forwards: dict | None = None) -> dict:
+    """Align every module on (x, target) in place. progress(step, losses) is called each step;
+    forwards: per layer, how to run its module (e.g. compiled), the module itself where absent.
 
     Returns per-layer {initial, best, best_step, steps} losses (MSE) and the steps run."""
     torch.manual_seed(opts.seed)
@@ -78,7 +79,7 @@ def align_layers(modules: dict[int, GatedDeltaNet], data: dict[int, tuple[torch.
             for l, m in modules.items():
                 x, target = data[l]
                 with torch.enable_grad():
-                    loss = F.mse_loss(m(x.float()), target.float())
+                    loss = F.mse_loss((forwards or {}).get(l, m)(x.float()), target.float())
                     loss.backward()
                 value = loss.item()
                 losses[l] = value

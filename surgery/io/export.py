@@ -13,12 +13,13 @@ import torch
 
 from ..core.graph import Graph
 from ..errors import CheckpointError, ExportError
-from . import hf_export
+from . import hf_export, qwen3_5_export
 from .checkpoint import DEFAULT_SHARD_BYTES, source_paths, write_staged
 from .open import open_model
 from .outdir import REPLACE_HINT, check_replaceable, check_writable, inputs_inside
 
-FORMATS = {"hf": hf_export.write_hf}
+FORMATS = {"hf": hf_export.write_hf, "qwen3_5": qwen3_5_export.write_qwen3_5}
+PLANS = {"hf": hf_export.plan, "qwen3_5": qwen3_5_export.plan}  # each refuses before anything is staged
 FILES = "files"  # the surgery_hybrid field listing what the export wrote
 
 
@@ -35,8 +36,7 @@ def export(model, out: str | Path, *, format: str = "hf", dtype: torch.dtype | N
     graph = open_model(model)
     inputs += source_paths(graph.source)
     check_export_out(out, force=force, inputs=inputs)
-    if format == "hf":
-        hf_export.plan(graph)  # refuse before staging anything
+    PLANS[format](graph)  # refuse before staging anything
 
     def write(folder: Path) -> None:
         FORMATS[format](graph, folder, dtype=dtype, shard_bytes=shard_bytes)

@@ -13,7 +13,8 @@ STAGES = ("l2", "kl", "both")
 SCHEDULES = ("cosine", "constant")
 # Fields that change how a run is executed or reported but not the numbers it trains on; --resume
 # accepts new values for these (micro_batch changes only the float summation order).
-OPERATIONAL = ("micro_batch", "save_every", "keep_checkpoints", "grad_checkpoint", "eval_every", "eval_text", "eval_tokens", "time_limit")
+OPERATIONAL = ("micro_batch", "save_every", "keep_checkpoints", "grad_checkpoint", "eval_every", "eval_text", "eval_tokens", "time_limit",
+               "compile")
 
 
 @dataclass
@@ -32,7 +33,9 @@ class DistillConfig(PassConfig):
     autocast       bf16 autocast (None: on CUDA); float32 master weights stay in the model's dtype
     time_limit     seconds of training in this process (0: none); when they are up the run writes a
                    checkpoint at the next step boundary and stops, and --resume continues it: a long run
-                   fits job slots or time-limited machines, and its curve is that of an uninterrupted one"""
+                   fits job slots or time-limited machines, and its curve is that of an uninterrupted one
+    compile        run the student's, the teacher's and the evaluation forwards through torch.compile
+                   (None: where it pays, surgery.core.compiled)"""
 
     tokens: int = 0
     stage: str = "kl"
@@ -62,6 +65,7 @@ class DistillConfig(PassConfig):
     grad_checkpoint: bool = False
     autocast: bool | None = None
     time_limit: float = 0.0
+    compile: bool | None = None
 
     def validate(self) -> None:
         def bad(problem: str, fix: str):

@@ -10,6 +10,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from ..core.compiled import CompiledGraph
 from ..core.graph import Graph
 from ..core.rewrite import prune
 from ..core.run import graph_logits, placeholder_values
@@ -126,7 +127,12 @@ class Stage:
     flops_per_token: int
 
 
-def stage_l2(student: Graph, teacher: Graph, place: Placement, autocast: Callable) -> Stage:
+def compiled(module, on: bool, label: str):
+    """`module` through torch.compile when `on` (surgery.core.compiled), else itself."""
+    return CompiledGraph(module, label=label) if on else module
+
+
+def stage_l2(student: Graph, teacher: Graph, place: Placement, autocast: Callable, compile: bool = False) -> Stage:
     """MSE between each GDN layer's output and the teacher's attention output at its site, the
     layer fed the teacher's input there; the teacher runs only up to the last GDN site."""
     gdn = student.gdn_modules()
@@ -134,28 +140,31 @@ def stage_l2(student: Graph, teacher: Graph, place: Placement, autocast: Callabl
     names = [n for l in student.gdn_targets() for n in (sites[l].input_node, sites[l].output_node)]
     taps = tap_module(teacher.gm, names)
     wrapped = place.wrap(Layers(gdn))
+    run_taps, run_layers = compiled(taps, compile, "teacher up to the last GDN site"), compiled(wrapped, compile, "GDN layers")
 
     def loss(ids):
         with torch.no_grad(), autocast():
-            outs = taps(*placeholder_values(taps, ids))
+            outs = run_taps(*placeholder_values(taps, ids))
         with autocast():
-            preds = wrapped(list(outs[0::2]))
+            preds = run_layers(list(outs[0::2]))
         return torch.stack([F.mse_loss(p.float(), t.float()) for p, t in zip(preds, outs[1::2])]).mean()
 
     gdn_params = sum(p.numel() for m in gdn.values() for p in m.parameters())
     return Stage(wrapped, loss, 6 * gdn_params + 2 * forward_params(taps))
 
 
-def stage_kl(student: Graph, teacher: Graph, place: Placement, autocast: Callable, temperature: float) -> Stage:
+def stage_kl(student: Graph, teacher: Graph, place: Placement, autocast: Callable, temperature: float,
+             compile: bool = False) -> Stage:
     """KL(teacher || student) over the logits, the whole student trained."""
     wrapped = place.wrap(student.gm)
     extra = student.gm.meta.get("extra_inputs", {})
+    run_teacher, run_student = compiled(teacher.gm, compile, "teacher graph"), compiled(wrapped, compile, "student graph")
 
     def loss(ids):
         with torch.no_grad(), autocast():
-            target = graph_logits(teacher.gm, ids)
+            target = graph_logits(run_teacher, ids)
         with autocast():
-            logits = graph_logits(wrapped, ids, extra)
+            logits = graph_logits(run_student, ids, extra)
         return kl_divergence(logits, target, temperature)
 
     return Stage(wrapped, loss, 6 * forward_params(student.gm) + 2 * forward_params(teacher.gm))

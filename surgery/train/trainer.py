@@ -23,6 +23,7 @@ from typing import Callable
 
 import torch
 
+from ..core.compiled import resolve_compile
 from ..errors import DistillError, first_line
 from .config import lr_factor
 from .job import Job
@@ -115,6 +116,7 @@ class Trainer:
         self.progress = progress
         self.stages = self.config.steps()
         self.total_steps = sum(s for _, s in self.stages)
+        self.compile = resolve_compile(self.config.compile, self.place.device)
 
     def run(self) -> dict:
         if self.job.complete:
@@ -159,9 +161,9 @@ class Trainer:
         job = self.job
         optimizer, scheduler, trainable = build_optimizer(job, index, stage, steps)
         if stage == "l2":
-            built = stage_l2(job.student, job.teacher, self.place, job.autocast)
+            built = stage_l2(job.student, job.teacher, self.place, job.autocast, self.compile)
         else:
-            built = stage_kl(job.student, job.teacher, self.place, job.autocast, self.config.temperature)
+            built = stage_kl(job.student, job.teacher, self.place, job.autocast, self.config.temperature, self.compile)
         with gradient_checkpointing(job.student.gdn_modules().values(), self.config.grad_checkpoint):
             for stage_step in range(self.tally.done - first, steps):
                 record = self.train_step(first + stage_step, stage, optimizer, scheduler, built, trainable)
@@ -216,7 +218,7 @@ class Trainer:
         from ..eval.perplexity import perplexity
 
         with torch.no_grad(), self.job.autocast():
-            return perplexity(graph, self.job.eval_ids)["perplexity"]
+            return perplexity(graph, self.job.eval_ids, compile=self.compile)["perplexity"]
 
     def save(self, step: int, index: int, stage_step: int, optimizer, scheduler) -> Path | None:
         if not self.place.main:

@@ -1,0 +1,230 @@
+"""torch.compile against eager (issue 17): prefill, decode steps and distillation, with the compiled
+graph's agreement with the eager one. One H200, bf16:
+
+    python bench/compile_speed.py --model /root/m/smol.gguf --json compile_speed.json
+    python bench/compile_speed.py --smoke        # CPU, stories260K, tiny sizes, backend aot_eager
+
+Prefill ms (median of --repeats, batch 1 and 8): transformers' own forward, the captured teacher and
+the 75% GDN hybrid, eager and compiled; compile seconds (first call); max |logits diff| compiled vs
+eager per model in bf16, with emulate_precision_casts, and in float32; for the teacher the gap by
+position (RoPE angles grow with it) and with TF32 matmuls on and off, to find the source of the 42.6
+seen in the first probe. Decode step ms at --decode-context for the teacher and the 75% hybrid
+(batch 1 and 16), eager CUDA-graph steps vs compiled ones. Distill tokens/s of the 50% hybrid (stage
+kl, --distill-steps steps), eager vs compiled. Prints one table, writes JSON rows."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+import surgery.core.compiled as compiled  # noqa: E402
+from surgery import PassManager, capture  # noqa: E402
+from surgery.core.compiled import CompiledGraph  # noqa: E402
+from surgery.core.load import load_model  # noqa: E402
+from surgery.core.run import graph_logits  # noqa: E402
+from surgery.decode import Decoder  # noqa: E402
+from surgery.train import DistillConfig, distill  # noqa: E402
+
+STORIES = Path(__file__).parent.parent / "tests/assets/stories260k/stories260K.gguf"
+SAMPLE = Path(__file__).parent.parent / "surgery/data/calibration_sample.txt"
+
+
+def sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def median_ms(fn, repeats: int, device) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        sync(device)
+        t = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - t)
+    return 1000 * statistics.median(times)
+
+
+def hybrid_of(teacher, keep_ratio: float):
+    graph = teacher.branch()
+    PassManager(["select", "replace"], {"select": {"keep_ratio": keep_ratio}})(graph)
+    return graph
+
+
+def gap(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.float() - b.float()).abs().max().item()
+
+
+def agreement(graph, ids, device, full: bool) -> dict:
+    """max |logits diff| compiled vs eager: bf16 as compiled by default and, when `full`, with emulated
+    casts, by position quarter, with TF32 on/off (eager and compiled alike), and the float32 graph
+    (each is a compile: the hybrid's took 133 s in the first probe, so only the teacher gets them all)."""
+    out = {}
+    with torch.no_grad():
+        eager = graph.logits(ids)
+        for name, precise in (("bf16", False), ("bf16_precise_casts", True))[: 2 if full else 1]:
+            torch._dynamo.reset()
+            got = graph_logits(CompiledGraph(graph.gm, label=name, precise_casts=precise), ids)
+            out[name] = gap(got, eager)
+            if not precise:
+                quarters = (got.float() - eager.float()).abs().amax(-1).amax(0).chunk(4)
+                out["bf16_by_quarter"] = [round(q.max().item(), 3) for q in quarters]
+        if not full:
+            torch._dynamo.reset()
+            return out
+        if device.type == "cuda":
+            old = torch.backends.cuda.matmul.allow_tf32
+            torch.backends.cuda.matmul.allow_tf32 = not old
+            torch._dynamo.reset()
+            out[f"bf16_tf32_{not old}"] = gap(graph_logits(CompiledGraph(graph.gm, label="tf32"), ids), graph.logits(ids))
+            torch.backends.cuda.matmul.allow_tf32 = old
+        graph.gm.float()
+        torch._dynamo.reset()
+        out["float32"] = gap(graph_logits(CompiledGraph(graph.gm, label="float32"), ids), graph.logits(ids))
+        graph.gm.to(graph_dtype(device))
+    torch._dynamo.reset()
+    return out
+
+
+def graph_dtype(device) -> torch.dtype:
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+class Rows(list):
+    """Rows written to --json as they come (a run cut short keeps what it measured), and a deadline
+    (--budget-s) after which the remaining sections are skipped with a note."""
+
+    def __init__(self, path, budget_s: float):
+        super().__init__()
+        self.path, self.end = path, time.perf_counter() + budget_s
+
+    def add(self, row: dict) -> None:
+        self.append(row)
+        print(json.dumps(row), flush=True)
+        if self.path:
+            Path(self.path).write_text(json.dumps(self, indent=1))
+
+    def time_left(self, section: str) -> bool:
+        left = self.end - time.perf_counter()
+        if left <= 0:
+            self.add({"bench": section, "skipped": "out of --budget-s"})
+        return left > 0
+
+
+def prefill_rows(name, model, graphs, lengths, batches, args, device, out: Rows) -> None:
+    vocab = graphs[0][1].config.vocab_size
+    for length in lengths:
+        for batch in batches:
+            if not out.time_left(f"prefill {length}x{batch}"):
+                return
+            ids = torch.randint(0, vocab, (batch, length), device=device)
+            with torch.no_grad():
+                out.add({"bench": "prefill", "model": "transformers", "length": length, "batch": batch,
+                         "ms": median_ms(lambda: model(input_ids=ids), args.repeats, device)})
+                for label, graph in graphs:
+                    run = graph.cache.setdefault(("bench", graph.gm), CompiledGraph(graph.gm, label=label))
+                    eager = median_ms(lambda: graph.logits(ids), args.repeats, device)
+                    fast = median_ms(lambda: graph_logits(run, ids), args.repeats, device)
+                    out.add({"bench": "prefill", "model": label, "length": length, "batch": batch, "eager_ms": eager,
+                             "compiled_ms": fast, "compile_s": run.compile_seconds, "failed": run.failed})
+
+
+def decode_rows(graphs, context, batches, steps, device, out: Rows) -> None:
+    for label, graph in graphs:
+        for batch in batches:
+            if not out.time_left(f"decode {label} x{batch}"):
+                return
+            ids = torch.randint(0, graph.config.vocab_size, (batch, context), device=device)
+            row = {"bench": "decode", "model": label, "context": context, "batch": batch}
+            for mode, flag in (("eager", False), ("compiled", True)):
+                dec = Decoder(graph, verify=False, compile=flag).reset(batch, context + steps + 2)
+                dec.prefill(ids)
+                t = time.perf_counter()
+                dec.step(ids[:, :1])  # capture (and compile)
+                row[f"{mode}_first_step_s"] = time.perf_counter() - t
+                row[f"{mode}_ms"] = median_ms(lambda: dec.step(ids[:, :1]), steps, device)
+                del dec
+            out.add(row)
+
+
+def steady_tokens_per_s(run_dir: Path, skip: int) -> float | None:
+    """Median tokens/s of the logged steps after the first `skip` (compiling and warm-up left out)."""
+    records = [json.loads(line) for line in (run_dir / "log.jsonl").read_text().splitlines() if line.strip()]
+    rates = [r["tokens_per_s"] for r in records if r.get("tokens_per_s")][skip:]
+    return statistics.median(rates) if rates else None
+
+
+def distill_rows(teacher, steps, seq_len, batch, device, out: Rows) -> None:
+    row = {"bench": "distill", "model": "hybrid 50% GDN", "steps": steps, "seq_len": seq_len, "batch": batch}
+    for mode, flag in (("eager", False), ("compiled", True)):
+        if not out.time_left(f"distill {mode}"):
+            break
+        student = hybrid_of(teacher, 0.5)
+        student.gm.float()
+        config = DistillConfig(tokens=steps * seq_len * batch, seq_len=seq_len, global_batch=batch, warmup=0.0, compile=flag)
+        with tempfile.TemporaryDirectory() as folder:
+            t = time.perf_counter()
+            result = distill(student, [str(SAMPLE)], Path(folder) / "run", config, teacher=teacher, device=device, progress=False)
+            row[f"{mode}_seconds"] = time.perf_counter() - t
+            row[f"{mode}_tokens_per_s_all"] = result["tokens_per_s"]
+            row[f"{mode}_tokens_per_s"] = steady_tokens_per_s(Path(folder) / "run", skip=3)
+            row[f"{mode}_model_flops_per_s"] = result.get("flops_per_s")
+        torch._dynamo.reset()
+    out.add(row)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=None, help="teacher file (SmolLM2-135M's GGUF)")
+    ap.add_argument("--lengths", default="2048,4096,8192,32768")
+    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--decode-context", type=int, default=65536)
+    ap.add_argument("--decode-batches", default="1,16")
+    ap.add_argument("--distill-steps", type=int, default=20)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--smoke", action="store_true", help="CPU, stories260K, tiny sizes, backend aot_eager")
+    ap.add_argument("--budget-s", type=float, default=330, help="skip what is left after this many seconds")
+    ap.add_argument("--sections", default="agreement,prefill,decode,distill")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
+    if args.smoke:
+        compiled.BACKEND = "aot_eager"
+        args.model, args.lengths, args.batches, args.decode_context, args.decode_batches = str(STORIES), "64", "1,2", 200, "1"
+        args.distill_steps, args.repeats = 2, 2
+    lengths = [int(x) for x in args.lengths.split(",")]
+    dtype = graph_dtype(device)
+    model = load_model(args.model, dtype=torch.float32)[0].to(device=device, dtype=dtype).eval()
+    t = time.perf_counter()
+    teacher = capture(args.model, device=device, dtype=dtype, max_length=max(max(lengths), args.decode_context + 64))
+    print(f"captured in {time.perf_counter() - t:.1f} s", flush=True)
+    graphs = [("teacher graph", teacher), ("hybrid 75% GDN", hybrid_of(teacher, 0.25))]
+    sections = set(args.sections.split(","))
+    rows = Rows(args.json, args.budget_s)
+    if "agreement" in sections:
+        for index, (label, graph) in enumerate(graphs):
+            if rows.time_left(f"agreement {label}"):
+                ids = torch.randint(0, teacher.config.vocab_size, (1, min(lengths)), device=device)
+                rows.add({"bench": "agreement", "model": label, "length": min(lengths), **agreement(graph, ids, device, full=index == 0)})
+    if "prefill" in sections:
+        prefill_rows("transformers", model, graphs, lengths, [int(b) for b in args.batches.split(",")], args, device, rows)
+    if "decode" in sections:
+        decode_rows(graphs[::-1], args.decode_context, [int(b) for b in args.decode_batches.split(",")], max(8, args.repeats), device, rows)
+    if "distill" in sections:
+        distill_rows(teacher, args.distill_steps, 512 if not args.smoke else 64, 8 if not args.smoke else 2, device, rows)
+    for row in rows:
+        print(" | ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
+
+
+if __name__ == "__main__":
+    main()
