@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from surgery.errors import PassConfigError
-from surgery.core.compiled import CompiledGraph, resolve_compile
+from surgery.core.compiled import maybe_compiled
 from surgery.core.graph import Graph
 from surgery.core.pipeline import Pass, PassResult, register
 from tcal.phase2 import AlignOptions, align_layers
@@ -57,9 +57,7 @@ class Align(Pass):
                     left = (time.perf_counter() - start) / (step + 1) * (self.config.steps - step - 1)
                     print(f"align step {step + 1}/{self.config.steps}: mean loss {mean:.4e}, at most {left:.0f} s left", file=sys.stderr, flush=True)
 
-            forwards = None
-            if resolve_compile(self.config.compile, graph.device):
-                forwards = {l: CompiledGraph(m, label=f"GDN layer {l}") for l, m in modules.items()}
+            forwards = {l: maybe_compiled(m, self.config.compile, graph.device, label=f"GDN layer {l}") for l, m in modules.items()}
             report = align_layers(modules, pairs, self.config.project(AlignOptions), progress=progress, forwards=forwards)
         seconds = time.perf_counter() - start
         graph.meta["align"] = report | {"seconds": seconds}

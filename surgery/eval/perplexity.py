@@ -5,7 +5,6 @@ data/wikitext-2-raw/wiki.test.raw this predicts 300,909 tokens, as the reference
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F

@@ -120,18 +120,23 @@ def hf_config(graph: Graph, layers: dict, dtype: torch.dtype) -> dict:
     return config
 
 
-def write_hf(graph: Graph, folder: Path, *, dtype: torch.dtype | None = None, shard_bytes: int) -> None:
-    """Everything of DIR into `folder` (export stages it and renames it into place)."""
+def write_model_dir(graph: Graph, folder: Path, state: dict, config: dict, shard_bytes: int) -> None:
+    """What every export format writes: the weights (sharded when large), config.json, the
+    generation config and the tokenizer."""
     from transformers import GenerationConfig
 
-    layers = plan(graph)
-    state = hf_state(graph, layers, dtype)
     write_weights(state, folder, shard_bytes, index_metadata={"total_size": sum(t.numel() * t.element_size() for t in state.values())})
-    config = hf_config(graph, layers, dtype or graph.dtype)
     (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
     GenerationConfig.from_model_config(graph.config).save_pretrained(folder)
     if graph.tokenizer is not None:
         graph.tokenizer.save_pretrained(folder)
+
+
+def write_hf(graph: Graph, folder: Path, *, dtype: torch.dtype | None = None, shard_bytes: int) -> None:
+    """Everything of DIR into `folder` (export stages it and renames it into place)."""
+
+    layers = plan(graph)
+    write_model_dir(graph, folder, hf_state(graph, layers, dtype), hf_config(graph, layers, dtype or graph.dtype), shard_bytes)
     shutil.copyfile(MODELING_FILE, folder / MODELING_FILE.name)
     for name, source in GDN_SOURCES.items():
         shutil.copyfile(source, folder / name)

@@ -18,7 +18,6 @@ After writing, the directory is loaded with Qwen3_5ForCausalLM and compared with
 probe: a safety net behind the named reasons."""
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,8 +29,7 @@ from ..core.rewrite import nodes_by_name
 from ..decode.plan import plan_decode
 from ..errors import DecodeError, ExportError, first_line
 from ..sites.ops import param_names
-from .checkpoint import write_weights
-from .hf_export import HYBRID_KEY, gdn_call
+from .hf_export import HYBRID_KEY, gdn_call, write_model_dir
 from .qwen3_5_fit import FIX, Layout, Norm, norm_of, read_layout, refuse
 from .qwen3_5_state import qwen3_5_config, qwen3_5_state
 
@@ -164,18 +162,12 @@ def rope_of(config) -> tuple[str, float, float]:
 
 def write_qwen3_5(graph: Graph, folder: Path, *, dtype: torch.dtype | None = None, shard_bytes: int) -> None:
     """Everything of DIR into `folder` (export stages it and renames it into place)."""
-    from transformers import GenerationConfig
-
     found = plan(graph)
     state = {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v).detach().cpu().contiguous()
              for k, v in qwen3_5_state(graph, found).items()}
-    write_weights(state, folder, shard_bytes, index_metadata={"total_size": sum(t.numel() * t.element_size() for t in state.values())})
     config = qwen3_5_config(graph, found, dtype or graph.dtype)
     config[HYBRID_KEY] = {"format": "qwen3_5", "layer_kinds": graph.layer_kinds, "passes": [e["pass"] for e in graph.history]}
-    (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
-    GenerationConfig.from_model_config(graph.config).save_pretrained(folder)
-    if graph.tokenizer is not None:
-        graph.tokenizer.save_pretrained(folder)
+    write_model_dir(graph, folder, state, config, shard_bytes)
     check_probe(graph, folder)
 
 

@@ -7,7 +7,7 @@ import operator
 import torch
 from torch.fx import Node
 
-from ..core.rewrite import ancestors, descendants
+from ..core.rewrite import ancestors
 
 aten = torch.ops.aten
 

@@ -10,7 +10,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from ..core.compiled import CompiledGraph
+from ..core.compiled import maybe_compiled
 from ..core.graph import Graph
 from ..core.rewrite import prune
 from ..core.run import graph_logits, placeholder_values
@@ -127,11 +127,6 @@ class Stage:
     flops_per_token: int
 
 
-def compiled(module, on: bool, label: str):
-    """`module` through torch.compile when `on` (surgery.core.compiled), else itself."""
-    return CompiledGraph(module, label=label) if on else module
-
-
 def stage_l2(student: Graph, teacher: Graph, place: Placement, autocast: Callable, compile: bool = False) -> Stage:
     """MSE between each GDN layer's output and the teacher's attention output at its site, the
     layer fed the teacher's input there; the teacher runs only up to the last GDN site."""
@@ -140,7 +135,8 @@ def stage_l2(student: Graph, teacher: Graph, place: Placement, autocast: Callabl
     names = [n for l in student.gdn_targets() for n in (sites[l].input_node, sites[l].output_node)]
     taps = tap_module(teacher.gm, names)
     wrapped = place.wrap(Layers(gdn))
-    run_taps, run_layers = compiled(taps, compile, "teacher up to the last GDN site"), compiled(wrapped, compile, "GDN layers")
+    run_taps = maybe_compiled(taps, compile, place.device, label="teacher up to the last GDN site")
+    run_layers = maybe_compiled(wrapped, compile, place.device, label="GDN layers")
 
     def loss(ids):
         with torch.no_grad(), autocast():
@@ -158,7 +154,8 @@ def stage_kl(student: Graph, teacher: Graph, place: Placement, autocast: Callabl
     """KL(teacher || student) over the logits, the whole student trained."""
     wrapped = place.wrap(student.gm)
     extra = student.gm.meta.get("extra_inputs", {})
-    run_teacher, run_student = compiled(teacher.gm, compile, "teacher graph"), compiled(wrapped, compile, "student graph")
+    run_teacher = maybe_compiled(teacher.gm, compile, place.device, label="teacher graph")
+    run_student = maybe_compiled(wrapped, compile, place.device, label="student graph")
 
     def loss(ids):
         with torch.no_grad(), autocast():
