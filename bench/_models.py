@@ -17,3 +17,17 @@ def qwen15b_shaped(device, dtype: torch.dtype, max_length: int, *, tiny: bool = 
     torch.manual_seed(0)
     with torch.device(device):
         return AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa").eval()
+
+
+SMOLLM2_SHAPE = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                     num_attention_heads=9, num_key_value_heads=3, rms_norm_eps=1e-5, rope_theta=100000.0,
+                     tie_word_embeddings=True, max_position_embeddings=8192)
+
+
+def smollm2_shaped():
+    """SmolLM2-135M's shapes with random weights: speed does not depend on the weights, and no
+    98 MB teacher has to travel to the machine."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(LlamaConfig(**SMOLLM2_SHAPE), attn_implementation="sdpa").eval()

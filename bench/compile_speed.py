@@ -33,6 +33,7 @@ from surgery.core.load import load_model  # noqa: E402
 from surgery.core.run import graph_logits  # noqa: E402
 from surgery.decode import Decoder  # noqa: E402
 from surgery.train import DistillConfig, distill  # noqa: E402
+from bench._models import smollm2_shaped  # noqa: E402
 
 STORIES = Path(__file__).parent.parent / "tests/assets/stories260k/stories260K.gguf"
 SAMPLE = Path(__file__).parent.parent / "surgery/data/calibration_sample.txt"
@@ -133,10 +134,16 @@ def prefill_rows(name, model, graphs, lengths, batches, args, device, out: Rows)
                          "ms": median_ms(lambda: model(input_ids=ids), args.repeats, device)})
                 for label, graph in graphs:
                     run = graph.cache.setdefault(("bench", graph.gm), CompiledGraph(graph.gm, label=label))
-                    eager = median_ms(lambda: graph.logits(ids), args.repeats, device)
-                    fast = median_ms(lambda: graph_logits(run, ids), args.repeats, device)
-                    out.add({"bench": "prefill", "model": label, "length": length, "batch": batch, "eager_ms": eager,
-                             "compiled_ms": fast, "compile_s": run.compile_seconds, "failed": run.failed})
+                    row = {"bench": "prefill", "model": label, "length": length, "batch": batch,
+                           "eager_ms": median_ms(lambda: graph.logits(ids), args.repeats, device),
+                           "compiled_ms": median_ms(lambda: graph_logits(run, ids), args.repeats, device),
+                           "compile_s": run.compile_seconds, "failed": run.failed}
+                    if device.type == "cuda":  # the compiled graph replayed as CUDA graphs (one per shape)
+                        replay = graph.cache.setdefault(("bench cudagraphs", graph.gm), CompiledGraph(
+                            graph.gm, label=f"{label} (CUDA graphs)", mode="reduce-overhead"))
+                        row["cudagraphs_ms"] = median_ms(lambda: graph_logits(replay, ids), args.repeats, device)
+                        row["cudagraphs_failed"] = replay.failed
+                    out.add(row)
 
 
 def decode_rows(graphs, context, batches, steps, device, out: Rows) -> None:
@@ -186,6 +193,8 @@ def distill_rows(teacher, steps, seq_len, batch, device, out: Rows) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=None, help="teacher file (SmolLM2-135M's GGUF)")
+    ap.add_argument("--random", action="store_true", help="SmolLM2-135M's shapes, random weights (speed only; "
+                    "stories260K's tokenizer reads the distillation text)")
     ap.add_argument("--lengths", default="2048,4096,8192,32768")
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--decode-context", type=int, default=65536)
@@ -204,9 +213,13 @@ def main() -> None:
         args.distill_steps, args.repeats = 2, 2
     lengths = [int(x) for x in args.lengths.split(",")]
     dtype = graph_dtype(device)
-    model = load_model(args.model, dtype=torch.float32)[0].to(device=device, dtype=dtype).eval()
+    model = smollm2_shaped() if args.random else load_model(args.model, dtype=torch.float32)[0]
+    model = model.to(device=device, dtype=dtype).eval()
     t = time.perf_counter()
-    teacher = capture(args.model, device=device, dtype=dtype, max_length=max(max(lengths), args.decode_context + 64))
+    teacher = capture(model if args.random else args.model, device=device, dtype=dtype,
+                      max_length=max(max(lengths), args.decode_context + 64))
+    if args.random:
+        teacher.tokenizer = load_model(STORIES)[1]
     print(f"captured in {time.perf_counter() - t:.1f} s", flush=True)
     graphs = [("teacher graph", teacher), ("hybrid 75% GDN", hybrid_of(teacher, 0.25))]
     sections = set(args.sections.split(","))

@@ -69,6 +69,7 @@ import surgery  # noqa: E402
 from bench.ablation import ROWS, sync  # noqa: E402
 from bench.decode_check import compare  # noqa: E402
 from surgery import PassManager, capture  # noqa: E402
+from surgery.core.bos import lead_ids, lead_windows, leading_token, text_length  # noqa: E402
 from surgery.data.text import read_text, tokenize  # noqa: E402
 from surgery.decode import Decoder, generate  # noqa: E402
 from surgery.errors import PassConfigError, SurgeryError, first_line  # noqa: E402
@@ -124,8 +125,9 @@ class Bench:
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
         start = time.perf_counter()
         self.teacher = capture(args.model, device=self.device, dtype=torch.bfloat16 if self.device == "cuda" else torch.float32)
-        self.results = {"model": args.model, "args": vars(args), "seconds": {"capture": time.perf_counter() - start}}
         tok = self.teacher.tokenizer
+        self.results = {"model": args.model, "args": vars(args), "seconds": {"capture": time.perf_counter() - start},
+                        "bos": leading_token(tok)}  # the id every window starts with, or None
         wiki = tokenize(tok, read_text(args.eval))
         self.texts = {"wikitext2": wiki[: args.max_eval_tokens] if args.max_eval_tokens else wiki,
                       "held_out": tokenize(tok, read_text(args.held_out))[: args.held_out_tokens]}
@@ -324,8 +326,9 @@ def print_window_study(study: dict) -> None:
 def decode_section(b: Bench, full, chosen: dict) -> None:
     """Part (c): incremental decoding against full recomputation, and greedy continuations."""
     t, tok = b.teacher, b.teacher.tokenizer
-    prompt = b.texts["wikitext2"][: b.args.prompt_length][None].to(t.device)
-    words = tokenize(tok, PROMPT).tolist()
+    lead = leading_token(tok)  # prompts start as the tokenizer starts them (surgery.core.bos)
+    prompt = lead_windows(b.texts["wikitext2"][: text_length(b.args.prompt_length, lead)][None], lead).to(t.device)
+    words = lead_ids(tokenize(tok, PROMPT).tolist(), lead)
     rows = []
     for label, graph in (("teacher", t.branch()), ("phase1+2 uniform", hybrid(t, full, chosen["uniform"])),
                          ("phase1+2 ar", hybrid(t, full, chosen["ar"]))):

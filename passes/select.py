@@ -31,8 +31,9 @@ from dataclasses import dataclass
 
 from surgery.core.graph import Graph
 from surgery.core.pipeline import Pass, PassManager, PassResult, register
+from surgery.core.bos import leading_token, text_length
 from surgery.data.cache import token_stream
-from surgery.data.windows import held_out_windows, window_starts, windows
+from surgery.data.windows import held_out_windows, window_spans, windows
 from surgery.errors import PassConfigError
 from surgery.eval.ablation import keep_one_scores, removal_scores
 
@@ -258,16 +259,16 @@ class Select(Pass):
         """ar: the calibration windows; greedy: windows that avoid those its probes' init is fitted on."""
         c = self.config
         length = min(c.length, graph.max_length)
-        ids = token_stream(graph.tokenizer, c.calibration)
+        ids, lead = token_stream(graph.tokenizer, c.calibration), leading_token(graph.tokenizer)
         if c.policy == "ar":
-            return windows(ids, c.samples, length, c.seed)
+            return windows(ids, c.samples, length, c.seed, lead)
         avoid = []
         for name in self.init_passes():
             fit = self.init_config(name)
             span = min(fit.length, graph.max_length)
-            if tuple(fit.calibration or ()) == tuple(c.calibration or ()) and ids.numel() >= span:
-                avoid += [(s, s + span) for s in window_starts(ids.numel(), fit.samples, span, fit.seed)]
-        return held_out_windows(ids, c.samples, length, c.seed, avoid)
+            if tuple(fit.calibration or ()) == tuple(c.calibration or ()) and ids.numel() >= text_length(span, lead):
+                avoid += window_spans(ids.numel(), fit.samples, span, fit.seed, lead)
+        return held_out_windows(ids, c.samples, length, c.seed, avoid, lead)
 
     def converted_modules(self, graph: Graph, init: list[str]) -> dict:
         """Every layer converted once, on a branch, with the probe init: {layer: (target, module)}."""

@@ -34,10 +34,11 @@ CALIBRATE = {"calibration": None, "samples": 2, "length": 64}  # the probes fit 
 
 @pytest.fixture(scope="module")
 def story(tmp_path_factory, stories_teacher):
-    """(path, token ids): the scoring text, scored as ONE window holding all of it."""
+    """(path, token ids): the scoring text, scored as ONE window holding all of it (led by the
+    tokenizer's BOS, as every scoring window is: surgery.core.bos)."""
     path = tmp_path_factory.mktemp("text") / "story.txt"
     path.write_text(TEXT)
-    ids = torch.tensor(stories_teacher.tokenizer(TEXT, add_special_tokens=False)["input_ids"])
+    ids = torch.tensor(stories_teacher.tokenizer(TEXT, add_special_tokens=True)["input_ids"])
     assert ids.numel() <= stories_teacher.max_length
     return path, ids
 

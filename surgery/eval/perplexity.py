@@ -1,6 +1,7 @@
 """Perplexity with the WikiText-2 protocol: the whole file tokenised once (read as text, so CRLF
 becomes LF), cut into non-overlapping chunks of 2048 tokens (or the model's context if shorter), the
-trailing partial chunk dropped, mean NLL over every predicted token. On SmolLM2-135M-Instruct and
+trailing partial chunk dropped, mean NLL over every predicted token. When the tokenizer puts a BOS
+first (Gemma; not SmolLM2), each chunk is BOS + 2047 text tokens and every text token is predicted. On SmolLM2-135M-Instruct and
 data/wikitext-2-raw/wiki.test.raw this predicts 300,909 tokens, as the reference benchmark does."""
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from ..core.compiled import graph_runner
+from ..core.bos import lead_windows, leading_token, text_length
 from ..errors import CalibrationError
 
 DEFAULT_CHUNK = 2048
@@ -26,22 +28,30 @@ def chunk_tokens(ids: torch.Tensor, length: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def perplexity(graph, ids: torch.Tensor, *, chunk: int = DEFAULT_CHUNK, batch_size: int = 1, progress=None,
-               compile: bool | None = None) -> dict:
-    """Mean NLL over predicted tokens of `ids` (1-D) in non-overlapping chunks; compile: run the
-    graph through torch.compile (None: where it pays, surgery.core.compiled)."""
+def score_windows(graph, windows: torch.Tensor, *, batch_size: int = 1, progress=None, compile: bool | None = None) -> dict:
+    """Mean NLL of tokens 1..T-1 of each window [N, T], every window scored on its own (a window
+    that starts with BOS has all its text tokens predicted)."""
     run = graph_runner(graph, compile, label="graph for perplexity")
-    length = min(chunk, graph.max_length)
-    chunks = chunk_tokens(ids, length)
     total, count = 0.0, 0
     device = graph.device
-    for start in range(0, chunks.shape[0], batch_size):
-        batch = chunks[start:start + batch_size].to(device)
+    for start in range(0, windows.shape[0], batch_size):
+        batch = windows[start:start + batch_size].to(device)
         logits = run(batch)
         nll = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), batch[:, 1:].flatten(), reduction="sum")
         total += nll.item()
         count += batch[:, 1:].numel()
         if progress is not None:
-            progress(min(start + batch_size, chunks.shape[0]), chunks.shape[0])
+            progress(min(start + batch_size, windows.shape[0]), windows.shape[0])
     mean = total / count
-    return {"perplexity": math.exp(mean), "nll": mean, "tokens": count, "chunks": int(chunks.shape[0]), "chunk_length": int(chunks.shape[1])}
+    return {"perplexity": math.exp(mean), "nll": mean, "tokens": count, "chunks": int(windows.shape[0]), "chunk_length": int(windows.shape[1])}
+
+
+def perplexity(graph, ids: torch.Tensor, *, chunk: int = DEFAULT_CHUNK, batch_size: int = 1, progress=None,
+               compile: bool | None = None) -> dict:
+    """Mean NLL over predicted tokens of `ids` (1-D) in non-overlapping chunks, each led by the
+    tokenizer's BOS when it adds one (surgery.core.bos); compile: run the graph through
+    torch.compile (None: where it pays, surgery.core.compiled)."""
+    lead = leading_token(graph.tokenizer)
+    length = text_length(min(chunk, graph.max_length), lead)
+    chunks = lead_windows(chunk_tokens(ids, length), lead)
+    return score_windows(graph, chunks, batch_size=batch_size, progress=progress, compile=compile)

@@ -10,6 +10,7 @@ import torch
 
 from ..core.files import sha256_file
 from ..core.graph import Graph
+from ..core.bos import leading_token
 from ..data.corpus import TokenCorpus, WindowOrder, check_files
 from ..errors import DistillError
 from .config import DistillConfig
@@ -62,7 +63,7 @@ def open_job(place: Placement, model, data, out, config: DistillConfig, *, teach
     model_name = open_models(job, last or model, teacher, dtype or torch.float32)
     tokenizer = job.teacher.tokenizer or job.student.tokenizer
     corpus = place.main_first(lambda: TokenCorpus.build(data, tokenizer, digests=digests))  # rank 0 tokenises; the others find the cache
-    job.order = WindowOrder(corpus, c.seq_len, c.global_batch, c.seed)
+    job.order = WindowOrder(corpus, c.seq_len, c.global_batch, c.seed, leading_token(tokenizer))  # BOS-led when the tokenizer adds one
     run_dir.check_corpus(corpus.key)
     job.eval_ids = eval_ids(c, tokenizer)
     if place.main:

@@ -1,0 +1,181 @@
+"""Why a compiled hybrid is slower than the compiled teacher, and where compiled and eager logits part
+(issue 17). One H200, bf16 unless said:
+
+    python bench/compile_probe.py --random --json probe.json           # SmolLM2-shaped random weights
+    python bench/compile_probe.py --model /root/m/smol.gguf --sections bisect
+    python bench/compile_probe.py --smoke                              # CPU, stories260K, aot_eager
+
+Sections:
+- profile: wall ms and the GPU's own busy time (sum of CUDA kernel time under torch.profiler) for one
+  forward of the teacher graph and the 75% GDN hybrid, eager, compiled, compiled with CUDA graphs
+  (mode="reduce-overhead"). busy/wall near 1 means the
+  device is the limit; far below 1, launches and Python are. The hybrid's top kernels are listed.
+- bisect: the graph with every [batch, length, *] floating node made an output, compiled, against
+  the eager interpreter's values of the same nodes: max |diff| relative to max |eager| per node, in
+  execution order, in float32 and bf16; the nodes where the relative gap first jumps name the op
+  that parts compiled from eager. (Forcing outputs changes inductor's fusion, so the final logits
+  gap of the probe is printed beside that of the plain compiled graph.)
+Prints tables, writes JSON rows."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+import surgery.core.compiled as compiled  # noqa: E402
+from surgery import PassManager, capture  # noqa: E402
+from surgery.core.compiled import CompiledGraph  # noqa: E402
+from surgery.core.run import graph_logits, interpret, placeholder_values  # noqa: E402
+from bench._models import smollm2_shaped  # noqa: E402
+from bench.compile_speed import median_ms, sync  # noqa: E402
+
+STORIES = Path(__file__).parent.parent / "tests/assets/stories260k/stories260K.gguf"
+def kernel_profile(fn, device, calls: int = 3) -> dict:
+    """GPU busy ms per call (kernels' own time), kernel launches per call, and the top kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    sync(device)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for _ in range(calls):
+            fn()
+        sync(device)
+    # "## Call CompiledFxGraph ..." spans a whole CUDA-graph replay: counting it would count its kernels twice
+    events = [e for e in prof.key_averages() if getattr(e, "self_device_time_total", 0) > 0 and not e.key.startswith("## ")]
+    busy_us = sum(e.self_device_time_total for e in events)
+    launches = sum(e.count for e in events)
+    top = sorted(events, key=lambda e: -e.self_device_time_total)[:8]
+    return {"busy_ms": busy_us / 1000 / calls, "kernels_per_call": launches / calls,
+            "top": [(e.key[:60], round(e.self_device_time_total / 1000 / calls, 4), e.count // calls) for e in top]}
+
+
+def profile_rows(graphs, length, batch, device, repeats, out) -> None:
+    ids = torch.randint(0, graphs[0][1].config.vocab_size, (batch, length), device=device)
+    for label, graph in graphs:
+        runs = {"eager": lambda g=graph: g.logits(ids)}
+        plain = CompiledGraph(graph.gm, label=f"{label} compiled")
+        runs["compiled"] = lambda: graph_logits(plain, ids)
+        if device.type == "cuda":  # (a hand-made CUDA graph of the eager hybrid hit an index assert at replay: left out)
+            cg = CompiledGraph(graph.gm, label=f"{label} compiled+cudagraphs", mode="reduce-overhead")
+            runs["compiled+cudagraphs"] = lambda: graph_logits(cg, ids)
+        for mode, fn in runs.items():
+            with torch.no_grad():
+                t = time.perf_counter()
+                fn()
+                sync(device)
+                first = time.perf_counter() - t
+                wall = median_ms(fn, repeats, device)
+                prof = kernel_profile(fn, device)
+            row = {"bench": "profile", "model": label, "mode": mode, "length": length, "batch": batch,
+                   "wall_ms": wall, "first_call_s": first, **prof, "busy_fraction": prof["busy_ms"] / wall}
+            out(row)
+        torch._dynamo.reset()
+
+
+def probed_nodes(gm, values, batch, length) -> list:
+    """Floating call_function nodes whose value is [batch, length, ...]: the stream the bisect follows."""
+    chosen = []
+    for node in gm.graph.nodes:
+        v = values.get(node)
+        if node.op == "call_function" and isinstance(v, torch.Tensor) and v.is_floating_point() \
+                and v.dim() >= 3 and tuple(v.shape[:2]) == (batch, length):
+            chosen.append(node)
+    return chosen
+
+
+def probe_module(gm, nodes):
+    """A GraphModule computing gm's graph with `nodes` as its outputs (positional placeholders)."""
+    graph = torch.fx.Graph()
+    mapping: dict = {}
+    graph.graph_copy(gm.graph, mapping)
+    graph.output(tuple(mapping[n] for n in nodes))
+    module = torch.fx.GraphModule(gm, graph)
+    module.meta.update(gm.meta)
+    return module
+
+
+def bisect_rows(graph, dtype, length, device, out, label) -> None:
+    gm = graph.gm.to(dtype)
+    ids = torch.randint(0, graph.config.vocab_size, (1, length), device=device)
+    inputs = placeholder_values(gm, ids)
+    with torch.no_grad():
+        values = interpret(gm, inputs)
+        nodes = probed_nodes(gm, values, 1, length)
+        torch._dynamo.reset()
+        plain = CompiledGraph(gm, label=f"{label} {dtype}")
+        logits_gap = (graph_logits(plain, ids).float() - graph_logits(gm, ids).float()).abs().max().item()
+        torch._dynamo.reset()
+        got = CompiledGraph(probe_module(gm, nodes), label=f"{label} probe {dtype}")(*inputs)
+    rel = []
+    for node, value in zip(nodes, got):
+        ref = values[node].float()
+        rel.append((ref - value.float()).abs().max().item() / max(ref.abs().max().item(), 1e-30))
+    jumps = sorted(range(1, len(rel)), key=lambda i: -(rel[i] - max(rel[:i])))[:10]
+    out({"bench": "bisect", "model": label, "dtype": str(dtype), "length": length, "probed": len(nodes),
+         "logits_gap_plain_compiled": logits_gap, "final_rel": rel[-1] if rel else None,
+         "first_over_1e-3": next((f"{i}:{nodes[i].name}" for i, r in enumerate(rel) if r > 1e-3), None),
+         "jumps": [(i, nodes[i].name, str(nodes[i].target), f"{max(rel[:i]):.2e}->{rel[i]:.2e}") for i in sorted(jumps)],
+         "rel_every_10th": [f"{r:.1e}" for r in rel[::10]]})
+    torch._dynamo.reset()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=None, help="teacher file; --random for SmolLM2-shaped random weights")
+    ap.add_argument("--random", action="store_true")
+    ap.add_argument("--sections", default="profile,bisect")
+    ap.add_argument("--lengths", default="2048,8192")
+    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--bisect-length", type=int, default=1024)
+    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--smoke", action="store_true", help="CPU, stories260K, tiny sizes, backend aot_eager")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
+    if args.smoke:
+        compiled.BACKEND = "aot_eager"
+        args.model, args.random, args.lengths, args.batches, args.bisect_length, args.repeats = str(STORIES), False, "64", "1", 64, 2
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    source = smollm2_shaped() if args.random else args.model
+    lengths = [int(x) for x in args.lengths.split(",")]
+    teacher = capture(source, device=device, dtype=dtype, max_length=max(lengths + [args.bisect_length]))
+    hybrid = teacher.branch()
+    PassManager(["select", "replace"], {"select": {"keep_ratio": 0.25}})(hybrid)
+    for gdn in hybrid.gdn_modules().values():
+        gdn.to(dtype)
+    graphs = [("teacher graph", teacher), ("hybrid 75% GDN", hybrid)]
+    rows = []
+
+    def out(row):
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        if args.json:
+            Path(args.json).write_text(json.dumps(rows, indent=1))
+
+    sections = set(args.sections.split(","))
+    if "profile" in sections:
+        for length in lengths:
+            for batch in (int(b) for b in args.batches.split(",")):
+                profile_rows(graphs, length, batch, device, args.repeats, out)
+    if "bisect" in sections:
+        for label, graph in graphs:
+            for bdtype in (torch.float32, dtype) if dtype != torch.float32 else (torch.float32,):
+                bisect_rows(graph, bdtype, args.bisect_length, device, out, label)
+            graph.gm.to(dtype)
+    print("\nmodel | mode | length x batch | wall ms | GPU busy ms | busy/wall | kernels")
+    for r in rows:
+        if r["bench"] == "profile" and "wall_ms" in r:
+            print(f"{r['model']} | {r['mode']} | {r['length']}x{r['batch']} | {r['wall_ms']:.2f} | {r['busy_ms']:.2f} | "
+                  f"{r['busy_fraction']:.2f} | {r['kernels_per_call']:.0f}")
+
+
+if __name__ == "__main__":
+    main()
