@@ -121,3 +121,16 @@ def test_gguf_metadata_decides_the_tokenizers_bos(tmp_path, stories_path, monkey
     assert leading_token(ignoring_the_key(tmp_path, gguf_file=target.name)) == STORIES_BOS
     _, tokenizer, _ = load_model(target)
     assert tokenizer.bos_token_id == STORIES_BOS and leading_token(tokenizer) is None
+
+
+def test_resume_refuses_a_run_whose_sequences_were_led_differently(tmp_path):
+    """A run recorded without a BOS lead (made before the protocol, or with another tokenizer) is not
+    resumed with BOS-led sequences: it would train on other windows than it started on."""
+    from surgery.errors import DistillError
+    from surgery.train.run_dir import RunDir
+
+    run = RunDir(tmp_path / "run")
+    run.saved = {"corpus": "key", "lead": None}
+    run.check_corpus("key", None)  # the same sequences: fine
+    with pytest.raises(DistillError, match="start each training sequence with token 1"):
+        run.check_corpus("key", STORIES_BOS)

@@ -63,12 +63,13 @@ def open_job(place: Placement, model, data, out, config: DistillConfig, *, teach
     model_name = open_models(job, last or model, teacher, dtype or torch.float32)
     tokenizer = job.teacher.tokenizer or job.student.tokenizer
     corpus = place.main_first(lambda: TokenCorpus.build(data, tokenizer, digests=digests))  # rank 0 tokenises; the others find the cache
-    job.order = WindowOrder(corpus, c.seq_len, c.global_batch, c.seed, leading_token(tokenizer))  # BOS-led when the tokenizer adds one
-    run_dir.check_corpus(corpus.key)
+    lead = leading_token(tokenizer)
+    job.order = WindowOrder(corpus, c.seq_len, c.global_batch, c.seed, lead)  # BOS-led when the tokenizer adds one
+    run_dir.check_corpus(corpus.key, lead)
     job.eval_ids = eval_ids(c, tokenizer)
     if place.main:
         run = {"config": c.to_dict(), "model": model_name, "teacher": job.teacher_name, "data": [str(Path(d).resolve()) for d in data],
-               "digests": digests, "corpus": corpus.key, "corpus_tokens": len(corpus), "world": place.world}
+               "digests": digests, "corpus": corpus.key, "lead": lead, "corpus_tokens": len(corpus), "world": place.world}
         run_dir.start(run, resume, state["step"] if state else None)
     place.barrier()
     return job

@@ -74,9 +74,14 @@ class RunDir:
         if self.saved and self.saved["teacher"] != name:
             raise DistillError(f"--resume would use the teacher {name}, the run used {self.saved['teacher']}.", "Resume with the same teacher (--teacher), or start a new run.")
 
-    def check_corpus(self, key: str) -> None:
+    def check_corpus(self, key: str, lead: int | None = None) -> None:
+        """Resume reads the run's sequences: the same tokens (corpus key) led by the same token (BOS or none)."""
         if self.saved and self.saved["corpus"] != key:
             raise DistillError("--resume would tokenise the training data differently (another tokenizer) than the run did.", "Resume with the run's teacher, or start a new run.")
+        if self.saved and self.saved.get("lead") != lead:
+            raise DistillError(f"--resume would start each training sequence with token {lead} where the run started them with "
+                               f"{self.saved.get('lead')} (a run made before sequences began with the tokenizer's BOS?).",
+                               "Start a new run (without --resume), or resume with the version that made this run.")
 
     def checkpoints(self) -> list[tuple[int, Path]]:
         """Complete checkpoints (a directory appears only by a final rename), oldest first."""
