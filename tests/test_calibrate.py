@@ -8,6 +8,8 @@ a TinyStories model).
 """
 from __future__ import annotations
 
+import copy
+import dataclasses
 import math
 
 import pytest
@@ -292,14 +294,17 @@ def test_zero_gate_makes_the_gdn_output_exactly_zero(stories, copy_only, stories
 
 
 def test_phase1_and_phase2_beat_the_copy_only_baseline_on_held_out_text(stories, stories_teacher, copy_only, calibrated, held_out_ids):
-    aligned = convert(stories())
-    result = PassManager(["calibrate", "align"], {"align": {"steps": 60, "progress": False}})(aligned)
+    # Phase 2 on a copy of the Phase-1 fixture (calibrating again would repeat its 16 windows exactly)
+    aligned = dataclasses.replace(calibrated, gm=copy.deepcopy(calibrated.gm), meta=copy.deepcopy(calibrated.meta),
+                                  history=list(calibrated.history))
+    result = PassManager(["align"], {"align": {"steps": 20, "progress": False}})(aligned)
     info = result.info["align"]
-    assert info["steps"] == 60 and info["mean_best_loss"] < info["mean_initial_loss"]
+    assert info["steps"] == 20 and info["mean_best_loss"] < info["mean_initial_loss"]
     ppl = {name: perplexity(g, held_out_ids, chunk=256)["perplexity"]
            for name, g in (("teacher", stories_teacher), ("copy", copy_only), ("phase1", calibrated), ("phase1+2", aligned))}
     assert ppl["teacher"] < ppl["phase1+2"] < ppl["phase1"] < ppl["copy"], ppl
-    # by a clear margin, not by noise (measured: teacher 4.7, copy 33, phase1 11.2, phase1+2 8.3)
+    # by a clear margin, not by noise (measured: teacher 4.7, copy 33, phase1 11.4, phase1+2 9.5 after 20 align
+    # steps, 8.0 after 60)
     assert ppl["phase1+2"] < 0.5 * ppl["copy"], ppl
 
 

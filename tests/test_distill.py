@@ -324,21 +324,21 @@ def test_force_keeps_the_replaced_run_until_the_new_one_has_a_checkpoint(loaded,
 
 def test_time_limit_stops_with_a_checkpoint_and_resume_repeats_the_run(reference, loaded, files, stories_teacher, tmp_path):
     """A run sliced by time_limit (here: out of time after every step) stops cleanly at each step
-    boundary with a checkpoint, and resuming slice after slice gives the uninterrupted run."""
+    boundary with a checkpoint, and resuming slice after slice gives the uninterrupted run. Three
+    one-step slices cover the stage switch (step 2 -> 3) and a save point (3); each resume rebuilds
+    the hybrid from disk (a capture), so the last resume, without a limit, runs steps 4-6."""
     ref_out, _ = reference
     out = tmp_path / "run"
     sliced = both_config(files, time_limit=1e-9)
     first = distill(fresh(loaded), [files / "train.txt"], out, sliced, teacher=stories_teacher, progress=False)
     assert first["stopped"] == "time_limit" and not first["complete"] and first["steps"] == 1
     assert [p.name for p in sorted(out.glob("checkpoint-*"))] == ["checkpoint-00000001"]
-    slices = 1
-    while True:  # each resume trains one more step: the stage switch (step 2 -> 3) and the save points included
+    for slices in (2, 3):  # each resume trains one more step: the stage switch (step 2 -> 3) and a save point
         result = distill(loaded, [files / "train.txt"], out, sliced, teacher=stories_teacher, progress=False, resume=True)
-        slices += 1
-        if result["complete"]:
-            break
-        assert result["stopped"] == "time_limit" and result["steps"] == slices
-    assert slices == 6 and result["stopped"] is None and result["steps"] == 6
+        assert result["stopped"] == "time_limit" and not result["complete"] and result["steps"] == slices
+        assert sorted(out.glob("checkpoint-*"))[-1].name == f"checkpoint-{slices:08d}"
+    result = distill(loaded, [files / "train.txt"], out, both_config(files), teacher=stories_teacher, progress=False, resume=True)
+    assert result["complete"] and result["stopped"] is None and result["steps"] == 6
     assert step_losses(out) == step_losses(ref_out)
     mine, theirs = final_weights(out), final_weights(ref_out)
     assert all(torch.equal(mine[k], theirs[k]) for k in theirs)

@@ -19,7 +19,7 @@ from surgery.eval.choice_items import CORPUS, build_items, write_items
 from surgery.eval.choice_task import TASK, TASKS_DIR, items_path, read_items, requests, score
 from surgery.eval.lm_harness import check_tasks, evaluate
 
-LIMIT = 40  # items (160 log-likelihoods) per model
+LIMIT = 16  # items (64 log-likelihoods) per model
 
 
 @pytest.fixture(scope="module")
