@@ -41,6 +41,55 @@ def _isolated_token_cache(tmp_path_factory):
         os.environ["SURGERY_CACHE"] = old
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _export_once_per_model_shape():
+    """torch.export is most of what a load costs (~4 s for stories260K), and the suite loads the same
+    few models over and over (every saved hybrid, every CLI call rebuilds its teacher). Within the
+    session an export is reused for a model of the same classes, code, config, dtype, device and
+    length: the cached GraphModule is deep-copied and given the new model's tensors (shared, as export's
+    own module shares them), so every test still runs its own weights. Models with instance-level forwards or hooks are always exported."""
+    import copy
+
+    import surgery.core.capture as capture_module
+
+    real = capture_module.export_model
+    cache: dict = {}
+
+    def key_of(model, max_length, debug):
+        if any("forward" in vars(m) or m._forward_hooks or m._forward_pre_hooks for m in model.modules()):
+            return None
+        config = getattr(model, "config", None)
+        code = tuple(sorted({(type(m).__qualname__, id(type(m).forward)) for m in model.modules()}))
+        first = next(model.parameters(), None)
+        return (repr(model), config.to_json_string() if config is not None else None,
+                getattr(config, "_attn_implementation", None), code, str(first.dtype) if first is not None else None,
+                str(first.device) if first is not None else None, max_length, debug, model.training)
+
+    def export_model(model, max_length, debug=False):
+        key = key_of(model, max_length, debug)
+        if key is None or key not in cache:
+            gm = real(model, max_length, debug=debug)
+            if key is not None:
+                cache[key] = copy.deepcopy(gm)
+            return gm
+        vocab = model.get_input_embeddings().weight.shape[0]  # the random ids export draws, so RNG streams match
+        torch.randint(0, vocab, (capture_module.CAPTURE_BATCH, min(capture_module.CAPTURE_LENGTH, max_length)),
+                      device=next(model.parameters()).device)
+        gm = copy.deepcopy(cache[key])
+        tensors = model.state_dict(keep_vars=True)
+        if set(gm.state_dict()) != set(tensors):  # the graph does not hold exactly the model's tensors
+            return real(model, max_length, debug=debug)
+        for name, tensor in tensors.items():  # share the model's tensors, as export's own module does
+            owner, _, leaf = name.rpartition(".")
+            module = gm.get_submodule(owner)
+            (module._parameters if leaf in module._parameters else module._buffers)[leaf] = tensor
+        return gm
+
+    capture_module.export_model = export_model
+    yield
+    capture_module.export_model = real
+
+
 # ------------------------------------------------------------------------------------------------
 # stories260K
 
