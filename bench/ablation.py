@@ -50,6 +50,16 @@ def sync():
         torch.cuda.synchronize()
 
 
+def timed_conversion(teacher, passes, configs):
+    """(graph, PassResult, seconds) of one conversion on a fresh branch of the teacher, timed with the device synchronised."""
+    graph = teacher.branch()
+    sync()
+    start = time.perf_counter()
+    result = PassManager(passes, configs)(graph)
+    sync()
+    return graph, result, time.perf_counter() - start
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
@@ -88,12 +98,7 @@ def main() -> None:
             for name in ("calibrate", "align"):
                 if name in passes:
                     configs.setdefault(name, {})["calibration"] = args.calibration
-            graph = teacher.branch()
-            sync()
-            start = time.perf_counter()
-            result = PassManager(passes, configs)(graph)
-            sync()
-            seconds = time.perf_counter() - start
+            graph, result, seconds = timed_conversion(teacher, passes, configs)
             ev = perplexity(graph, ids, chunk=args.chunk, batch_size=args.batch_size)
             entry = {
                 "keep_ratio": ratio, "row": row, "perplexity": ev["perplexity"], "tokens": ev["tokens"],

@@ -18,22 +18,17 @@ import argparse
 import json
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from surgery import PassManager, capture  # noqa: E402
+from bench.ablation import timed_conversion  # noqa: E402
+from surgery import capture  # noqa: E402
 from surgery.data.text import read_text, tokenize  # noqa: E402
 from surgery.eval.perplexity import perplexity  # noqa: E402
 
 PASSES = ["select", "replace", "calibrate", "align"]
-
-
-def sync():
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
 
 
 def gdn_form(teacher, form: str) -> dict:
@@ -46,14 +41,9 @@ def gdn_form(teacher, form: str) -> dict:
 
 def run_row(teacher, samples: int, steps: int, form: str, ids, args) -> dict:
     """One conversion with `samples` x 256 calibration tokens for both phases and `steps` align steps."""
-    graph = teacher.branch()
     configs = {"select": {"keep_ratio": 0.5}, "replace": gdn_form(teacher, form), "calibrate": {"samples": samples},
                "align": {"samples": samples, "steps": steps, "progress": False}}
-    sync()
-    start = time.perf_counter()
-    result = PassManager(PASSES, configs)(graph)
-    sync()
-    seconds = time.perf_counter() - start
+    graph, result, seconds = timed_conversion(teacher, PASSES, configs)
     ev = perplexity(graph, ids, chunk=args.chunk, batch_size=args.batch_size)
     align = graph.meta["align"]
     return {"samples": samples, "steps": steps, "form": form or "default", "perplexity": ev["perplexity"], "tokens": ev["tokens"],

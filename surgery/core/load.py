@@ -79,13 +79,14 @@ def looks_like_hybrid(folder: Path) -> bool:
     return (folder / "model.safetensors").exists() or any(folder.glob("model-*-of-*.safetensors"))
 
 
-def check_gguf(path: Path) -> None:
+def check_gguf(path: Path):
     """A GGUF whose header or tensor data is cut short, refused with the word that says so
-    (transformers would fail deep inside numpy: "cannot reshape array ...")."""
+    (transformers would fail deep inside numpy: "cannot reshape array ..."). Returns the reader
+    (None without the gguf package), so the metadata is read once."""
     try:
         from gguf import GGUFReader
     except ImportError:
-        return  # transformers names the missing package itself
+        return None  # transformers names the missing package itself
     size = path.stat().st_size
     try:
         reader = GGUFReader(path)
@@ -95,6 +96,7 @@ def check_gguf(path: Path) -> None:
                              "Download or copy the file again.") from exc
     if end > size:
         raise ModelLoadError(f"The GGUF file '{path}' is truncated: its tensors need {end:,} bytes, the file has {size:,}.", "Download or copy the file again.")
+    return reader
 
 
 def load_model(source, *, dtype: torch.dtype = torch.float32, attn_implementation: str = "sdpa"):
@@ -114,19 +116,20 @@ def load_model(source, *, dtype: torch.dtype = torch.float32, attn_implementatio
     if path.is_dir() and not (path / "config.json").exists() and looks_like_hybrid(path):
         raise ModelLoadError(f"'{path}' looks like a saved hybrid (model.safetensors without config.json) whose recipe.json is missing.",
                              "recipe.json is what rebuilds a hybrid: restore it, or write the hybrid again with `surgery apply --out`.")
+    reader = None
     if path.is_file() and path.suffix == ".gguf":
-        check_gguf(path)
+        reader = check_gguf(path)
         folder, gguf = path.parent, path.name
     elif path.is_dir() and not (path / "config.json").exists() and _gguf_in(path):
         folder, gguf = path, _gguf_in(path).name
-        check_gguf(folder / gguf)
+        reader = check_gguf(folder / gguf)
     elif path.is_dir():
         folder, gguf = path, None
     else:
         raise ModelLoadError(f"'{path}' is not a model directory or a .gguf file.", "Pass a directory with config.json and weights, or a .gguf file.")
     info = {"kind": "gguf" if gguf else "dir", "path": str(folder.resolve()), "gguf_file": gguf, "name": str(source)}
     model = _from_pretrained(folder, gguf, dtype, attn_implementation)
-    return model, _tokenizer(folder, gguf), info
+    return model, _tokenizer(folder, gguf, gguf_adds_bos(reader)), info
 
 
 def _from_pretrained(folder: Path, gguf: str | None, dtype, attn_implementation):
@@ -154,25 +157,19 @@ def _from_pretrained(folder: Path, gguf: str | None, dtype, attn_implementation)
     raise ModelLoadError(f"transformers could not build '{folder}': {first_line(last)}", "")
 
 
-def gguf_adds_bos(path: Path) -> bool | None:
-    """The GGUF's tokenizer.ggml.add_bos_token (None: the file does not say, or cannot be read)."""
-    try:
-        from gguf import GGUFReader
-
-        field = GGUFReader(path).fields.get("tokenizer.ggml.add_bos_token")
-    except Exception:  # no gguf package, or a file check_gguf already judged
-        return None
+def gguf_adds_bos(reader) -> bool | None:
+    """A GGUF's tokenizer.ggml.add_bos_token (None: no reader, or the file does not say)."""
+    field = reader.fields.get("tokenizer.ggml.add_bos_token") if reader is not None else None
     return bool(field.parts[-1].tolist()[0]) if field is not None else None
 
 
-def _tokenizer(folder: Path, gguf: str | None):
+def _tokenizer(folder: Path, gguf: str | None, wanted_bos: bool | None = None):
     from transformers import AutoTokenizer
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder, **({"gguf_file": gguf} if gguf else {}))
     except Exception:  # a model without a tokenizer is still a model; eval will say it needs one
         return None
-    wanted = gguf_adds_bos(folder / gguf) if gguf else None
-    if wanted is not None:  # transformers versions differ on a GGUF tokenizer's BOS: the file decides
-        align_leading(tokenizer, wanted, str(folder / gguf))
+    if wanted_bos is not None:  # transformers versions differ on a GGUF tokenizer's BOS: the file decides
+        align_leading(tokenizer, wanted_bos, str(folder / gguf))
     return tokenizer
