@@ -7,6 +7,8 @@ chosen by measurement. One teacher capture; each row is a fresh branch running
 select, replace, calibrate, align with the row's settings. A row `SxN+qwen3_5` builds its GDNs in the
 form `surgery export --format qwen3_5` needs (v_activation silu, the teacher's RMSNorm eps), and
 `+qwen3_5-conv` adds learned short convolutions: what the native format costs against the default.
+A row may end in `/key=value` align options (tcal.phase2.AlignOptions), e.g.
+`16x60/schedule=cosine/lr_qkv=3e-4/lr_gates=3e-3`, to find settings that converge in fewer steps.
 Prints a markdown table, writes JSON.
 
     python bench/align_budget.py --model /root/m/smol.gguf --eval .gpu/data/wiki.test.raw \
@@ -39,14 +41,26 @@ def gdn_form(teacher, form: str) -> dict:
     return options | ({"use_short_conv": True} if form == "qwen3_5-conv" else {})
 
 
-def run_row(teacher, samples: int, steps: int, form: str, ids, args) -> dict:
+def align_overrides(parts: list[str]) -> dict:
+    """`key=value` strings as align options (numbers where they parse as one)."""
+    out = {}
+    for part in parts:
+        key, _, value = part.partition("=")
+        try:
+            out[key] = int(value) if value.lstrip("-").isdigit() else float(value)
+        except ValueError:
+            out[key] = value
+    return out
+
+
+def run_row(teacher, samples: int, steps: int, form: str, ids, args, overrides: dict | None = None) -> dict:
     """One conversion with `samples` x 256 calibration tokens for both phases and `steps` align steps."""
     configs = {"select": {"keep_ratio": 0.5}, "replace": gdn_form(teacher, form), "calibrate": {"samples": samples},
-               "align": {"samples": samples, "steps": steps, "progress": False}}
+               "align": {"samples": samples, "steps": steps, "progress": False, **(overrides or {})}}
     graph, result, seconds = timed_conversion(teacher, PASSES, configs)
     ev = perplexity(graph, ids, chunk=args.chunk, batch_size=args.batch_size)
     align = graph.meta["align"]
-    return {"samples": samples, "steps": steps, "form": form or "default", "perplexity": ev["perplexity"], "tokens": ev["tokens"],
+    return {"samples": samples, "steps": steps, "form": form or "default", "align": overrides or {}, "perplexity": ev["perplexity"], "tokens": ev["tokens"],
             "passes_seconds": seconds, "align_seconds": align["seconds"], "align_steps_run": align["steps"],
             "align_best_loss": result.info["align"]["mean_best_loss"],
             "layer_steps_x_tokens": align["steps"] * samples * 256 * len(graph.meta["select"].convert)}
@@ -71,19 +85,21 @@ def main() -> None:
         ids = ids[: args.max_eval_tokens]
     results = []
     for row in args.rows.split(","):
-        size, _, form = row.partition("+")
+        head, *options = row.split("/")
+        size, _, form = head.partition("+")
         samples, steps = (int(v) for v in size.split("x"))
-        results.append(run_row(teacher, samples, steps, form, ids, args))
+        results.append(run_row(teacher, samples, steps, form, ids, args, align_overrides(options)))
         print(json.dumps(results[-1]), flush=True)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(results, f, indent=1)
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-    print("\n| samples x 256 | align steps (run) | GDN form | perplexity | align s | layer-steps x tokens (CPU cost) |")
-    print("|---|---|---|---|---|---|")
+    print("\n| samples x 256 | align steps (run) | GDN form | align options | perplexity | align s | layer-steps x tokens (CPU cost) |")
+    print("|---|---|---|---|---|---|---|")
     for r in results:
-        print(f"| {r['samples']} | {r['steps']} ({r['align_steps_run']}) | {r['form']} | {r['perplexity']:.2f} | {r['align_seconds']:.1f} | {r['layer_steps_x_tokens']:,} |")
+        options = " ".join(f"{k}={v}" for k, v in r["align"].items()) or "defaults"
+        print(f"| {r['samples']} | {r['steps']} ({r['align_steps_run']}) | {r['form']} | {options} | {r['perplexity']:.2f} | {r['align_seconds']:.1f} | {r['layer_steps_x_tokens']:,} |")
 
 
 if __name__ == "__main__":

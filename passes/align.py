@@ -11,7 +11,7 @@ from surgery.errors import PassConfigError
 from surgery.core.compiled import maybe_compiled
 from surgery.core.graph import Graph
 from surgery.core.pipeline import Pass, PassResult, register
-from tcal.phase2 import AlignOptions, align_layers
+from tcal.phase2 import SCHEDULES, AlignOptions, align_layers
 
 from .calibrate import require_finite
 from .teacher_data import TeacherDataConfig, teacher_data
@@ -28,9 +28,13 @@ class AlignConfig(TeacherDataConfig, AlignOptions):
     def validate(self) -> None:
         super().validate()
         if self.steps < 1:
-            raise PassConfigError(f"steps must be >= 1, got {self.steps}.", "Use e.g. 300.")
+            raise PassConfigError(f"steps must be >= 1, got {self.steps}.", "Use e.g. 60.")
         if self.lr_qkv < 0 or self.lr_gates < 0:
-            raise PassConfigError("Learning rates must be >= 0.", "Use e.g. lr_qkv=1e-4, lr_gates=1e-3.")
+            raise PassConfigError("Learning rates must be >= 0.", "Use e.g. lr_qkv=1e-3, lr_gates=1e-2.")
+        if self.schedule not in SCHEDULES:
+            raise PassConfigError(f"Unknown learning-rate schedule {self.schedule!r}.", f"Use one of: {', '.join(SCHEDULES)}.")
+        if self.warmup < 0 or not 0 <= self.final_lr_ratio <= 1:
+            raise PassConfigError("warmup must be >= 0 and final_lr_ratio within [0, 1].", "Use e.g. warmup=0, final_lr_ratio=0.1.")
 
 
 @register

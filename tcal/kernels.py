@@ -75,17 +75,63 @@ def recurrent_gated_delta_rule_torch(
 
 
 def _chunks(x: torch.Tensor, pad: int, chunk_size: int, dtype: torch.dtype) -> torch.Tensor:
-    """[B, T, H, D] -> [B, H, N, C, D], zero-padded at the end of time.
+    """[B, T, H, D] -> [B, H, N, C, D], contiguous (copied once here, so no matmul copies it again),
+    zero-padded at the end of time.
 
     Zero padding is inert: g = 0 keeps the state, beta = 0 and k = 0 write nothing."""
-    x = F.pad(x.to(dtype), (0, 0, 0, 0, 0, pad))
+    x = x.to(dtype)
+    if pad:
+        x = F.pad(x, (0, 0, 0, 0, 0, pad))
     b, t, h, d = x.shape
-    return x.view(b, t // chunk_size, chunk_size, h, d).permute(0, 3, 1, 2, 4)
+    return x.view(b, t // chunk_size, chunk_size, h, d).permute(0, 3, 1, 2, 4).contiguous()
 
 
-def _masked_exp(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-    """exp(x) where keep, 0 elsewhere; masked entries never reach exp, so they cannot overflow."""
-    return x.masked_fill(~keep, float("-inf")).exp()
+@functools.lru_cache(maxsize=None)
+def _above_diagonal(chunk_size: int, device: torch.device) -> torch.Tensor:
+    """The entries j > i of a chunk's [C, C] pair matrix (built once per size and device, never written)."""
+    return torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=device).triu(1)
+
+
+def _masked_exp(x: torch.Tensor, drop: torch.Tensor) -> torch.Tensor:
+    """exp(x), 0 where drop; dropped entries never reach exp, so they cannot overflow."""
+    return x.masked_fill(drop, float("-inf")).exp()
+
+
+class UnitLowerInverse(torch.autograd.Function):
+    """(I + A)^-1 for A [..., C, C] of which only the strictly lower triangle is read (the diagonal and
+    above may hold anything). One triangular solve against I forward; the backward is two batched
+    matmuls (dA = -T^T dT T^T, strictly lower) instead of the solve's own backward, another solve."""
+
+    @staticmethod
+    def forward(ctx, a: torch.Tensor) -> torch.Tensor:
+        eye = torch.eye(a.shape[-1], dtype=a.dtype, device=a.device).expand_as(a)
+        inverse = torch.linalg.solve_triangular(a, eye, upper=False, unitriangular=True)
+        ctx.save_for_backward(inverse)
+        return inverse
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        (inverse,) = ctx.saved_tensors
+        transposed = inverse.mT
+        return (transposed @ grad.to(inverse.dtype) @ transposed).tril_(-1).neg_()
+
+
+def _cross_chunk(u, w, k_end, chunk_decay, state):
+    """The state entering each chunk, and what each chunk writes: per chunk n (a Python loop over
+    chunks, every op batched over B*H) written_n = U_n - Wk_n S_n, S_(n+1) = e^(G_C) S_n + K_end_n^T
+    written_n. Inputs are [B*H, N, ...] in the compute dtype; returns both stacked [B*H, N, ...] and
+    the final state.
+
+    Autocast is off: baddbmm is on its bf16 list, and the state and each chunk's decay must stay in
+    the compute dtype, or slow-decay heads lose their decay (0.999 rounds to 1 in bf16)."""
+    before, written = [], []
+    with torch.autocast(u.device.type, enabled=False):
+        for u_n, w_n, k_n, decay_n in zip(u.unbind(1), w.unbind(1), k_end.mT.unbind(1), chunk_decay.unbind(1)):
+            before.append(state)
+            new = torch.baddbmm(u_n, w_n, state, alpha=-1)
+            written.append(new)
+            state = torch.baddbmm(state * decay_n, k_n, new)
+    return torch.stack(before, dim=1), torch.stack(written, dim=1), state
 
 
 def chunked_gated_delta_rule_torch(
@@ -96,7 +142,7 @@ def chunked_gated_delta_rule_torch(
     Within a chunk (local cumulative decay G_i = g_1 + ... + g_i) the values written to the state
     solve a unit lower-triangular system (the UT transform of the WY representation):
         (I + A) W = beta * V - beta * e^G * K S0,  A_ij = beta_i e^(G_i - G_j) k_i.k_j  (j < i),
-    so W = U - Wk S0 with U, Wk from one triangular solve that does not depend on S0. Every
+    so W = U - Wk S0 with U, Wk from one inverse T = (I + A)^-1 that does not depend on S0. Every
     exponent is G_i - G_j (j <= i), G_i or G_C - G_j: all <= 0, so strong decay underflows to 0
     rather than overflowing. Memory is O(T * (C + D)) per head.
     """
@@ -105,50 +151,36 @@ def chunked_gated_delta_rule_torch(
     batch, seq_len, heads, dk = k.shape
     dv = v.shape[-1]
     pad = (-seq_len) % chunk_size
+    scale = _default_scale(scale, dk)
 
     q, k, v = (_chunks(x, pad, chunk_size, cdt) for x in (q, k, v))
     g, beta = (_chunks(x.unsqueeze(-1), pad, chunk_size, cdt).squeeze(-1) for x in (g, beta))
-    q = q * _default_scale(scale, dk)
 
     cum = g.cumsum(-1)  # [B, H, N, C]
-    causal = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).tril()
-    pair_decay = _masked_exp(cum[..., :, None] - cum[..., None, :], causal)  # e^(G_i - G_j), j <= i
+    drop = _above_diagonal(chunk_size, q.device)
+    pair_decay = _masked_exp(cum[..., :, None] - cum[..., None, :], drop)  # e^(G_i - G_j), j <= i
+    cum_decay = cum.exp()[..., None]
 
-    interaction = (beta[..., None] * (k @ k.transpose(-1, -2)) * pair_decay).tril(-1)
-    unit_lower = interaction + torch.eye(chunk_size, dtype=cdt, device=q.device)
-    rhs = torch.cat([beta[..., None] * v, (beta * cum.exp())[..., None] * k], dim=-1)
-    u, w = torch.linalg.solve_triangular(unit_lower, rhs, upper=False, unitriangular=True).split(
-        [dv, dk], dim=-1
-    )
+    # A's diagonal (beta_i k_i.k_i) is never read: the inverse sees only the strict lower triangle.
+    inverse = UnitLowerInverse.apply(k @ k.mT * (beta[..., None] * pair_decay))
+    inverse_beta = inverse * beta[..., None, :]  # T diag(beta)
+    u = inverse_beta @ v
+    w = inverse_beta @ (k * cum_decay)
 
-    scores = (q @ k.transpose(-1, -2)) * pair_decay
-    q_decayed = q * cum.exp()[..., None]
     tail = cum[..., -1:]
-    k_to_end = k * (tail - cum).exp()[..., None]
+    k_end = k * (tail - cum).exp()[..., None]
     chunk_decay = tail.exp()[..., None]  # [B, H, N, 1, 1]
-
-    # Across chunks the state follows a linear recurrence S_(n+1) = M_n S_n + E_n with
-    # M_n = e^(G_C) I - K_end^T Wk and E_n = K_end^T U, both built for every chunk at once; the
-    # Python loop is then one batched multiply-add per chunk (forward and backward), and the
-    # outputs are read from the stacked states in one go.
-    eye = torch.eye(dk, dtype=cdt, device=q.device)
-    k_end_t = k_to_end.transpose(-1, -2)
-    transition = (chunk_decay * eye - k_end_t @ w).flatten(0, 1)  # [B*H, N, Dk, Dk]
-    inject = (k_end_t @ u).flatten(0, 1)  # [B*H, N, Dk, Dv]
     state = _initial_state(initial_state, batch, heads, dk, dv, like=q).flatten(0, 1)
-    before = []
-    # baddbmm is on autocast's bf16 list: the state and each chunk's decay (on M_n's diagonal) must
-    # stay in the compute dtype, or slow-decay heads lose their decay (0.999 rounds to 1 in bf16).
-    with torch.autocast(q.device.type, enabled=False):
-        for m_n, e_n in zip(transition.to(cdt).unbind(1), inject.to(cdt).unbind(1)):
-            before.append(state)
-            state = torch.baddbmm(e_n, m_n, state)
-    states = torch.stack(before, dim=1).view(batch, heads, -1, dk, dv)  # the state entering each chunk
-    written = u - w @ states
-    o = q_decayed @ states + scores @ written
+    states, written, state = _cross_chunk(
+        *(x.to(cdt).flatten(0, 1) for x in (u, w, k_end, chunk_decay)), state
+    )
+    # o = scale * (e^G q S_n + scores written_n), the scale folded into the small factor and the matmul.
+    scores = (q @ k.mT) * pair_decay
+    from_state = (q * (cum_decay * scale)).flatten(0, 2) @ states.flatten(0, 1)
+    o = torch.baddbmm(from_state, scores.flatten(0, 2), written.flatten(0, 1), alpha=scale)
     state = state.view(batch, heads, dk, dv)
 
-    o = o.permute(0, 2, 3, 1, 4).reshape(batch, -1, heads, dv)
+    o = o.view(batch, heads, -1, chunk_size, dv).permute(0, 2, 3, 1, 4).reshape(batch, -1, heads, dv)
     return o[:, :seq_len].to(out_dtype), (state if output_final_state else None)
 
 

@@ -19,7 +19,8 @@ import torch.nn.functional as F
 from surgery import PassManager
 from surgery.data.windows import calibration_ids
 from surgery.passes.teacher_data import collect
-from surgery.errors import CalibrationError, PassFailedError
+from surgery.errors import CalibrationError, PassConfigError, PassFailedError
+from tcal.phase2 import AlignOptions, lr_factor
 from surgery.data.text import tokenize
 from surgery.eval.perplexity import perplexity
 
@@ -323,6 +324,34 @@ def test_align_is_deterministic_under_a_seed(stories, gdn_at):
         moved = [k for k, v in gdn_params(gdn_at(before, l)).items() if not torch.equal(v, runs[0][l][k])]
         assert "q_proj.weight" in moved and "b_proj.weight" in moved, f"align did not train: {moved}"
         assert "o_proj.weight" not in moved and "o_norm.weight" not in moved  # frozen in Phase 2
+
+
+def test_align_learning_rate_follows_warmup_then_cosine(stories, monkeypatch):
+    """The rates each optimizer step uses: linear warm-up to the peak, then a cosine down to
+    final_lr_ratio of it at the last step; constant means the peak at every step."""
+    assert [lr_factor(AlignOptions(steps=5, warmup=2), s) for s in range(2)] == [0.5, 1.0]
+    assert lr_factor(AlignOptions(steps=5, warmup=2), 4) == pytest.approx(0.1)
+    assert lr_factor(AlignOptions(steps=5, warmup=2, schedule="constant"), 4) == 1.0
+    seen = []
+    step = torch.optim.AdamW.step
+
+    def record(self, *args, **kwargs):
+        seen.append([g["lr"] for g in self.param_groups][:2])
+        return step(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", record)
+    g = convert(stories(), [1])
+    options = {"steps": 6, "warmup": 2, "patience": 100, "lr_qkv": 1e-3, "lr_gates": 1e-2, "progress": False, **SMALL}
+    PassManager(["calibrate", "align"], {"calibrate": SMALL, "align": options})(g)
+    assert len(seen) == 6
+    cosine = [0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * k / 3)) for k in range(4)]
+    for lrs, factor in zip(seen, [0.5, 1.0] + cosine):
+        assert lrs == pytest.approx([1e-3 * factor, 1e-2 * factor])
+
+
+def test_unknown_align_schedule_is_a_config_error(stories):
+    with pytest.raises(PassConfigError, match="schedule 'linear'.*constant, cosine"):
+        PassManager(["align"], {"align": {"schedule": "linear"}})
 
 
 # ------------------------------------------------------------------------------------------------

@@ -56,7 +56,7 @@ def test_passes_lists_the_four_passes(runner):
     assert result.exit_code == 0
     lines = [l for l in result.stdout.splitlines() if "runs_after=" in l]
     assert [l.split()[0] for l in lines] == ["align", "calibrate", "replace", "select"]
-    assert "keep_ratio=0.5" in result.stdout and "steps=300" in result.stdout
+    assert "keep_ratio=0.5" in result.stdout and "steps=60" in result.stdout and "schedule='cosine'" in result.stdout
 
 
 def test_inspect_json_on_the_gguf(runner, stories_path):
