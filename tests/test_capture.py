@@ -343,6 +343,30 @@ def test_truncated_gguf(tmp_path, stories_path):
     assert_one_paragraph(info.value, "cut.gguf")
 
 
+def test_a_gguf_is_parsed_once_per_load(stories_path, monkeypatch):
+    """transformers parses a GGUF's metadata anew for the config, the weights and the tokenizer;
+    load_model hands it the one reader it made, puts gguf.GGUFReader back, and loads the same model."""
+    import gguf
+    import transformers
+
+    from surgery.core.load import load_model
+
+    made = []
+
+    class Counting(gguf.GGUFReader):
+        def __init__(self, path, *args, **kwargs):
+            made.append(path)
+            super().__init__(path, *args, **kwargs)
+
+    monkeypatch.setattr(gguf, "GGUFReader", Counting)
+    model, tokenizer, info = load_model(stories_path)
+    assert len(made) == 1 and gguf.GGUFReader is Counting and tokenizer is not None
+    reference = transformers.AutoModelForCausalLM.from_pretrained(info["path"], gguf_file=info["gguf_file"])
+    assert len(made) > 2  # transformers alone: a parse for each of its readers
+    ours, theirs = model.state_dict(), reference.state_dict()
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in theirs)
+
+
 def test_directory_with_config_but_no_weights(tmp_path):
     from transformers import LlamaConfig
 

@@ -3,6 +3,7 @@ and its tokenizer. No hub access exists: every source is a file on disk."""
 from __future__ import annotations
 
 import importlib.util
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -128,8 +129,33 @@ def load_model(source, *, dtype: torch.dtype = torch.float32, attn_implementatio
     else:
         raise ModelLoadError(f"'{path}' is not a model directory or a .gguf file.", "Pass a directory with config.json and weights, or a .gguf file.")
     info = {"kind": "gguf" if gguf else "dir", "path": str(folder.resolve()), "gguf_file": gguf, "name": str(source)}
-    model = _from_pretrained(folder, gguf, dtype, attn_implementation)
-    return model, _tokenizer(folder, gguf, gguf_adds_bos(reader)), info
+    with one_gguf_parse(folder / gguf if gguf else None, reader):
+        model = _from_pretrained(folder, gguf, dtype, attn_implementation)
+        return model, _tokenizer(folder, gguf, gguf_adds_bos(reader)), info
+
+
+@contextmanager
+def one_gguf_parse(path: Path | None, reader):
+    """Within this block gguf.GGUFReader(path) returns `reader`, the one check_gguf made.
+
+    transformers parses a GGUF's metadata anew for the config (twice), the weights and the tokenizer;
+    for SmolLM2's 49k-token vocabulary each parse took ~9 s on the 2-core CPU machine, most of
+    the default teacher's load time. A reader is read-only memory maps, so sharing it is safe."""
+    if reader is None:
+        yield
+        return
+    import gguf
+
+    original, target = gguf.GGUFReader, Path(path).resolve()
+
+    def shared(file, *args, **kwargs):
+        return reader if not args and not kwargs and Path(file).resolve() == target else original(file, *args, **kwargs)
+
+    gguf.GGUFReader = shared
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = original
 
 
 def _from_pretrained(folder: Path, gguf: str | None, dtype, attn_implementation):
