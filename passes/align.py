@@ -11,7 +11,8 @@ from surgery.errors import PassConfigError
 from surgery.core.compiled import maybe_compiled
 from surgery.core.graph import Graph
 from surgery.core.pipeline import Pass, PassResult, register
-from tcal.phase2 import SCHEDULES, AlignOptions, align_layers
+from tcal.phase2 import AlignOptions, align_layers
+from tcal.schedule import SCHEDULES
 
 from .calibrate import require_finite
 from .teacher_data import TeacherDataConfig, teacher_data

@@ -14,13 +14,13 @@ linear warm-up steps.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from .gdn import GatedDeltaNet
+from .schedule import lr_factor as schedule_factor
 
 
 @dataclass
@@ -38,17 +38,9 @@ class AlignOptions:
     final_lr_ratio: float = 0.1
 
 
-SCHEDULES = ("constant", "cosine")
-
-
 def lr_factor(opts: AlignOptions, step: int) -> float:
-    """The learning-rate multiplier at `step` (0-based): linear warm-up, then constant or cosine."""
-    if step < opts.warmup:
-        return (step + 1) / opts.warmup
-    if opts.schedule == "constant":
-        return 1.0
-    progress = (step - opts.warmup) / max(1, opts.steps - opts.warmup - 1)
-    return opts.final_lr_ratio + (1 - opts.final_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+    """The learning-rate multiplier at `step` (0-based); the cosine reaches final_lr_ratio at the last step."""
+    return schedule_factor(step, opts.warmup, opts.steps - opts.warmup - 1, opts.schedule, opts.final_lr_ratio)
 
 
 def _roles(gdn: GatedDeltaNet) -> tuple[list, list, list]:
@@ -72,7 +64,7 @@ def _groups(gdn: GatedDeltaNet, opts: AlignOptions) -> list[dict]:
 
 
 def _optimizer(modules: dict[int, GatedDeltaNet], opts: AlignOptions):
-    """(trainable parameters per layer, one AdamW over every layer's groups, its schedule or None);
+    """(trainable parameters per layer, one AdamW over every layer's groups, its schedule);
     frozen parameters stop requiring grad."""
     trainable, groups = {}, []
     for l, m in modules.items():
@@ -83,10 +75,7 @@ def _optimizer(modules: dict[int, GatedDeltaNet], opts: AlignOptions):
         trainable[l] = [p for g in layer_groups for p in g["params"]]
         groups += layer_groups
     optimizer = torch.optim.AdamW(groups, weight_decay=opts.weight_decay, betas=(0.9, 0.999))
-    scheduler = None
-    if opts.schedule != "constant" or opts.warmup:
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(opts, step))
-    return trainable, optimizer, scheduler
+    return trainable, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(opts, step))
 
 
 def align_layers(modules: dict[int, GatedDeltaNet], data: dict[int, tuple[torch.Tensor, torch.Tensor]],
@@ -128,8 +117,7 @@ def align_layers(modules: dict[int, GatedDeltaNet], data: dict[int, tuple[torch.
             elif step - last_improved >= opts.patience:
                 break
             optimizer.step()
-            if scheduler is not None:
-                scheduler.step()
+            scheduler.step()
     finally:
         with torch.no_grad():
             for l, m in modules.items():

@@ -8,9 +8,9 @@ from dataclasses import dataclass
 
 from ..core.pipeline import PassConfig
 from ..errors import DistillError
+from tcal.schedule import SCHEDULES, lr_factor as schedule_factor
 
 STAGES = ("l2", "kl", "both")
-SCHEDULES = ("cosine", "constant")
 # Fields that change how a run is executed or reported but not the numbers it trains on; --resume
 # accepts new values for these (micro_batch changes only the float summation order).
 OPERATIONAL = ("micro_batch", "save_every", "keep_checkpoints", "grad_checkpoint", "eval_every", "eval_text", "eval_tokens", "time_limit",
@@ -130,11 +130,7 @@ class DistillConfig(PassConfig):
 
 
 def lr_factor(step: int, steps: int, warmup: float, schedule: str, min_ratio: float) -> float:
-    """Multiplier of the base learning rate at 0-based `step` of a stage of `steps` steps."""
+    """Multiplier of the base learning rate at 0-based `step` of a stage of `steps` steps (`warmup` is
+    a fraction of them; the cosine ends one step past the stage, so its last step stays above the floor)."""
     warm = math.ceil(warmup * steps)
-    if step < warm:
-        return (step + 1) / warm
-    if schedule == "constant":
-        return 1.0
-    progress = (step - warm) / max(1, steps - warm)
-    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+    return schedule_factor(step, warm, steps - warm, schedule, min_ratio)
