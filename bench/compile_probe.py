@@ -33,6 +33,7 @@ import surgery.core.compiled as compiled  # noqa: E402
 from surgery import PassManager, capture  # noqa: E402
 from surgery.core.compiled import CompiledGraph  # noqa: E402
 from surgery.core.run import graph_logits, interpret, placeholder_values  # noqa: E402
+from surgery.decode.causal_flags import causal_flags  # noqa: E402
 from bench._models import smollm2_shaped  # noqa: E402
 from bench.compile_speed import median_ms, sync  # noqa: E402
 
@@ -57,14 +58,16 @@ def kernel_profile(fn, device, calls: int = 3) -> dict:
             "top": [(e.key[:60], round(e.self_device_time_total / 1000 / calls, 4), e.count // calls) for e in top]}
 
 
-def profile_rows(graphs, length, batch, device, repeats, out) -> None:
+def profile_rows(graphs, length, batch, device, repeats, out, causal: bool = True) -> None:
     ids = torch.randint(0, graphs[0][1].config.vocab_size, (batch, length), device=device)
     for label, graph in graphs:
         runs = {"eager": lambda g=graph: g.logits(ids)}
-        plain = CompiledGraph(graph.gm, label=f"{label} compiled")
+        # compiled as the library's compiled paths run it: causal masks as SDPA's is_causal flag
+        flagged = causal_flags(graph.gm, length)[0] if causal else graph.gm
+        plain = CompiledGraph(flagged, label=f"{label} compiled")
         runs["compiled"] = lambda: graph_logits(plain, ids)
         if device.type == "cuda":  # (a hand-made CUDA graph of the eager hybrid hit an index assert at replay: left out)
-            cg = CompiledGraph(graph.gm, label=f"{label} compiled+cudagraphs", mode="reduce-overhead")
+            cg = CompiledGraph(flagged, label=f"{label} compiled+cudagraphs", mode="reduce-overhead")
             runs["compiled+cudagraphs"] = lambda: graph_logits(cg, ids)
         for mode, fn in runs.items():
             with torch.no_grad():
@@ -138,6 +141,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--smoke", action="store_true", help="CPU, stories260K, tiny sizes, backend aot_eager")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--no-causal-flags", dest="causal_flags", action="store_false",
+                    help="profile the compiled graphs with their traced masks (as the tenth session's 32k rows)")
     args = ap.parse_args()
     device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
     if args.smoke:
@@ -164,7 +169,7 @@ def main() -> None:
     if "profile" in sections:
         for length in lengths:
             for batch in (int(b) for b in args.batches.split(",")):
-                profile_rows(graphs, length, batch, device, args.repeats, out)
+                profile_rows(graphs, length, batch, device, args.repeats, out, args.causal_flags)
     if "bisect" in sections:
         for label, graph in graphs:
             for bdtype in (torch.float32, dtype) if dtype != torch.float32 else (torch.float32,):

@@ -32,10 +32,13 @@ from surgery.core.compiled import CompiledGraph  # noqa: E402
 from surgery.core.load import load_model  # noqa: E402
 from surgery.core.run import graph_logits  # noqa: E402
 from surgery.decode import Decoder  # noqa: E402
+from surgery.decode.causal_flags import causal_flags  # noqa: E402
 from surgery.train import DistillConfig, distill  # noqa: E402
 from bench._models import smollm2_shaped  # noqa: E402
+from tcal.kernels import fla_backward_supported  # noqa: E402
 
 STORIES = Path(__file__).parent.parent / "tests/assets/stories260k/stories260K.gguf"
+H200_BF16_PEAK = 989e12  # dense bf16 FLOP/s of an H200 SXM (NVIDIA's data sheet; 1979e12 is with sparsity)
 SAMPLE = Path(__file__).parent.parent / "surgery/data/calibration_sample.txt"
 
 
@@ -134,12 +137,16 @@ def prefill_rows(name, model, graphs, lengths, batches, args, device, out: Rows)
                          "ms": median_ms(lambda: model(input_ids=ids), args.repeats, device)})
                 for label, graph in graphs:
                     if ("bench", graph.gm) not in graph.cache:  # one CompiledGraph per graph and mode, built once
-                        graph.cache[("bench", graph.gm)] = CompiledGraph(graph.gm, label=label)
+                        # the compiled paths run SDPA with is_causal where the mask is provably causal
+                        flagged, count = causal_flags(graph.gm, max(lengths)) if args.causal_flags else (graph.gm, 0)
+                        graph.cache[("causal flags", graph.gm)] = count
+                        graph.cache[("bench", graph.gm)] = CompiledGraph(flagged, label=label)
                         if device.type == "cuda":  # the compiled graph replayed as CUDA graphs (one per shape)
                             graph.cache[("bench cudagraphs", graph.gm)] = CompiledGraph(
-                                graph.gm, label=f"{label} (CUDA graphs)", mode="reduce-overhead")
+                                flagged, label=f"{label} (CUDA graphs)", mode="reduce-overhead")
                     run = graph.cache[("bench", graph.gm)]
                     row = {"bench": "prefill", "model": label, "length": length, "batch": batch,
+                           "causal_flags": graph.cache[("causal flags", graph.gm)],
                            "eager_ms": median_ms(lambda: graph.logits(ids), args.repeats, device),
                            "compiled_ms": median_ms(lambda: graph_logits(run, ids), args.repeats, device),
                            "compile_s": run.compile_seconds, "failed": run.failed}
@@ -175,11 +182,12 @@ def steady_tokens_per_s(run_dir: Path, skip: int) -> float | None:
     return statistics.median(rates) if rates else None
 
 
-def distill_rows(teacher, steps, seq_len, batch, device, out: Rows) -> None:
-    row = {"bench": "distill", "model": "hybrid 50% GDN", "steps": steps, "seq_len": seq_len, "batch": batch}
+def distill_rows(teacher, steps, seq_len, batch, device, out: Rows, modes=("eager", "compiled")) -> None:
+    row = {"bench": "distill", "model": "hybrid 50% GDN", "steps": steps, "seq_len": seq_len, "batch": batch,
+           "gdn_backward": "fla" if fla_backward_supported() else "torch"}
     for mode, flag in (("eager", False), ("compiled", True)):
-        if not out.time_left(f"distill {mode}"):
-            break
+        if mode not in modes or not out.time_left(f"distill {mode} x{batch}"):
+            continue
         student = hybrid_of(teacher, 0.5)
         student.gm.float()
         config = DistillConfig(tokens=steps * seq_len * batch, seq_len=seq_len, global_batch=batch, warmup=0.0, compile=flag)
@@ -189,7 +197,11 @@ def distill_rows(teacher, steps, seq_len, batch, device, out: Rows) -> None:
             row[f"{mode}_seconds"] = time.perf_counter() - t
             row[f"{mode}_tokens_per_s_all"] = result["tokens_per_s"]
             row[f"{mode}_tokens_per_s"] = steady_tokens_per_s(Path(folder) / "run", skip=3)
-            row[f"{mode}_model_flops_per_s"] = result.get("flops_per_s")
+            # model FLOPs per token from the run's own count (flops_per_s / tokens_per_s), at the steady rate
+            per_token = (result.get("flops_per_s") or 0) / result["tokens_per_s"] if result.get("tokens_per_s") else 0
+            steady = row[f"{mode}_tokens_per_s"] or 0
+            row[f"{mode}_model_flops_per_s"] = steady * per_token
+            row[f"{mode}_of_h200_peak"] = steady * per_token / H200_BF16_PEAK
         torch._dynamo.reset()
     out.add(row)
 
@@ -204,6 +216,10 @@ def main() -> None:
     ap.add_argument("--decode-context", type=int, default=65536)
     ap.add_argument("--decode-batches", default="1,16")
     ap.add_argument("--distill-steps", type=int, default=20)
+    ap.add_argument("--distill-batches", default="8", help="micro-batch = global batch, 512 tokens each")
+    ap.add_argument("--distill-modes", default="eager,compiled")
+    ap.add_argument("--no-causal-flags", dest="causal_flags", action="store_false",
+                    help="compiled prefill keeps the traced masks (as before the causal-flag rewrite)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--smoke", action="store_true", help="CPU, stories260K, tiny sizes, backend aot_eager")
     ap.add_argument("--budget-s", type=float, default=330, help="skip what is left after this many seconds")
@@ -238,7 +254,9 @@ def main() -> None:
     if "decode" in sections:
         decode_rows(graphs[::-1], args.decode_context, [int(b) for b in args.decode_batches.split(",")], max(8, args.repeats), device, rows)
     if "distill" in sections:
-        distill_rows(teacher, args.distill_steps, 512 if not args.smoke else 64, 8 if not args.smoke else 2, device, rows)
+        for batch in ([int(b) for b in args.distill_batches.split(",")] if not args.smoke else [2]):
+            distill_rows(teacher, args.distill_steps, 512 if not args.smoke else 64, batch, device, rows,
+                         tuple(args.distill_modes.split(",")))
     for row in rows:
         print(" | ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
 

@@ -8,6 +8,9 @@ input projections are six GEMMs, eagerly one fused GEMM: sums in another order, 
 that is a small difference of large terms keeps less of its precision)."""
 from __future__ import annotations
 
+import copy
+import dataclasses
+import json
 import warnings
 
 import pytest
@@ -171,3 +174,26 @@ def test_gated_delta_rule_op_passes_opcheck():
     decay, beta = (-torch.rand(b, t, h, generator=g)).requires_grad_(), torch.rand(b, t, h, generator=g).requires_grad_()
     state = torch.randn(b, h, d, d, generator=g).requires_grad_()
     torch.library.opcheck(gated_delta_rule_op, (q, k, v, decay, beta, state, d**-0.5, True, "torch", 64, True))
+
+
+def test_compiled_distillation_logs_the_eager_losses(stories, aot_eager, tmp_path):
+    """Stages l2 then kl through the compiled path (teacher and student with their causal masks
+    turned into SDPA's is_causal flag, the student's rewrite sharing its parameters): the same
+    losses step by step as eagerly, and the same trained weights."""
+    from surgery.train import DistillConfig, distill
+
+    text = tmp_path / "train.txt"
+    text.write_text(" ".join(f"Once upon a time a cat named Tom {i} saw a dog." for i in range(60)))
+    runs, teacher = {}, stories()
+    for flag in (False, True):
+        student = hybrid(teacher.branch())
+        student = dataclasses.replace(student, gm=copy.deepcopy(student.gm))  # training it leaves `teacher` as it is
+        config = DistillConfig(tokens=6 * 2 * 32, l2_tokens=2 * 2 * 32, stage="both", seq_len=32, global_batch=2,
+                               warmup=0.0, schedule="constant", compile=flag)
+        distill(student, [text], tmp_path / f"run{flag}", config, teacher=teacher, progress=False)
+        log = (tmp_path / f"run{flag}" / "log.jsonl").read_text().splitlines()
+        runs[flag] = ([r["loss"] for r in map(json.loads, log) if "loss" in r], dict(student.gm.named_parameters()))
+    (eager, eager_weights), (compiled, compiled_weights) = runs[False], runs[True]
+    assert len(eager) == 6 and all(abs(a - b) <= 1e-4 * abs(a) for a, b in zip(eager, compiled)), (eager, compiled)
+    for name, p in eager_weights.items():
+        assert_close(p.detach(), compiled_weights[name].detach(), name, GRADIENT_TOLERANCE)

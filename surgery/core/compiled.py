@@ -131,22 +131,26 @@ class CompiledGraph:
         return {"label": self.label, "compile_seconds": self.compile_seconds, "failed": self.failed}
 
 
-def maybe_compiled(module, flag: bool | None, device, *, label: str = "graph", **options):
-    """`module` itself when compiling is off (its eager numbers untouched), else a CompiledGraph."""
-    return CompiledGraph(module, label=label, **options) if resolve_compile(flag, device) else module
+def maybe_compiled(module, flag: bool | None, device, *, label: str = "graph", prepare=None, **options):
+    """`module` itself when compiling is off (its eager numbers untouched), else a CompiledGraph of
+    it, or of prepare(module): a rewrite for the compiled path only (surgery.decode.CausalFlags)."""
+    if not resolve_compile(flag, device):
+        return module
+    return CompiledGraph(module if prepare is None else prepare(module), label=label, **options)
 
 
-def graph_runner(graph, flag: bool | None = None, **options):
-    """ids -> logits of a Graph: graph.logits itself when compiling is off, else its gm compiled (once
-    per gm, kept in graph.cache so later calls reuse it), with the same input checks. On CUDA the
-    compiled graph is replayed as CUDA graphs (REPLAY_MODE): a caller reads each call's logits before
-    the next call, and its shapes repeat (evaluation chunks)."""
+def graph_runner(graph, flag: bool | None = None, *, prepare=None, **options):
+    """ids -> logits of a Graph: graph.logits itself when compiling is off, else its gm (or
+    prepare(gm), a hashable rewrite for the compiled path such as surgery.decode.CausalFlags)
+    compiled once per gm and rewrite, kept in graph.cache so later calls reuse it, with the same
+    input checks. On CUDA the compiled graph is replayed as CUDA graphs (REPLAY_MODE): a caller reads
+    each call's logits before the next call, and its shapes repeat (evaluation chunks)."""
     if not resolve_compile(flag, graph.device):
         return graph.logits
     if graph.device.type == "cuda":
         options.setdefault("mode", REPLAY_MODE)
-    key = ("compiled", graph.gm)
+    key = ("compiled", graph.gm, prepare)
     if key not in graph.cache:
-        graph.cache[key] = CompiledGraph(graph.gm, **options)
+        graph.cache[key] = CompiledGraph(graph.gm if prepare is None else prepare(graph.gm), **options)
     compiled = graph.cache[key]
     return lambda input_ids: run_graph(graph, input_ids, compiled)

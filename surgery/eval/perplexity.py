@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from ..core.compiled import graph_runner
 from ..core.bos import lead_windows, leading_token, text_length
+from ..decode.causal_flags import CausalFlags
 from ..errors import CalibrationError
 
 DEFAULT_CHUNK = 2048
@@ -31,7 +32,7 @@ def chunk_tokens(ids: torch.Tensor, length: int) -> torch.Tensor:
 def score_windows(graph, windows: torch.Tensor, *, batch_size: int = 1, progress=None, compile: bool | None = None) -> dict:
     """Mean NLL of tokens 1..T-1 of each window [N, T], every window scored on its own (a window
     that starts with BOS has all its text tokens predicted)."""
-    run = graph_runner(graph, compile, label="graph for perplexity")
+    run = graph_runner(graph, compile, label="graph for perplexity", prepare=CausalFlags(windows.shape[1]))
     total, count = 0.0, 0
     device = graph.device
     for start in range(0, windows.shape[0], batch_size):

@@ -127,15 +127,17 @@ class Stage:
     flops_per_token: int
 
 
-def stage_l2(student: Graph, teacher: Graph, place: Placement, autocast: Callable, compile: bool = False) -> Stage:
+def stage_l2(student: Graph, teacher: Graph, place: Placement, autocast: Callable, compile: bool = False,
+             prepare=None) -> Stage:
     """MSE between each GDN layer's output and the teacher's attention output at its site, the
-    layer fed the teacher's input there; the teacher runs only up to the last GDN site."""
+    layer fed the teacher's input there; the teacher runs only up to the last GDN site. prepare: a
+    graph rewrite for the compiled path only (surgery.decode.CausalFlags)."""
     gdn = student.gdn_modules()
     sites = teacher.sites
     names = [n for l in student.gdn_targets() for n in (sites[l].input_node, sites[l].output_node)]
     taps = tap_module(teacher.gm, names)
     wrapped = place.wrap(Layers(gdn))
-    run_taps = maybe_compiled(taps, compile, place.device, label="teacher up to the last GDN site")
+    run_taps = maybe_compiled(taps, compile, place.device, label="teacher up to the last GDN site", prepare=prepare)
     run_layers = maybe_compiled(wrapped, compile, place.device, label="GDN layers")
 
     def loss(ids):
@@ -150,11 +152,12 @@ def stage_l2(student: Graph, teacher: Graph, place: Placement, autocast: Callabl
 
 
 def stage_kl(student: Graph, teacher: Graph, place: Placement, autocast: Callable, temperature: float,
-             compile: bool = False) -> Stage:
-    """KL(teacher || student) over the logits, the whole student trained."""
-    wrapped = place.wrap(student.gm)
+             compile: bool = False, prepare=None) -> Stage:
+    """KL(teacher || student) over the logits, the whole student trained. prepare: a graph rewrite
+    for the compiled path only; the student's shares its parameters, so training it trains the student."""
+    wrapped = place.wrap(prepare(student.gm) if compile and prepare is not None else student.gm)
     extra = student.gm.meta.get("extra_inputs", {})
-    run_teacher = maybe_compiled(teacher.gm, compile, place.device, label="teacher graph")
+    run_teacher = maybe_compiled(teacher.gm, compile, place.device, label="teacher graph", prepare=prepare)
     run_student = maybe_compiled(wrapped, compile, place.device, label="student graph")
 
     def loss(ids):

@@ -24,6 +24,7 @@ from typing import Callable
 import torch
 
 from ..core.compiled import resolve_compile
+from ..decode.causal_flags import CausalFlags
 from ..errors import DistillError, first_line
 from .config import lr_factor
 from .job import Job
@@ -161,9 +162,10 @@ class Trainer:
         job = self.job
         optimizer, scheduler, trainable = build_optimizer(job, index, stage, steps)
         if stage == "l2":
-            built = stage_l2(job.student, job.teacher, self.place, job.autocast, self.compile)
+            built = stage_l2(job.student, job.teacher, self.place, job.autocast, self.compile, CausalFlags(self.config.seq_len))
         else:
-            built = stage_kl(job.student, job.teacher, self.place, job.autocast, self.config.temperature, self.compile)
+            built = stage_kl(job.student, job.teacher, self.place, job.autocast, self.config.temperature, self.compile,
+                             CausalFlags(self.config.seq_len))
         with gradient_checkpointing(job.student.gdn_modules().values(), self.config.grad_checkpoint):
             for stage_step in range(self.tally.done - first, steps):
                 record = self.train_step(first + stage_step, stage, optimizer, scheduler, built, trainable)
