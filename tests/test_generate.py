@@ -265,8 +265,10 @@ def test_static_steps_keep_the_gdn_state_memory(tiny):
         decoder = Decoder(graph, step_mode=mode).reset(1, capacity=16)
         decoder.prefill(ids[:, :6])
         before = addresses(decoder)
+        held = [t for m in decoder.gdn.values() for t in m._tensors()]  # alive, so a new state cannot reuse their memory
         got = [decoder.step(ids[:, t]) for t in range(6, 9)]
         assert (addresses(decoder) == before) is kept, mode
+        del held
         torch.testing.assert_close(torch.cat(got, dim=1), graph.logits(ids)[:, 6:], atol=ATOL, rtol=1e-4)
 
 
