@@ -14,7 +14,15 @@ Sections:
   the eager interpreter's values of the same nodes: max |diff| relative to max |eager| per node, in
   execution order, in float32 and bf16; the nodes where the relative gap first jumps name the op
   that parts compiled from eager. (Forcing outputs changes inductor's fusion, so the final logits
-  gap of the probe is printed beside that of the plain compiled graph.)
+  gap of the probe is printed beside that of the plain compiled graph.) The float32 rows move a bf16
+  capture to float32, which keeps its traced casts to bf16 (RMSNorm's `.to(input_dtype)`), so they
+  are not a pure float32 run.
+- reference: the teacher and its hybrid captured in float32 and in bf16 with the same weights; the
+  bf16 graph's eager and compiled logits against the float32 one (max and mean relative gap, top-1
+  agreement). Compiled bf16 nearer float32 than eager bf16 is means the compiled-vs-eager gap is
+  eager's rounding, not a compile error.
+
+    python bench/compile_probe.py --model /root/m/smol.gguf --sections reference --bisect-length 1024
 Prints tables, writes JSON rows."""
 from __future__ import annotations
 
@@ -130,11 +138,53 @@ def bisect_rows(graph, dtype, length, device, out, label) -> None:
     torch._dynamo.reset()
 
 
+def converted_pair(make_source, dtype, length, device) -> dict:
+    """{label: (float32 graph, `dtype` graph)} with the same weights: the teacher and its 75% GDN
+    hybrid, each captured in its own dtype, so the float32 graph has no traced casts to bf16 (a bf16
+    capture moved to float32 keeps them, which confounds the bisect's float32 rows)."""
+    graphs = {}
+    for d in (torch.float32, dtype):
+        teacher = capture(make_source(), device=device, dtype=d, max_length=length)
+        hybrid = teacher.branch()
+        PassManager(["select", "replace"], {"select": {"keep_ratio": 0.25}})(hybrid)
+        for gdn in hybrid.gdn_modules().values():
+            gdn.to(d)
+        graphs[d] = {"teacher graph": teacher, "hybrid 75% GDN": hybrid}
+    for label, low in graphs[dtype].items():
+        low.gm.load_state_dict(graphs[torch.float32][label].gm.state_dict())  # copy_ casts to the graph's dtype
+    return {label: (graphs[torch.float32][label], graphs[dtype][label]) for label in graphs[dtype]}
+
+
+def reference_rows(make_source, dtype, length, device, out, causal: bool = True) -> None:
+    """Eager and compiled `dtype` logits against the same weights run eagerly in float32: whether
+    compiling moves the logits away from the float32 answer, or only away from eager's rounding."""
+    ids = None
+    for label, (ref, low) in converted_pair(make_source, dtype, length, device).items():
+        if ids is None:
+            ids = torch.randint(0, ref.config.vocab_size, (1, length), device=device)
+        flagged = causal_flags(low.gm, length)[0] if causal else low.gm
+        with torch.no_grad():
+            want = graph_logits(ref.gm, ids).float()
+            eager = graph_logits(low.gm, ids).float()
+            compiled = graph_logits(CompiledGraph(flagged, label=f"{label} {dtype}"), ids).float()
+        scale = want.abs().max().item()
+        top = want.argmax(-1)
+        row = {"bench": "reference", "model": label, "dtype": str(dtype), "length": length}
+        for name, got in (("eager", eager), ("compiled", compiled)):
+            row[f"{name}_rel_max"] = (got - want).abs().max().item() / scale
+            row[f"{name}_rel_mean"] = (got - want).abs().mean().item() / want.abs().mean().item()
+            row[f"{name}_top1_agree"] = (got.argmax(-1) == top).float().mean().item()
+        row["compiled_vs_eager_rel_max"] = (compiled - eager).abs().max().item() / scale
+        out(row)
+        torch._dynamo.reset()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=None, help="teacher file; --random for SmolLM2-shaped random weights")
     ap.add_argument("--random", action="store_true")
-    ap.add_argument("--sections", default="profile,bisect")
+    ap.add_argument("--sections", default="profile,bisect", help="profile, bisect, reference (eager and compiled "
+                    "bf16 logits against the same weights captured and run in float32)")
     ap.add_argument("--lengths", default="2048,8192")
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--bisect-length", type=int, default=1024)
@@ -170,6 +220,9 @@ def main() -> None:
         for length in lengths:
             for batch in (int(b) for b in args.batches.split(",")):
                 profile_rows(graphs, length, batch, device, args.repeats, out, args.causal_flags)
+    if "reference" in sections:
+        reference_rows(lambda: smollm2_shaped() if args.random else args.model, torch.bfloat16, args.bisect_length, device, out,
+                       args.causal_flags)
     if "bisect" in sections:
         for label, graph in graphs:
             for bdtype in (torch.float32, dtype) if dtype != torch.float32 else (torch.float32,):
