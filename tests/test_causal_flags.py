@@ -74,3 +74,12 @@ def test_compiled_runner_uses_the_flags(stories, monkeypatch):
     graph_runner(graph, True, prepare=CausalFlags(64), report=None)
     graph_runner(graph, True, prepare=CausalFlags(128), report=None)
     assert len([k for k in graph.cache if k[0] == "compiled" and isinstance(k[-1], CausalFlags)]) == 2
+
+
+def test_a_graph_without_a_length_to_prove_with_is_returned_unchanged(tiny):
+    """No symbolic length to read masks with (symbolic_trace keeps no shapes): unchanged; a length under 1 is refused."""
+    graph = tiny("llama").graph
+    fixed = torch.fx.symbolic_trace(torch.nn.Linear(4, 4))
+    assert causal_flags(fixed, 16) == (fixed, 0)
+    with pytest.raises(CaptureError, match="at least 1 token"):
+        causal_flags(graph.gm, 0)

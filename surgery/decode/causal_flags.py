@@ -58,7 +58,10 @@ def is_plain_causal(rule: MaskRule, reader: MaskReader, lengths: list[int]) -> b
 def square_attention(node: Node, lengths: Lengths, length: int) -> bool:
     """Queries and keys both as long as the input (is_causal aligns the mask to the top left)."""
     a = sdpa_arguments(node)
-    q, k = (lengths.shape_at(a[name], length) for name in ("query", "key"))
+    try:
+        q, k = (lengths.shape_at(a[name], length) for name in ("query", "key"))
+    except (TypeError, KeyError):  # a size that is not a function of batch and length: left as it is
+        return False
     return q[-2] == k[-2] == length
 
 
@@ -66,10 +69,13 @@ def causal_flags(gm: GraphModule, longest: int) -> tuple[GraphModule, int]:
     """A fork of `gm` in which every SDPA call with a provably causal mask (checked up to `longest`
     tokens) passes is_causal=True and no mask, and how many calls were rewritten. The mask's own
     nodes are dropped when nothing else reads them."""
+    if longest < 1:
+        raise CaptureError(f"The causal-flag rewrite needs a longest length of at least 1 token, got {longest}.",
+                           "Pass the longest input length the graph will run.")
     forked = fork(gm)
     try:
         lengths = Lengths(forked)
-    except DecodeError:  # no input, or one fixed length: nothing to prove the masks with
+    except (DecodeError, KeyError):  # no input, one fixed length, no shape metadata: nothing to prove the masks with
         return gm, 0
     reader = MaskReader(forked, lengths)
     checks = sorted({min(MASK_CHECK, longest), longest})
