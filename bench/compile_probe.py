@@ -14,9 +14,9 @@ Sections:
   the eager interpreter's values of the same nodes: max |diff| relative to max |eager| per node, in
   execution order, in float32 and bf16; the nodes where the relative gap first jumps name the op
   that parts compiled from eager. (Forcing outputs changes inductor's fusion, so the final logits
-  gap of the probe is printed beside that of the plain compiled graph.) The float32 rows move a bf16
-  capture to float32, which keeps its traced casts to bf16 (RMSNorm's `.to(input_dtype)`), so they
-  are not a pure float32 run.
+  gap of the probe is printed beside that of the plain compiled graph.) The float32 rows come from a
+  float32 capture of the same weights: until the tenth session they moved the bf16 capture to
+  float32, which kept its traced casts to bf16 (RMSNorm's `.to(input_dtype)`).
 - reference: the teacher and its hybrid captured in float32 and in bf16 with the same weights; the
   bf16 graph's eager and compiled logits against the float32 one (max and mean relative gap, top-1
   agreement). Compiled bf16 nearer float32 than eager bf16 is means the compiled-vs-eager gap is
@@ -114,7 +114,7 @@ def probe_module(gm, nodes):
 
 
 def bisect_rows(graph, dtype, length, device, out, label) -> None:
-    gm = graph.gm.to(dtype)
+    gm = graph.gm
     ids = torch.randint(0, graph.config.vocab_size, (1, length), device=device)
     inputs = placeholder_values(gm, ids)
     with torch.no_grad():
@@ -224,10 +224,13 @@ def main() -> None:
         reference_rows(lambda: smollm2_shaped() if args.random else args.model, torch.bfloat16, args.bisect_length, device, out,
                        args.causal_flags)
     if "bisect" in sections:
-        for label, graph in graphs:
-            for bdtype in (torch.float32, dtype) if dtype != torch.float32 else (torch.float32,):
-                bisect_rows(graph, bdtype, args.bisect_length, device, out, label)
-            graph.gm.to(dtype)
+        if dtype == torch.float32:
+            pairs = {label: (graph,) for label, graph in graphs}
+        else:  # the float32 rows from a float32 capture of the same weights (no traced casts to bf16)
+            pairs = converted_pair(lambda: smollm2_shaped() if args.random else args.model, dtype, args.bisect_length, device)
+        for label, captured in pairs.items():
+            for graph in captured:
+                bisect_rows(graph, next(graph.gm.parameters()).dtype, args.bisect_length, device, out, label)
     print("\nmodel | mode | length x batch | wall ms | GPU busy ms | busy/wall | kernels")
     for r in rows:
         if r["bench"] == "profile" and "wall_ms" in r:
