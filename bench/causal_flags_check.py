@@ -16,7 +16,8 @@ import torch  # noqa: E402
 
 from surgery import capture  # noqa: E402
 from surgery.core.run import graph_logits  # noqa: E402
-from surgery.decode.causal_flags import SDPA, causal_flags  # noqa: E402
+from surgery.decode.causal_flags import causal_flags  # noqa: E402
+from surgery.sites.ops import SDPA_OPS  # noqa: E402
 
 
 def main() -> None:
@@ -27,7 +28,7 @@ def main() -> None:
     print("model | SDPA calls | rewritten | proof s | sliding window | max |logits diff| | max |logit|")
     for source in args.models:
         graph = capture(source, max_length=args.length)
-        calls = sum(1 for n in graph.gm.graph.nodes if n.target is SDPA)
+        calls = sum(1 for n in graph.gm.graph.nodes if n.target in SDPA_OPS)
         start = time.perf_counter()
         flagged, count = causal_flags(graph.gm, args.length)
         seconds = time.perf_counter() - start

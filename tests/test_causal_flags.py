@@ -11,7 +11,8 @@ import torch
 import surgery.core.compiled as compiled_module
 from surgery.core.compiled import graph_runner
 from surgery.core.run import graph_logits
-from surgery.decode.causal_flags import SDPA, CausalFlags, causal_flags, sdpa_arguments
+from surgery.decode.causal_flags import CausalFlags, causal_flags
+from surgery.sites.ops import SDPA_OPS, sdpa_arguments
 from surgery.errors import CaptureError
 
 LENGTH = 40
@@ -19,7 +20,7 @@ LENGTH = 40
 
 def masked_calls(gm) -> tuple[int, int]:
     """(SDPA calls with a mask, SDPA calls with is_causal and no mask)."""
-    calls = [sdpa_arguments(n) for n in gm.graph.nodes if n.op == "call_function" and n.target is SDPA]
+    calls = [sdpa_arguments(n) for n in gm.graph.nodes if n.op == "call_function" and n.target in SDPA_OPS]
     return sum(a.get("attn_mask") is not None for a in calls), sum(bool(a.get("is_causal")) and a.get("attn_mask") is None for a in calls)
 
 

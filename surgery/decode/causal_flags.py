@@ -23,11 +23,9 @@ from torch.fx import GraphModule, Node
 
 from ..core.rewrite import ancestors, fork
 from ..errors import CaptureError, DecodeError
+from ..sites.ops import SDPA_OPS, mask_mode, sdpa_arguments
 from .lengths import Lengths
 from .masks import MASK_CHECK, MaskReader, MaskRule, band
-
-SDPA = torch.ops.aten.scaled_dot_product_attention.default
-SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 
 
 def check_length(input_ids: torch.Tensor, longest: int) -> None:
@@ -37,10 +35,6 @@ def check_length(input_ids: torch.Tensor, longest: int) -> None:
             f"A sequence of {input_ids.shape[-1]} tokens is longer than the {longest} this graph's causal-flag rewrite was checked for.",
             "Build it again with CausalFlags(longest) covering the longest input.",
         )
-
-
-def sdpa_arguments(node: Node) -> dict:
-    return dict(zip(SDPA_ARGS, node.args)) | dict(node.kwargs)
 
 
 def is_plain_causal(rule: MaskRule, reader: MaskReader, lengths: list[int]) -> bool:
@@ -80,14 +74,13 @@ def causal_flags(gm: GraphModule, longest: int) -> tuple[GraphModule, int]:
     reader = MaskReader(forked, lengths)
     checks = sorted({min(MASK_CHECK, longest), longest})
     rewritten, verdicts = 0, {}
-    for node in [n for n in forked.graph.nodes if n.op == "call_function" and n.target is SDPA]:
+    for node in [n for n in forked.graph.nodes if n.op == "call_function" and n.target in SDPA_OPS]:
         a = sdpa_arguments(node)
         mask = a.get("attn_mask")
         if not isinstance(mask, Node) or a.get("dropout_p") or not square_attention(node, lengths, MASK_CHECK):
             continue
         if mask not in verdicts:
-            mode = "keep" if mask.meta["val"].dtype == torch.bool else "additive"
-            verdicts[mask] = is_plain_causal(MaskRule(mask, mode), reader, checks)
+            verdicts[mask] = is_plain_causal(MaskRule(mask, mask_mode(mask.meta["val"].dtype)), reader, checks)
         if verdicts[mask]:
             rest = {k: v for k, v in a.items() if k not in ("query", "key", "value")}
             node.args, node.kwargs = (a["query"], a["key"], a["value"]), rest | {"attn_mask": None, "is_causal": True}

@@ -9,7 +9,7 @@ from torch.fx import Node
 
 from ..core.rewrite import ancestors, descendants
 from ..errors import SiteError
-from .ops import MATMUL_OPS, SDPA_OPS, SHAPE_OPS, SOFTMAX_OPS, path_scalars
+from .ops import MATMUL_OPS, SDPA_OPS, SHAPE_OPS, SOFTMAX_OPS, path_scalars, sdpa_arguments
 from .probe import ValueRun
 
 aten = torch.ops.aten
@@ -54,8 +54,7 @@ def find_attention_ops(gm: torch.fx.GraphModule, run: ValueRun) -> list[Attentio
         if n.op != "call_function":
             continue
         if n.target in SDPA_OPS:
-            sig = ["query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa"]
-            a = dict(zip(sig, n.args)) | dict(n.kwargs)
+            a = sdpa_arguments(n)
             mask = a.get("attn_mask")
             cores.append(AttentionOp("sdpa", n, a["query"], a["key"], a["value"], mask=mask if isinstance(mask, Node) else None,
                                scale=a.get("scale"), causal_flag=bool(a.get("is_causal")), gqa=bool(a.get("enable_gqa"))))

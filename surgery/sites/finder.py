@@ -18,7 +18,8 @@ from ..core.rewrite import ancestors, descendants
 from ..core.run import run_graph
 from ..errors import NoAttentionError, SiteError
 from .attention_op import AttentionOp, find_attention_ops, op_scale, softcap_and_scale
-from .ops import SHAPE_OPS, SOFTMAX_OPS, SDPA_OPS, bias_add, module_path, param_names, path_params, path_scalars, projection_parts, touches
+from .ops import (SHAPE_OPS, SOFTMAX_OPS, SDPA_OPS, bias_add, mask_mode as sdpa_mask_mode, module_path, param_names, path_params,
+                  path_scalars, projection_parts, touches)
 from .probe import ValueRun, index_heads
 from .site import AttentionSite, Projection
 
@@ -154,7 +155,7 @@ def decode_fields(core: AttentionOp, gm, run: ValueRun, head_dim: int) -> dict:
     mask_mode = None
     if core.mask is not None:
         dtype = core.mask.meta["val"].dtype if "val" in core.mask.meta else run[core.mask].dtype
-        mask_mode = "keep" if dtype == torch.bool else "additive"
+        mask_mode = sdpa_mask_mode(dtype)
     return dict(
         op_scale=op_scale(core, head_dim), k_transposed=core.k_transposed, is_causal=core.causal_flag, mask_mode=mask_mode,
         scores_node=core.scores.name if core.scores is not None else None,

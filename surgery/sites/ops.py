@@ -12,6 +12,7 @@ from ..core.rewrite import ancestors
 aten = torch.ops.aten
 
 SDPA_OPS = {aten.scaled_dot_product_attention.default}
+SDPA_SIGNATURE = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 SOFTMAX_OPS = {aten._softmax.default, aten.softmax.int, aten._safe_softmax.default}
 MATMUL_OPS = {aten.matmul.default, aten.bmm.default, aten.mm.default}
 LINEAR_OPS = {aten.linear.default, aten.addmm.default, aten.matmul.default, aten.mm.default, aten.bmm.default}
@@ -126,3 +127,13 @@ def path_params(path: set[Node], source: Node, params: set[str]) -> list[str]:
             if p:
                 names.add(p[0])
     return sorted(names)
+
+
+def sdpa_arguments(node: Node) -> dict:
+    """An SDPA call's arguments by name, whether the graph passes them by position or keyword."""
+    return dict(zip(SDPA_SIGNATURE, node.args)) | dict(node.kwargs)
+
+
+def mask_mode(dtype: torch.dtype) -> str:
+    """How an SDPA attn_mask of `dtype` reads: "keep" (bool, True = attend) or "additive" (float)."""
+    return "keep" if dtype == torch.bool else "additive"

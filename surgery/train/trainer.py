@@ -161,11 +161,11 @@ class Trainer:
     def train_stage(self, index: int, stage: str, steps: int, first: int) -> None:
         job = self.job
         optimizer, scheduler, trainable = build_optimizer(job, index, stage, steps)
+        flags = CausalFlags(self.config.seq_len)  # used only when compiling
         if stage == "l2":
-            built = stage_l2(job.student, job.teacher, self.place, job.autocast, self.compile, CausalFlags(self.config.seq_len))
+            built = stage_l2(job.student, job.teacher, self.place, job.autocast, self.compile, flags)
         else:
-            built = stage_kl(job.student, job.teacher, self.place, job.autocast, self.config.temperature, self.compile,
-                             CausalFlags(self.config.seq_len))
+            built = stage_kl(job.student, job.teacher, self.place, job.autocast, self.config.temperature, self.compile, flags)
         with gradient_checkpointing(job.student.gdn_modules().values(), self.config.grad_checkpoint):
             for stage_step in range(self.tally.done - first, steps):
                 record = self.train_step(first + stage_step, stage, optimizer, scheduler, built, trainable)
