@@ -10,7 +10,8 @@ Sections:
   `attend` (SDPA with the position mask and enable_gqa) eager and compiled, and a split-K matmul
   form (each KV head's query heads as rows, scores over the whole buffer, P·V in --chunk-token
   pieces so the reduction over the context runs on many blocks).
-- step: the teacher graph's and the hybrid's whole static step, compiled, without a CUDA graph
+- step: the teacher graph's and the hybrid's whole static step (sibling projections fused;
+  --compare-fusion adds the hybrid's without), compiled, without a CUDA graph
   under the profiler (busy ms, kernels per step, the top kernels), and its CUDA-graph replay's wall
   ms (eager and compiled step). Busy ms far below the replay's wall ms would mean gaps between
   kernels; busy ms made of many small kernels means the kernel count is the limit, not bytes.
@@ -102,13 +103,13 @@ def attention_rows(context, batch, chunk, device, dtype, repeats, out) -> None:
              "GB_per_s": kv_bytes / ms / 1e6, "max_abs_err_vs_float64": (got.double() - want).abs().max().item()})
 
 
-def step_rows(graphs, context, batch, device, repeats, out) -> None:
+def step_rows(graphs, context, batch, device, repeats, out, fuse: bool, kernels: int) -> None:
     for label, graph in graphs:
         ids = torch.randint(0, graph.config.vocab_size, (batch, context), device=device)
-        row = {"bench": "step", "model": label, "context": context, "batch": batch}
+        row = {"bench": "step", "model": label, "fused projections": fuse, "context": context, "batch": batch}
         modes = (("static compiled", True, "static"), ("cuda-graph compiled", True, "cuda-graph")) if device.type == "cuda" else (("static compiled", True, "static"),)
         for mode, flag, step_mode in modes:
-            dec = Decoder(graph, verify=False, compile=flag, step_mode=step_mode).reset(batch, context + 4 * repeats + 16)
+            dec = Decoder(graph, verify=False, compile=flag, step_mode=step_mode, fuse_projections=fuse).reset(batch, context + 4 * repeats + 16)
             with torch.no_grad():
                 dec.prefill(ids)
                 t = time.perf_counter()
@@ -116,8 +117,17 @@ def step_rows(graphs, context, batch, device, repeats, out) -> None:
                 sync(device)
                 row[f"{mode} first s"] = time.perf_counter() - t
                 row[f"{mode} ms"] = median_ms(lambda d=dec: d.step(ids[:, :1]), repeats, device)
+                if step_mode == "cuda-graph" and dec._static.graph is not None:  # the GPU's own time: replays back to back
+                    replay = dec._static.graph.replay
+                    replay()
+                    sync(device)
+                    t = time.perf_counter()
+                    for _ in range(50):
+                        replay()
+                    sync(device)
+                    row["replay alone ms"] = (time.perf_counter() - t) * 1000 / 50
                 if step_mode == "static":
-                    prof = kernel_profile(lambda d=dec: d.step(ids[:, :1]), device)
+                    prof = kernel_profile(lambda d=dec: d.step(ids[:, :1]), device, top=kernels)
                     row.update({"busy_ms": prof["busy_ms"], "kernels_per_step": prof["kernels_per_call"], "top": prof["top"]})
             del dec
             torch._dynamo.reset()
@@ -132,6 +142,8 @@ def main() -> None:
     ap.add_argument("--step-batches", default="1")
     ap.add_argument("--chunk", type=int, default=1024, help="split-K piece, tokens")
     ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--compare-fusion", action="store_true", help="also the hybrid's step without fused projections")
+    ap.add_argument("--kernels", type=int, default=12, help="kernels listed per profiled step")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -161,7 +173,9 @@ def main() -> None:
         for gdn in hybrid.gdn_modules().values():
             gdn.to(dtype)
         for batch in (int(b) for b in args.step_batches.split(",")):
-            step_rows([("hybrid 75% GDN", hybrid), ("teacher graph", teacher)], args.context, batch, device, args.repeats, out)
+            for fuse in (True, False) if args.compare_fusion else (True,):
+                step_rows([("hybrid 75% GDN", hybrid)] + ([("teacher graph", teacher)] if fuse else []), args.context, batch,
+                          device, args.repeats, out, fuse, args.kernels)
     print("\nattention | context x batch | CUDA-graph ms | busy ms | kernels | KV GB/s | err")
     for r in rows:
         if r["bench"] == "attention":
@@ -170,7 +184,7 @@ def main() -> None:
     print("\nstep | context x batch | " + " | ".join(k for k in rows[-1] if k.endswith(" ms")) + " | busy ms | kernels")
     for r in rows:
         if r["bench"] == "step":
-            print(f"{r['model']} | {r['context']}x{r['batch']} | " + " | ".join(f"{v:.3f}" for k, v in r.items() if k.endswith(" ms"))
+            print(f"{r['model']}{'' if r['fused projections'] else ' (unfused)'} | {r['context']}x{r['batch']} | " + " | ".join(f"{v:.3f}" for k, v in r.items() if k.endswith(" ms"))
                   + f" | {r.get('busy_ms', 0):.3f} | {r.get('kernels_per_step', 0):.0f}")
             for name, ms, count in r.get("top", []):
                 print(f"    {ms:.4f} ms x{count}  {name}")

@@ -62,7 +62,7 @@ class Align(Pass):
                     left = (time.perf_counter() - start) / (step + 1) * (self.config.steps - step - 1)
                     print(f"align step {step + 1}/{self.config.steps}: mean loss {mean:.4e}, at most {left:.0f} s left", file=sys.stderr, flush=True)
 
-            forwards = {l: maybe_compiled(m, self.config.compile, graph.device, label=f"GDN layer {l}") for l, m in modules.items()}
+            forwards = {l: maybe_compiled(m, self.config.compile, graph.device, use="align", label=f"GDN layer {l}") for l, m in modules.items()}
             report = align_layers(modules, pairs, self.config.project(AlignOptions), progress=progress, forwards=forwards)
         seconds = time.perf_counter() - start
         graph.meta["align"] = report | {"seconds": seconds}

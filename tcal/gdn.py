@@ -134,6 +134,18 @@ PARAMETER_ROLES = {
 COPIED_ROLES = ("qkv", "output")
 
 
+def parameters_by_role(module: nn.Module, roles: dict) -> dict[str, list[tuple[str, nn.Parameter]]]:
+    """role -> [(name, parameter)] of `module`, each parameter filed by its top-level name's role."""
+    role_of = {root: role for role, roots in roles.items() for root in roots}
+    groups: dict[str, list] = {role: [] for role in roles}
+    for name, p in module.named_parameters():
+        root = name.split(".")[0]
+        if root not in role_of:
+            raise KeyError(f"{type(module).__name__} parameter {name!r} has no role in PARAMETER_ROLES")
+        groups[role_of[root]].append((name, p))
+    return groups
+
+
 def fused_weight(owner: nn.Module, layers) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The concatenated weight and bias of `layers`. When no gradient is needed (inference, decoding
     one token at a time) the concatenation is kept on `owner` until a parameter changes (tensor
@@ -207,14 +219,7 @@ class GatedDeltaNet(nn.Module):
 
     def param_groups(self) -> dict[str, list[tuple[str, nn.Parameter]]]:
         """role -> [(name, parameter)] in named_parameters order, for every role in PARAMETER_ROLES."""
-        role_of = {root: role for role, roots in self.PARAMETER_ROLES.items() for root in roots}
-        groups: dict[str, list] = {role: [] for role in self.PARAMETER_ROLES}
-        for name, p in self.named_parameters():
-            root = name.split(".")[0]
-            if root not in role_of:
-                raise KeyError(f"GatedDeltaNet parameter {name!r} has no role in PARAMETER_ROLES")
-            groups[role_of[root]].append((name, p))
-        return groups
+        return parameters_by_role(self, self.PARAMETER_ROLES)
 
     def copied_parameters(self) -> list[tuple[str, nn.Parameter]]:
         """The parameters replace fills from the teacher (the rest keep their own init)."""
@@ -245,13 +250,17 @@ class GatedDeltaNet(nn.Module):
 
     INPUT_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "a_proj", "b_proj", "g_proj")
 
-    def _input_projections(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+    def _input_projections(self, x: torch.Tensor, projection=None) -> dict[str, torch.Tensor]:
         """All six projections of x as ONE matmul (weights concatenated): at short lengths the layer is
-        launch-bound, and one GEMM replaces six."""
+        launch-bound, and one GEMM replaces six. `projection` (weight, bias): that concatenation made
+        by the caller (a decoder's static step keeps one, since compiling cannot use the cache)."""
         layers = [getattr(self, n) for n in self.INPUT_PROJECTIONS]
-        if torch.compiler.is_compiling():  # no launch cost to save there, and the weight cache would break the graph
+        if projection is not None:
+            weight, bias = projection
+        elif torch.compiler.is_compiling():  # the weight cache would break the graph
             return {n: l(x) for n, l in zip(self.INPUT_PROJECTIONS, layers)}
-        weight, bias = fused_weight(self, layers)
+        else:
+            weight, bias = fused_weight(self, layers)
         parts = F.linear(x, weight, bias).split([l.out_features for l in layers], dim=-1)
         return dict(zip(self.INPUT_PROJECTIONS, parts))
 
@@ -273,14 +282,14 @@ class GatedDeltaNet(nn.Module):
         """Log-space decay g = -exp(A_log) * softplus(a_proj x + dt_bias), float32, [B, T, H]."""
         return self._decay(self.a_proj(x))
 
-    def forward_parts(self, hidden_states: torch.Tensor, cache: GDNCache | None = None) -> dict[str, torch.Tensor]:
+    def forward_parts(self, hidden_states: torch.Tensor, cache: GDNCache | None = None, projection=None) -> dict[str, torch.Tensor]:
         """Every intermediate of the forward pass, for calibration and diagnostics.
 
         With a cache, the call continues the sequence the cache has seen (incremental decoding):
         the conv streams start from its last inputs and the recurrence from its state, and both are
         updated in place. gated_delta_rule picks the token loop (or fla's fused recurrent kernel)
         for short calls such as one decoded token, the chunked form for a long prefill."""
-        p = self._input_projections(hidden_states)
+        p = self._input_projections(hidden_states, projection)
         q = l2norm(self._stream(p["q_proj"], "q", F.silu, cache), backend=self.backend)
         k = l2norm(self._stream(p["k_proj"], "k", F.silu, cache), backend=self.backend)
         v = self._stream(p["v_proj"], "v", V_ACTIVATIONS[self.v_activation], cache)
@@ -302,9 +311,10 @@ class GatedDeltaNet(nn.Module):
             core=core, gate=gate, normed=normed, out=out,
         )
 
-    def forward(self, hidden_states: torch.Tensor, cache: GDNCache | None = None) -> torch.Tensor:
-        """[B, T, hidden] -> [B, T, hidden]; with a GDNCache, continue the sequence it holds."""
-        return self.forward_parts(hidden_states, cache)["out"]
+    def forward(self, hidden_states: torch.Tensor, cache: GDNCache | None = None, projection=None) -> torch.Tensor:
+        """[B, T, hidden] -> [B, T, hidden]; with a GDNCache, continue the sequence it holds
+        (projection: see _input_projections)."""
+        return self.forward_parts(hidden_states, cache, projection)["out"]
 
 
 def constructor_options(annotation: str) -> tuple[str, ...]:

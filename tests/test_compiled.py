@@ -153,10 +153,14 @@ def test_compile_failure_falls_back_with_one_warning(tiny, monkeypatch):
 
 
 def test_policy_and_perplexity(stories, aot_eager, monkeypatch):
-    assert not compile_default("cpu")  # off where it was measured not to pay
-    monkeypatch.setattr(compiled_module, "COMPILE_BY_DEFAULT", frozenset({"cuda"}))
-    assert compile_default("cuda") and resolve_compile(None, "cuda") is True and resolve_compile(False, "cuda") is False
-    assert resolve_compile(None, "cpu") is False and resolve_compile(True, "cpu") is True
+    assert not any(compile_default("cpu", use) for use in compiled_module.USES)  # off where it was measured not to pay
+    assert compile_default("cuda", "train") and not compile_default("cuda", "decode") and not compile_default("cuda", "eval")
+    with pytest.raises(ValueError, match="unknown compile use"):
+        compile_default("cuda", "prefill")
+    monkeypatch.setattr(compiled_module, "COMPILE_BY_DEFAULT", frozenset({("cuda", "eval")}))
+    assert resolve_compile(None, "cuda", "eval") is True and resolve_compile(False, "cuda", "eval") is False
+    assert resolve_compile(None, "cuda", "train") is False
+    assert resolve_compile(None, "cpu", "eval") is False and resolve_compile(True, "cpu", "eval") is True
     graph = stories()
     assert graph_runner(graph, False) == graph.logits  # compile off: the eager path itself
     ids = ids_of(graph, 1, 600)[0]

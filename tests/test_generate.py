@@ -272,6 +272,29 @@ def test_static_steps_keep_the_gdn_state_memory(tiny):
         torch.testing.assert_close(torch.cat(got, dim=1), graph.logits(ids)[:, 6:], atol=ATOL, rtol=1e-4)
 
 
+@pytest.mark.parametrize("name", ["llama", "qwen2", "gemma2"])
+def test_static_steps_fuse_sibling_projections_and_follow_weight_changes(tiny, name):
+    """Static steps run linears that share an input as one matmul (q/k/v, gate/up: fewer kernels per
+    step) and each GDN layer's six input projections as one; after weights change in place the
+    fused copies follow, so steps still equal full recomputation with the new weights."""
+    graph = hybrid(tiny(name).graph.branch())
+    decoder = Decoder(graph, step_mode="static")
+    linears = [sum(n.target is torch.ops.aten.linear.default for n in gm.graph.nodes) for gm in (decoder.gm, decoder.step_gm)]
+    assert linears[1] < linears[0] and len(decoder.fused) > len(decoder.gdn) > 0
+    assert not any("_fused_linear" in k for k in graph.gm.state_dict()) and not any("_fused" in k for k in decoder.step_gm.state_dict())
+    ids = torch.tensor([prompt_of(9, 128, seed=3)])
+    with torch.no_grad():
+        for p in graph.gm.parameters():
+            if p.dim() == 2:
+                p.mul_(1.05)
+    decoder.reset(1, capacity=16)
+    decoder.prefill(ids[:, :6])
+    got = torch.cat([decoder.step(ids[:, t]) for t in range(6, 9)], dim=1)
+    torch.testing.assert_close(got, graph.logits(ids)[:, 6:], atol=ATOL, rtol=1e-4)
+    plain = Decoder(graph, step_mode="static", fuse_projections=False)
+    assert plain.step_gm is plain.gm and plain.fused == []
+
+
 def test_eos_stops_and_sampling_is_seeded(tiny):
     graph = tiny("llama").graph
     decoder = Decoder(graph)

@@ -39,7 +39,13 @@ from ..errors import first_line
 from .run import run_graph
 
 
-COMPILE_BY_DEFAULT: frozenset[str] = frozenset()  # device types where compiling is the default (measured)
+# (device type, use) where compiling is the default, each measured (bench/RESULTS.md, 2026-12-01): on the
+# H200, distillation ran 126.1k tokens/s compiled against 69.5k eager (32 x 512, fla's backward), and the
+# compiled bf16 SmolLM2 teacher's logits were nearer its float32 logits than eager bf16's (max relative
+# gap 0.030 against 0.046). Evaluation, alignment and decoding stay opt-in: a 30-50 s compile outweighs
+# what one typical call saves (a WikiText-2 pass, a few hundred align steps, a short generation).
+COMPILE_BY_DEFAULT: frozenset[tuple[str, str]] = frozenset({("cuda", "train")})
+USES = ("train", "align", "eval", "decode")
 BACKEND = "inductor"  # torch.compile's backend for every CompiledGraph that names none (tests use "aot_eager")
 # Fixed-shape inference on CUDA (graph_runner): compiled, then replayed as CUDA graphs. On the H200 at
 # 2k tokens, batch 1, the compiled 75% GDN hybrid ran 37.6 ms as launched kernels (the GPU busy 27% of
@@ -47,14 +53,16 @@ BACKEND = "inductor"  # torch.compile's backend for every CompiledGraph that nam
 REPLAY_MODE = "reduce-overhead"
 
 
-def compile_default(device) -> bool:
-    """Whether compiling pays on `device` when the user did not say (see the module docstring)."""
-    return torch.device(device).type in COMPILE_BY_DEFAULT
+def compile_default(device, use: str) -> bool:
+    """Whether compiling pays for `use` (one of USES) on `device` when the user did not say."""
+    if use not in USES:
+        raise ValueError(f"unknown compile use {use!r}; one of {USES}")
+    return (torch.device(device).type, use) in COMPILE_BY_DEFAULT
 
 
-def resolve_compile(flag: bool | None, device) -> bool:
-    """A --compile/--no-compile choice, None meaning the default for the device."""
-    return compile_default(device) if flag is None else bool(flag)
+def resolve_compile(flag: bool | None, device, use: str) -> bool:
+    """A --compile/--no-compile choice, None meaning the default for the device and use."""
+    return compile_default(device, use) if flag is None else bool(flag)
 
 
 def cache_hits() -> int:
@@ -131,21 +139,21 @@ class CompiledGraph:
         return {"label": self.label, "compile_seconds": self.compile_seconds, "failed": self.failed}
 
 
-def maybe_compiled(module, flag: bool | None, device, *, label: str = "graph", prepare=None, **options):
+def maybe_compiled(module, flag: bool | None, device, *, use: str, label: str = "graph", prepare=None, **options):
     """`module` itself when compiling is off (its eager numbers untouched), else a CompiledGraph of
     it, or of prepare(module): a rewrite for the compiled path only (surgery.decode.CausalFlags)."""
-    if not resolve_compile(flag, device):
+    if not resolve_compile(flag, device, use):
         return module
     return CompiledGraph(module if prepare is None else prepare(module), label=label, **options)
 
 
-def graph_runner(graph, flag: bool | None = None, *, prepare=None, **options):
+def graph_runner(graph, flag: bool | None = None, *, use: str = "eval", prepare=None, **options):
     """ids -> logits of a Graph: graph.logits itself when compiling is off, else its gm (or
     prepare(gm), a hashable rewrite for the compiled path such as surgery.decode.CausalFlags)
     compiled once per gm and rewrite, kept in graph.cache so later calls reuse it, with the same
     input checks. On CUDA the compiled graph is replayed as CUDA graphs (REPLAY_MODE): a caller reads
     each call's logits before the next call, and its shapes repeat (evaluation chunks)."""
-    if not resolve_compile(flag, graph.device):
+    if not resolve_compile(flag, graph.device, use):
         return graph.logits
     if graph.device.type == "cuda":
         options.setdefault("mode", REPLAY_MODE)

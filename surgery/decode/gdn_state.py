@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch.nn as nn
 
+from .fused_linears import FusedWeight
+
 
 class GDNState(nn.Module):
     """A GatedDeltaNet of the graph with the cache it carries between calls, made by the layer's own
@@ -12,11 +14,20 @@ class GDNState(nn.Module):
     prefill on, so a captured step reads and writes the same memory each replay; without it each
     call just keeps the new state."""
 
-    def __init__(self, gdn: nn.Module, in_place: bool = True):
+    def __init__(self, gdn: nn.Module, in_place: bool = True, state=None):
         super().__init__()
         self.gdn = gdn
         self.in_place = in_place
+        self._state = (state,)  # the decoder's DecodeState (a tuple keeps it out of the module tree)
+        self.projection: FusedWeight | None = None
         self.reset()
+
+    def fuse_projection(self) -> FusedWeight:
+        """A fused copy of the layer's input projections, which its static steps then use (one
+        matmul instead of six; see surgery.decode.fused_linears)."""
+        layers = [getattr(self.gdn, name) for name in self.gdn.INPUT_PROJECTIONS]
+        self.projection = FusedWeight([l.weight for l in layers], [l.bias for l in layers])
+        return self.projection
 
     def reset(self) -> None:
         self.cache = self.gdn.new_cache()
@@ -29,7 +40,9 @@ class GDNState(nn.Module):
         held the old one (when shapes agree), so their memory stays where a captured step reads it."""
         work = self.gdn.new_cache()
         work.recurrent, work.conv = self.cache.recurrent, dict(self.cache.conv)
-        out = self.gdn(hidden_states, cache=work)
+        state = self._state[0]
+        static = self.projection is not None and state is not None and state.static
+        out = self.gdn(hidden_states, cache=work, projection=self.projection.pair() if static else None)
         if self.in_place and self.cache.recurrent is not None and self.cache.recurrent.shape == work.recurrent.shape:
             self.cache.recurrent.copy_(work.recurrent)
             for name, tensor in work.conv.items():

@@ -20,11 +20,12 @@ import warnings
 import torch
 
 from ..core.compiled import CompiledGraph, resolve_compile
-from ..core.rewrite import prune, set_submodule, splice_module
+from ..core.rewrite import fork, prune, set_submodule, splice_module
 from ..core.run import graph_logits
 from ..errors import DecodeError
 from .agreement import agrees
 from .caches import DecodeState, KVCacheAttention
+from .fused_linears import fuse_sibling_linears
 from .gdn_state import GDNState
 from .lengths import FIX_FULL
 from .masks import MASK_PROBE
@@ -59,7 +60,7 @@ def build_decode_graph(plan: DecodePlan, state: DecodeState, in_place: bool):
     for n in list(gm.graph.nodes):
         if n.op == "call_module" and n.target in plan.gdn:
             layer = plan.gdn[n.target]
-            gdn[layer] = GDNState(gm.get_submodule(n.target), in_place=in_place)
+            gdn[layer] = GDNState(gm.get_submodule(n.target), in_place=in_place, state=state)
             set_submodule(gm, f"_decode_gdn.layer{layer}", gdn[layer])
             n.target = f"_decode_gdn.layer{layer}"
     prune(gm)
@@ -78,7 +79,7 @@ class Decoder:
         logits = dec.prefill(ids)              # [B, T, V]
         logits = dec.step(next_ids)            # next_ids [B, 1] -> [B, 1, V]
 
-    Parameters are shared with graph.gm (nothing is copied), so a Decoder is cheap next to the
+    Parameters are shared with graph.gm (only fuse_projections copies some), so a Decoder is cheap next to the
     model; graph.gm itself stays stateless. verify=True compares prefill + steps with full
     recomputation on a short probe at construction and refuses the graph if they disagree.
 
@@ -88,11 +89,13 @@ class Decoder:
     "cuda-graph": static steps captured once per reset and replayed (CUDA only). "auto": cuda-graph on
     CUDA, dynamic elsewhere (static when compiled). compile: static steps run through torch.compile
     (then, as cuda-graph, the compiled step is what is captured); None: where it pays
-    (surgery.core.compiled). Prefills and dynamic steps stay eager."""
+    (surgery.core.compiled). Prefills and dynamic steps stay eager. fuse_projections: static steps
+    run linears that share an input as one matmul over a copy of their weights (more memory, fewer
+    kernels; surgery.decode.fused_linears), copied again at each reset if a weight changed."""
 
     def __init__(self, graph, *, verify: bool = True, mask_probe: int = MASK_PROBE, step_mode: str = "auto",
-                 compile: bool | None = None):
-        self.compiled = resolve_compile(compile, graph.device)
+                 compile: bool | None = None, fuse_projections: bool = True):
+        self.compiled = resolve_compile(compile, graph.device, "decode")
         self.step_mode = check_step_mode(step_mode, graph.device, self.compiled)
         self.capacity: int | None = None
         self.graph = graph
@@ -103,7 +106,11 @@ class Decoder:
         self.gm = plan.gm
         self.cores = plan.attention
         self._warned = False
-        runner = CompiledGraph(self.gm, label="decode step") if self.compiled and self.step_mode != "dynamic" else None
+        self.step_gm, self.fused = self.gm, []
+        if self.step_mode != "dynamic" and fuse_projections:  # static steps: sibling projections as one matmul
+            self.step_gm = fork(self.gm)
+            self.fused = fuse_sibling_linears(self.step_gm) + [m.fuse_projection() for m in self.gdn.values()]
+        runner = CompiledGraph(self.step_gm, label="decode step") if self.compiled and self.step_mode != "dynamic" else None
         self._static = StaticStep(self, cuda_graph=self.step_mode == "cuda-graph", runner=runner)
         self.reset()
         if verify:
@@ -126,6 +133,8 @@ class Decoder:
             m.reset(batch_size, capacity)
         for m in self.gdn.values():
             m.reset()
+        for fused in self.fused:  # fused weight copies follow their sources, in place (per reset: ~0.2 ms of checks)
+            fused.refresh()
         return self
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:

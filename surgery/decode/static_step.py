@@ -29,7 +29,7 @@ class StaticStep:
     def __init__(self, decoder, cuda_graph: bool, runner=None):
         self.decoder = decoder
         self.cuda_graph = cuda_graph
-        self.runner = runner  # the decode graph as the step runs it (a CompiledGraph), None: dec.gm
+        self.runner = runner  # the step graph as the step runs it (a CompiledGraph), None: dec.step_gm
         self.release()
 
     def release(self) -> None:
@@ -54,7 +54,7 @@ class StaticStep:
         dec = self.decoder
         dec.state.static_length = dec.capacity
         try:
-            return graph_logits(dec.gm if self.runner is None else self.runner, ids)
+            return graph_logits(dec.step_gm if self.runner is None else self.runner, ids)
         finally:
             dec.state.static_length = None
 

@@ -137,8 +137,8 @@ def stage_l2(student: Graph, teacher: Graph, place: Placement, autocast: Callabl
     names = [n for l in student.gdn_targets() for n in (sites[l].input_node, sites[l].output_node)]
     taps = tap_module(teacher.gm, names)
     wrapped = place.wrap(Layers(gdn))
-    run_taps = maybe_compiled(taps, compile, place.device, label="teacher up to the last GDN site", prepare=prepare)
-    run_layers = maybe_compiled(wrapped, compile, place.device, label="GDN layers")
+    run_taps = maybe_compiled(taps, compile, place.device, use="train", label="teacher up to the last GDN site", prepare=prepare)
+    run_layers = maybe_compiled(wrapped, compile, place.device, use="train", label="GDN layers")
 
     def loss(ids):
         with torch.no_grad(), autocast():
@@ -157,8 +157,8 @@ def stage_kl(student: Graph, teacher: Graph, place: Placement, autocast: Callabl
     for the compiled path only; the student's shares its parameters, so training it trains the student."""
     wrapped = place.wrap(prepare(student.gm) if compile and prepare is not None else student.gm)
     extra = student.gm.meta.get("extra_inputs", {})
-    run_teacher = maybe_compiled(teacher.gm, compile, place.device, label="teacher graph", prepare=prepare)
-    run_student = maybe_compiled(wrapped, compile, place.device, label="student graph")
+    run_teacher = maybe_compiled(teacher.gm, compile, place.device, use="train", label="teacher graph", prepare=prepare)
+    run_student = maybe_compiled(wrapped, compile, place.device, use="train", label="student graph")
 
     def loss(ids):
         with torch.no_grad(), autocast():

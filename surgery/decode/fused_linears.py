@@ -1,0 +1,107 @@
+"""Sibling projections of a static decode step as one matmul each.
+
+At one token per row a step is a chain of tiny kernels, and their count sets its time, not the bytes
+they read: bench/decode_profile.py counted 573 kernels in one step of SmolLM2's 75% GDN hybrid at
+64k, 278 of them matmuls of 3-5 microseconds each (417 and 122 fused: 1.91 -> 1.38 ms a step on the
+H200, bench/RESULTS.md). Linears that read the same
+input (q/k/v, gate/up, a GDN layer's six input projections) become one matmul over a concatenated
+copy of their weights. The copy costs the memory of the weights it fuses. The Decoder checks it
+against its sources (storage and version counter) at every reset and refreshes it in place when one
+changed, so a captured CUDA graph keeps reading the same memory; checking before every step instead
+cost about 0.2 ms a step for SmolLM2's hybrid (60 fused weights), a tenth of the step."""
+from __future__ import annotations
+
+import operator
+from collections import defaultdict
+
+import torch
+from torch.fx import GraphModule
+
+from ..errors import DecodeError
+
+LINEAR = torch.ops.aten.linear.default
+
+
+class FusedWeight:
+    """The concatenation of several linears' weights (and biases: zeros where one has none)."""
+
+    def __init__(self, weights: list[torch.Tensor], biases: list[torch.Tensor | None]):
+        self.weights, self.biases = list(weights), list(biases)
+        self.sizes = [w.shape[0] for w in self.weights]
+        with torch.no_grad():
+            self.weight = torch.cat([w.detach() for w in self.weights])
+            self.bias = None if all(b is None for b in self.biases) else torch.cat(self._bias_parts())
+        self.key = self._key()
+
+    def _bias_parts(self) -> list[torch.Tensor]:
+        return [b.detach() if b is not None else w.new_zeros(w.shape[0]) for w, b in zip(self.weights, self.biases)]
+
+    def _key(self) -> tuple:
+        return tuple((t.data_ptr(), t._version) for t in self.weights + self.biases if t is not None)
+
+    def refresh(self) -> None:
+        """Copy the sources again if any changed since the last copy."""
+        key = self._key()
+        if key == self.key:
+            return
+        if any(w.dtype != self.weight.dtype or w.device != self.weight.device for w in self.weights):
+            raise DecodeError("A weight changed dtype or device after the Decoder was built.",
+                              "Build a new Decoder after moving or casting the model.")
+        with torch.no_grad():
+            self.weight.copy_(torch.cat([w.detach() for w in self.weights]))
+            if self.bias is not None:
+                self.bias.copy_(torch.cat(self._bias_parts()))
+        self.key = key
+
+    def pair(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return self.weight, self.bias
+
+
+def _attr(gm: GraphModule, target: str) -> torch.Tensor:
+    return operator.attrgetter(target)(gm)
+
+
+def _siblings(gm: GraphModule) -> list[list]:
+    """Groups of aten.linear nodes with one input, weights (and biases) read from the module, one
+    dtype, device and input width; each group in graph order."""
+    groups: dict = defaultdict(list)
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or n.target is not LINEAR:
+            continue
+        x, w = n.args[0], n.args[1]
+        b = n.args[2] if len(n.args) > 2 else n.kwargs.get("bias")
+        if getattr(w, "op", None) != "get_attr" or (b is not None and getattr(b, "op", None) != "get_attr"):
+            continue
+        weight = _attr(gm, w.target)
+        groups[(x, weight.dtype, weight.device, weight.shape[-1])].append(n)
+    return [nodes for nodes in groups.values() if len(nodes) > 1]
+
+
+def fuse_sibling_linears(gm: GraphModule) -> list[FusedWeight]:
+    """Rewrite gm in place: every group of sibling linears becomes one linear over a FusedWeight
+    (registered on gm as non-persistent buffers) split back into the parts. Returns the FusedWeights,
+    whose refresh() the caller runs when a source may have changed."""
+    fused = []
+    for index, nodes in enumerate(_siblings(gm)):
+        weights = [_attr(gm, n.args[1].target) for n in nodes]
+        bias_nodes = [n.args[2] if len(n.args) > 2 else n.kwargs.get("bias") for n in nodes]
+        biases = [None if b is None else _attr(gm, b.target) for b in bias_nodes]
+        weight = FusedWeight(weights, biases)
+        name = f"_fused_linear{index}"
+        gm.register_buffer(f"{name}_weight", weight.weight, persistent=False)
+        if weight.bias is not None:
+            gm.register_buffer(f"{name}_bias", weight.bias, persistent=False)
+        graph = gm.graph
+        with graph.inserting_before(nodes[0]):
+            w_node = graph.get_attr(f"{name}_weight")
+            b_node = graph.get_attr(f"{name}_bias") if weight.bias is not None else None
+            out = graph.call_function(LINEAR, (nodes[0].args[0], w_node, b_node))
+            parts = graph.call_function(torch.ops.aten.split_with_sizes.default, (out, weight.sizes, -1))
+            pieces = [graph.call_function(operator.getitem, (parts, i)) for i in range(len(nodes))]
+        for n, piece in zip(nodes, pieces):
+            n.replace_all_uses_with(piece)
+            graph.erase_node(n)
+        fused.append(weight)
+    gm.graph.lint()
+    gm.recompile()
+    return fused
