@@ -155,6 +155,8 @@ def test_compile_failure_falls_back_with_one_warning(tiny, monkeypatch):
 def test_policy_and_perplexity(stories, aot_eager, monkeypatch):
     assert not any(compile_default("cpu", use) for use in compiled_module.USES)  # off where it was measured not to pay
     assert compile_default("cuda", "train") and not compile_default("cuda", "decode") and not compile_default("cuda", "eval")
+    assert compile_default("cuda", "train", tokens=100_000_000) and not compile_default("cuda", "train", tokens=1_000_000)
+    assert resolve_compile(True, "cuda", "train", tokens=1_000) is True  # asked for: compiled whatever the budget
     with pytest.raises(ValueError, match="unknown compile use"):
         compile_default("cuda", "prefill")
     monkeypatch.setattr(compiled_module, "COMPILE_BY_DEFAULT", frozenset({("cuda", "eval")}))

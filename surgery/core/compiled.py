@@ -46,6 +46,11 @@ from .run import run_graph
 # what one typical call saves (a WikiText-2 pass, a few hundred align steps, a short generation).
 COMPILE_BY_DEFAULT: frozenset[tuple[str, str]] = frozenset({("cuda", "train")})
 USES = ("train", "align", "eval", "decode")
+# ... and only for a run long enough to win its compile back. The first compile of the teacher and the
+# student took 108 s on the H200 (64 x 512), and compiling saves 3.5 us a token with PyTorch's GDN
+# backward (70.5k -> 93.6k tokens/s) or 6.4 us with fla's (69.5k -> 126.1k): 17-31M tokens to break
+# even on a cold cache. Shorter runs train eagerly unless --compile says otherwise.
+TRAIN_COMPILE_PAYS_AFTER = 30_000_000  # tokens
 BACKEND = "inductor"  # torch.compile's backend for every CompiledGraph that names none (tests use "aot_eager")
 # Fixed-shape inference on CUDA (graph_runner): compiled, then replayed as CUDA graphs. On the H200 at
 # 2k tokens, batch 1, the compiled 75% GDN hybrid ran 37.6 ms as launched kernels (the GPU busy 27% of
@@ -53,16 +58,19 @@ BACKEND = "inductor"  # torch.compile's backend for every CompiledGraph that nam
 REPLAY_MODE = "reduce-overhead"
 
 
-def compile_default(device, use: str) -> bool:
-    """Whether compiling pays for `use` (one of USES) on `device` when the user did not say."""
+def compile_default(device, use: str, tokens: int | None = None) -> bool:
+    """Whether compiling pays for `use` (one of USES) on `device` when the user did not say;
+    `tokens`: a training run's budget (a short one does not win its compile back)."""
     if use not in USES:
         raise ValueError(f"unknown compile use {use!r}; one of {USES}")
+    if use == "train" and tokens is not None and tokens < TRAIN_COMPILE_PAYS_AFTER:
+        return False
     return (torch.device(device).type, use) in COMPILE_BY_DEFAULT
 
 
-def resolve_compile(flag: bool | None, device, use: str) -> bool:
-    """A --compile/--no-compile choice, None meaning the default for the device and use."""
-    return compile_default(device, use) if flag is None else bool(flag)
+def resolve_compile(flag: bool | None, device, use: str, tokens: int | None = None) -> bool:
+    """A --compile/--no-compile choice, None meaning the default for the device, use and budget."""
+    return compile_default(device, use, tokens) if flag is None else bool(flag)
 
 
 def cache_hits() -> int:

@@ -117,7 +117,7 @@ class Trainer:
         self.progress = progress
         self.stages = self.config.steps()
         self.total_steps = sum(s for _, s in self.stages)
-        self.compile = resolve_compile(self.config.compile, self.place.device, "train")
+        self.compile = resolve_compile(self.config.compile, self.place.device, "train", self.config.tokens)
 
     def run(self) -> dict:
         if self.job.complete:
