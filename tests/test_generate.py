@@ -293,6 +293,9 @@ def test_static_steps_fuse_sibling_projections_and_follow_weight_changes(tiny, n
     torch.testing.assert_close(got, graph.logits(ids)[:, 6:], atol=ATOL, rtol=1e-4)
     plain = Decoder(graph, step_mode="static", fuse_projections=False)
     assert plain.step_gm is plain.gm and plain.fused == []
+    graph.gm.double()  # a cast the fused copies cannot follow in place: said, not silently stale
+    with pytest.raises(DecodeError, match="changed dtype or device"):
+        decoder.reset(1, capacity=16)
 
 
 def test_eos_stops_and_sampling_is_seeded(tiny):

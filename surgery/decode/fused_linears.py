@@ -2,10 +2,9 @@
 
 At one token per row a step is a chain of tiny kernels, and their count sets its time, not the bytes
 they read: bench/decode_profile.py counted 573 kernels in one step of SmolLM2's 75% GDN hybrid at
-64k, 278 of them matmuls of 3-5 microseconds each (417 and 122 fused: 1.91 -> 1.38 ms a step on the
-H200, bench/RESULTS.md). Linears that read the same
-input (q/k/v, gate/up, a GDN layer's six input projections) become one matmul over a concatenated
-copy of their weights. The copy costs the memory of the weights it fuses. The Decoder checks it
+64k, 278 of them matmuls of 3-5 microseconds each (fused: 417 and 122, and 1.91 -> 1.38 ms a step on
+the H200, bench/RESULTS.md). Linears that read the same input (q/k/v, gate/up, a GDN layer's six
+input projections) become one matmul over a concatenated copy of their weights. The copy costs the memory of the weights it fuses. The Decoder checks it
 against its sources (storage and version counter) at every reset and refreshes it in place when one
 changed, so a captured CUDA graph keeps reading the same memory; checking before every step instead
 cost about 0.2 ms a step for SmolLM2's hybrid (60 fused weights), a tenth of the step."""
