@@ -5,6 +5,9 @@ growing sequence (the captured graph, which test_capture checks against transfor
 the teacher also transformers' own generate() on the eager model."""
 from __future__ import annotations
 
+import copy
+import dataclasses
+
 import pytest
 import torch
 from typer.testing import CliRunner
@@ -277,7 +280,8 @@ def test_static_steps_fuse_sibling_projections_and_follow_weight_changes(tiny, n
     """Static steps run linears that share an input as one matmul (q/k/v, gate/up: fewer kernels per
     step) and each GDN layer's six input projections as one; after weights change in place the
     fused copies follow, so steps still equal full recomputation with the new weights."""
-    graph = hybrid(tiny(name).graph.branch())
+    shared = tiny(name).graph.branch()  # a private copy: the weights are scaled and cast below
+    graph = hybrid(dataclasses.replace(shared, gm=copy.deepcopy(shared.gm), meta=copy.deepcopy(shared.meta)))
     decoder = Decoder(graph, step_mode="static")
     linears = [sum(n.target is torch.ops.aten.linear.default for n in gm.graph.nodes) for gm in (decoder.gm, decoder.step_gm)]
     assert linears[1] < linears[0] and len(decoder.fused) > len(decoder.gdn) > 0
