@@ -27,7 +27,6 @@ Prints tables, writes JSON rows."""
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -38,12 +37,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 import surgery.core.compiled as compiled  # noqa: E402
-from surgery import PassManager, capture  # noqa: E402
+from surgery import capture  # noqa: E402
 from surgery.core.compiled import CompiledGraph  # noqa: E402
 from surgery.core.run import graph_logits, interpret, placeholder_values  # noqa: E402
 from surgery.decode.causal_flags import causal_flags  # noqa: E402
 from bench._models import smollm2_shaped  # noqa: E402
-from bench.compile_speed import median_ms, sync  # noqa: E402
+from bench.compile_speed import Rows, hybrid_of, median_ms, sync  # noqa: E402
 
 STORIES = Path(__file__).parent.parent / "tests/assets/stories260k/stories260K.gguf"
 def kernel_profile(fn, device, calls: int = 3, top: int = 8) -> dict:
@@ -149,8 +148,7 @@ def converted_pair(make_source, dtype, length, device) -> dict:
     graphs = {}
     for d in (torch.float32, dtype):
         teacher = capture(make_source(), device=device, dtype=d, max_length=length)
-        hybrid = teacher.branch()
-        PassManager(["select", "replace"], {"select": {"keep_ratio": 0.25}})(hybrid)
+        hybrid = hybrid_of(teacher, 0.25)
         for gdn in hybrid.gdn_modules().values():
             gdn.to(d)
         graphs[d] = {"teacher graph": teacher, "hybrid 75% GDN": hybrid}
@@ -206,18 +204,12 @@ def main() -> None:
     source = smollm2_shaped() if args.random else args.model
     lengths = [int(x) for x in args.lengths.split(",")]
     teacher = capture(source, device=device, dtype=dtype, max_length=max(lengths + [args.bisect_length]))
-    hybrid = teacher.branch()
-    PassManager(["select", "replace"], {"select": {"keep_ratio": 0.25}})(hybrid)
+    hybrid = hybrid_of(teacher, 0.25)
     for gdn in hybrid.gdn_modules().values():
         gdn.to(dtype)
     graphs = [("teacher graph", teacher), ("hybrid 75% GDN", hybrid)]
-    rows = []
-
-    def out(row):
-        rows.append(row)
-        print(json.dumps(row), flush=True)
-        if args.json:
-            Path(args.json).write_text(json.dumps(rows, indent=1))
+    rows = Rows(args.json, budget_s=float("inf"))
+    out = rows.add
 
     sections = set(args.sections.split(","))
     if "profile" in sections:

@@ -19,7 +19,6 @@ Prints tables, writes JSON rows."""
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -30,12 +29,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 import surgery.core.compiled as compiled  # noqa: E402
-from surgery import PassManager, capture  # noqa: E402
+from surgery import capture  # noqa: E402
 from surgery.decode import Decoder  # noqa: E402
 from surgery.decode.caches import attend  # noqa: E402
 from bench._models import smollm2_shaped  # noqa: E402
 from bench.compile_probe import kernel_profile  # noqa: E402
-from bench.compile_speed import median_ms, sync  # noqa: E402
+from bench.compile_speed import Rows, hybrid_of, median_ms, sync  # noqa: E402
 
 STORIES = Path(__file__).parent.parent / "tests/assets/stories260k/stories260K.gguf"
 
@@ -153,13 +152,8 @@ def main() -> None:
         args.context, args.batches, args.chunk, args.repeats = 256, "1", 64, 2
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     batches = [int(b) for b in args.batches.split(",")]
-    rows = []
-
-    def out(row):
-        rows.append(row)
-        print(json.dumps(row), flush=True)
-        if args.json:
-            Path(args.json).write_text(json.dumps(rows, indent=1))
+    rows = Rows(args.json, budget_s=float("inf"))
+    out = rows.add
 
     sections = set(args.sections.split(","))
     if "attention" in sections:
@@ -168,8 +162,7 @@ def main() -> None:
     if "step" in sections:
         teacher = capture(str(STORIES) if args.smoke else smollm2_shaped(), device=device, dtype=dtype,
                           max_length=args.context + 8 * args.repeats + 64)
-        hybrid = teacher.branch()
-        PassManager(["select", "replace"], {"select": {"keep_ratio": 0.25}})(hybrid)
+        hybrid = hybrid_of(teacher, 0.25)
         for gdn in hybrid.gdn_modules().values():
             gdn.to(dtype)
         for batch in (int(b) for b in args.step_batches.split(",")):

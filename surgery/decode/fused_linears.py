@@ -16,6 +16,7 @@ from collections import defaultdict
 import torch
 from torch.fx import GraphModule
 
+from ..core.rewrite import prune
 from ..errors import DecodeError
 
 LINEAR = torch.ops.aten.linear.default
@@ -101,6 +102,7 @@ def fuse_sibling_linears(gm: GraphModule) -> list[FusedWeight]:
             n.replace_all_uses_with(piece)
             graph.erase_node(n)
         fused.append(weight)
+    prune(gm)  # the parts' own weights are no longer read
     gm.graph.lint()
     gm.recompile()
     return fused
