@@ -17,8 +17,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .kernels import fla_available, gated_delta_rule
+from .token_step import gdn_token_step
 
 V_ACTIVATIONS = {"silu": F.silu, "identity": lambda x: x}
+TOKEN_STEP_V_SILU = {"silu": True, "identity": False}  # the v activations tcal.token_step fuses
 
 
 def _fused_norms(x: torch.Tensor, backend: str) -> bool:
@@ -112,11 +114,13 @@ class GDNCache:
     """What one GatedDeltaNet carries between decoding calls: the recurrent state [B, H, Dk, Dv]
     (float32 from the kernels) and, with short convolutions, the last conv_size-1 inputs of each
     conv stream. Its size is fixed by the batch, not by the length decoded so far, which is the
-    point of the layer."""
+    point of the layer. With `in_place`, a one-token call writes the new state into the tensor
+    that held the old one (tcal.token_step), which a caller replaying a captured step relies on."""
 
-    def __init__(self):
+    def __init__(self, in_place: bool = False):
         self.recurrent: torch.Tensor | None = None
         self.conv: dict[str, torch.Tensor] = {}
+        self.in_place = in_place  # a decoded token may overwrite `recurrent` instead of replacing it
 
     def nbytes(self) -> int:
         tensors = [self.recurrent, *self.conv.values()]
@@ -313,8 +317,31 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, cache: GDNCache | None = None, projection=None) -> torch.Tensor:
         """[B, T, hidden] -> [B, T, hidden]; with a GDNCache, continue the sequence it holds
-        (projection: see _input_projections)."""
+        (projection: see _input_projections). One decoded token into an in-place cache takes the
+        fused token step (tcal.token_step: one kernel from the projections to the output norm)."""
+        if cache is not None and takes_token_step(self, hidden_states, cache):
+            return token_step_forward(self, hidden_states, cache, projection)
         return self.forward_parts(hidden_states, cache, projection)["out"]
+
+
+def takes_token_step(layer: GatedDeltaNet, x: torch.Tensor, cache: GDNCache) -> bool:
+    """No short convolution, one token, no gradient, and a float32 (or float64) state to write in place."""
+    s = cache.recurrent
+    return (cache.in_place and s is not None and x.shape[1] == 1 and not layer.use_short_conv
+            and not torch.is_grad_enabled() and layer.v_activation in TOKEN_STEP_V_SILU
+            and s.dtype in (torch.float32, torch.float64) and s.is_contiguous()
+            and tuple(s.shape) == (x.shape[0], layer.num_heads, layer.head_dim, layer.head_dim))
+
+
+def token_step_forward(layer: GatedDeltaNet, x: torch.Tensor, cache: GDNCache, projection=None) -> torch.Tensor:
+    """GatedDeltaNet.forward of one token through tcal.token_step (the state written in place)."""
+    p = layer._input_projections(x, projection)
+    normed = gdn_token_step(
+        p["q_proj"], p["k_proj"], p["v_proj"], p["a_proj"], p["b_proj"], p["g_proj"], layer.A_log,
+        layer.dt_bias, layer.o_norm.weight, cache.recurrent, layer.head_dim**-0.5, layer.o_norm.eps,
+        TOKEN_STEP_V_SILU[layer.v_activation], layer.backend,
+    )
+    return layer.o_proj(normed)
 
 
 def constructor_options(annotation: str) -> tuple[str, ...]:

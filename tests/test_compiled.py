@@ -93,10 +93,12 @@ def decode(graph, ids, steps: int, compile: bool):
     return logits, states, decoder
 
 
-def test_decode_steps_and_gdn_states_agree(tiny, aot_eager):
+@pytest.mark.parametrize("name, use_short_conv", [("qwen2", True), ("qwen2", False), ("llama", False), ("gemma2", False)])
+def test_decode_steps_and_gdn_states_agree(tiny, aot_eager, name, use_short_conv):
     """Static decode steps through the compiled step: logits and every GDN state (recurrent and
-    convolution) after each of several steps, batch 2, against the eager decoder."""
-    graph = hybrid(tiny("qwen2").graph.branch(), use_short_conv=True)
+    convolution) after each of several steps, batch 2, against the eager decoder. Without short
+    convolutions a step is the fused token step, compiled as a custom op that writes the state."""
+    graph = hybrid(tiny(name).graph.branch(), use_short_conv=use_short_conv)
     ids = ids_of(graph, 2, 7)
     eager_logits, eager_states, _ = decode(graph, ids, 5, compile=False)
     logits, states, decoder = decode(graph, ids, 5, compile=True)

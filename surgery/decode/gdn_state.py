@@ -37,12 +37,15 @@ class GDNState(nn.Module):
 
     def forward(self, hidden_states):
         """The layer continued from the cache. In place, a new state is copied into the tensors that
-        held the old one (when shapes agree), so their memory stays where a captured step reads it."""
+        held the old one (when shapes agree), so their memory stays where a captured step reads it;
+        a one-token step the layer takes in place (tcal.token_step) needs no copy."""
         work = self.gdn.new_cache()
-        work.recurrent, work.conv = self.cache.recurrent, dict(self.cache.conv)
+        work.recurrent, work.conv, work.in_place = self.cache.recurrent, dict(self.cache.conv), self.in_place
         state = self._state[0]
         static = self.projection is not None and state is not None and state.static
         out = self.gdn(hidden_states, cache=work, projection=self.projection.pair() if static else None)
+        if work.recurrent is self.cache.recurrent and not work.conv:  # the layer wrote the state itself
+            return out
         if self.in_place and self.cache.recurrent is not None and self.cache.recurrent.shape == work.recurrent.shape:
             self.cache.recurrent.copy_(work.recurrent)
             for name, tensor in work.conv.items():

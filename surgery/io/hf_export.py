@@ -3,7 +3,7 @@
 DIR holds config.json (the teacher's config, `surgery_hybrid` with each converted attention module's
 GDN, an auto_map to the modeling file), model.safetensors (the teacher's own parameter names, each
 GDN's under its attention module's path), the tokenizer, generation_config.json, and the modeling
-file with tcal's gdn.py and kernels.py copied verbatim beside it: one source of the GDN math.
+file with tcal's gdn.py, kernels.py and token_step.py copied verbatim beside it: one source of the GDN math.
 
 The modeling file swaps whole attention modules, so the export is exact only where the region the
 replace pass cut is exactly such a module's forward: its input the module's input, its output the
@@ -19,6 +19,7 @@ import torch
 
 import tcal.gdn
 import tcal.kernels
+import tcal.token_step
 
 from ..core.graph import Graph
 from ..errors import ExportError
@@ -27,7 +28,8 @@ from .checkpoint import unique_state, write_weights
 MODELING_FILE = Path(__file__).parent / "hf_modeling" / "modeling_surgery_hybrid.py"
 MODEL_CLASS = "SurgeryHybridForCausalLM"
 HYBRID_KEY = "surgery_hybrid"  # the config.json field the modeling file reads
-GDN_SOURCES = {"gdn.py": Path(tcal.gdn.__file__), "kernels.py": Path(tcal.kernels.__file__)}
+GDN_SOURCES = {"gdn.py": Path(tcal.gdn.__file__), "kernels.py": Path(tcal.kernels.__file__),
+               "token_step.py": Path(tcal.token_step.__file__)}
 # ops that pass a tensor through unchanged in eval mode (an attention module's output dropout)
 IDENTITY_OPS = {"aten.dropout.default", "aten.clone.default", "aten.alias.default", "aten.contiguous.default"}
 DROPPED_CONFIG = ("_name_or_path", "_model_name_or_path", "architectures", "auto_map", "transformers_version")

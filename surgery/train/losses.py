@@ -21,9 +21,21 @@ def _scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     return x if temperature == 1.0 else x / temperature
 
 
+def chunk_terms(student: torch.Tensor, teacher: torch.Tensor, temperature: float, scale: float):
+    """One chunk of rows: (sum of KL(teacher || student) over its rows, float32; scale *
+    (softmax_s - softmax_t) in the student's dtype). Eager, it is a dozen passes over a float32
+    chunk; compiled (stage_kl passes a CompiledGraph of it when training compiles), inductor fuses
+    it into a few reductions over the logits themselves, which at 128 x 512 tokens and a 49,152-token
+    vocabulary saves most of the loss's ~80 ms a step (bench/RESULTS.md, twelfth session)."""
+    t = F.log_softmax(_scaled(teacher, temperature), dim=-1)
+    s = F.log_softmax(_scaled(student, temperature), dim=-1)
+    p_t = t.exp()
+    return (p_t * (t - s)).sum(), (s.exp_() - p_t).mul_(scale).to(student.dtype)
+
+
 class _ChunkedKL(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, student, teacher, temperature: float, chunk_rows: int | None):
+    def forward(ctx, student, teacher, temperature: float, chunk_rows: int | None, terms):
         vocab = student.shape[-1]
         s2, t2 = student.reshape(-1, vocab), teacher.reshape(-1, vocab)
         rows = s2.shape[0]
@@ -31,11 +43,8 @@ class _ChunkedKL(torch.autograd.Function):
         total = torch.zeros((), dtype=torch.float32, device=student.device)
         grad = torch.empty_like(s2)
         for i in range(0, rows, step):
-            t = F.log_softmax(_scaled(t2[i:i + step], temperature), dim=-1)
-            s = F.log_softmax(_scaled(s2[i:i + step], temperature), dim=-1)
-            p_t = t.exp()
-            total += (p_t * (t - s)).sum()
-            grad[i:i + step] = (s.exp_() - p_t).mul_(temperature / rows)
+            kl, grad[i:i + step] = terms(s2[i:i + step], t2[i:i + step], temperature, temperature / rows)
+            total += kl
         ctx.grad, ctx.shape = grad, student.shape  # an intermediate, not an input: kept on ctx, freed by backward
         return total / rows * temperature**2
 
@@ -46,14 +55,15 @@ class _ChunkedKL(torch.autograd.Function):
             raise RuntimeError("kl_divergence's backward runs once per forward (its gradient buffer is reused); "
                                "recompute the loss instead of retain_graph=True.")
         ctx.grad = None
-        return grad.mul_(grad_output.to(grad.dtype)).view(ctx.shape), None, None, None
+        return grad.mul_(grad_output.to(grad.dtype)).view(ctx.shape), None, None, None, None
 
 
 def kl_divergence(student: torch.Tensor, teacher: torch.Tensor, temperature: float = 1.0, *,
-                  chunk_rows: int | None = None) -> torch.Tensor:
+                  chunk_rows: int | None = None, terms=chunk_terms) -> torch.Tensor:
     """temperature^2 * mean over tokens of KL(softmax(teacher / T) || softmax(student / T)), a float32
     scalar; differentiable in `student` only (the teacher is a target). chunk_rows: rows per chunk
-    (default: as many as keep each float32 temporary at CHUNK_ELEMENTS)."""
+    (default: as many as keep each float32 temporary at CHUNK_ELEMENTS); terms: chunk_terms or a
+    compiled form of it."""
     if student.shape != teacher.shape:
         raise ValueError(f"student logits {tuple(student.shape)} and teacher logits {tuple(teacher.shape)} differ in shape")
-    return _ChunkedKL.apply(student, teacher.detach(), float(temperature), chunk_rows)
+    return _ChunkedKL.apply(student, teacher.detach(), float(temperature), chunk_rows, terms)

@@ -15,7 +15,7 @@ from ..core.graph import Graph
 from ..core.rewrite import prune
 from ..core.run import graph_logits, placeholder_values
 from ..errors import DistillError
-from .losses import kl_divergence
+from .losses import chunk_terms, kl_divergence
 from .placement import Placement
 
 KINDS = ("new", "copied", "rest")  # the AdamW groups, in this order
@@ -159,12 +159,13 @@ def stage_kl(student: Graph, teacher: Graph, place: Placement, autocast: Callabl
     extra = student.gm.meta.get("extra_inputs", {})
     run_teacher = maybe_compiled(teacher.gm, compile, place.device, use="train", label="teacher graph", prepare=prepare)
     run_student = maybe_compiled(wrapped, compile, place.device, use="train", label="student graph")
+    terms = maybe_compiled(chunk_terms, compile, place.device, use="train", label="KL loss chunk", dynamic=False)
 
     def loss(ids):
         with torch.no_grad(), autocast():
             target = graph_logits(run_teacher, ids)
         with autocast():
             logits = graph_logits(run_student, ids, extra)
-        return kl_divergence(logits, target, temperature)
+        return kl_divergence(logits, target, temperature, terms=terms)
 
     return Stage(wrapped, loss, 6 * forward_params(student.gm) + 2 * forward_params(teacher.gm))

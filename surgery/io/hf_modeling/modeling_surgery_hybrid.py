@@ -2,10 +2,11 @@
 
 The teacher's own transformers class is built from this config; each attention module that was
 converted (config.surgery_hybrid["gdn_layers"], keyed by module path) is then swapped for a
-GDNAttention: the project's GatedDeltaNet (gdn.py and kernels.py beside this file, copied verbatim
-by `surgery export`) called the way the teacher's decoder layer calls its attention.
+GDNAttention: the project's GatedDeltaNet (gdn.py, kernels.py and token_step.py beside this file,
+copied verbatim by `surgery export`) called the way the teacher's decoder layer calls its attention.
 
-Imports only torch, transformers and (through kernels.py, on CUDA, when it imports) fla.
+Imports only torch, transformers and, when they import, fla (through kernels.py, on CUDA) and
+Triton (token_step.py).
 """
 from __future__ import annotations
 

@@ -1,0 +1,167 @@
+"""One decoded token of a GatedDeltaNet without a short convolution, from its input projections to
+the gated-normed core output, with the recurrent state [B, H, Dk, Dv] (float32) updated in place:
+
+    q, k = l2norm(silu(q_raw)), l2norm(silu(k_raw));  v = act(v_raw)
+    beta = sigmoid(b_raw);  g = -exp(A_log) * softplus(a_raw + dt_bias)
+    S = exp(g) S;  S += k (beta (v - S^T k))^T;  o = S^T (scale q)
+    out = o * rsqrt(mean(o^2) + eps) * norm_weight * silu(gate)
+
+Why: a decode step is bound by kernel launches, not bytes. Composed from the layer's pieces this is
+six to seven kernels per layer (norms, gates, the recurrence, the state copy, the output norm); here
+it is one Triton kernel per layer (`token_step_triton`), one program per (row, head) holding the
+whole state tile, so the output norm over the head sees the full value vector. `token_step_torch`
+is its reference: the same math in plain PyTorch, everywhere (CPU, and CUDA with backend "torch").
+Both compute in float32 throughout (the reference: in the state's dtype, float64 for checks) (the layer's composition rounds q, k, v and o to the model's
+dtype between its kernels, so in bf16 the two differ at that rounding).
+
+Shapes: q, k, v, gate [B, 1, H*D] or [B, H*D]; a, b [B, 1, H] or [B, H]; each may be a slice of a
+wider projection output (last stride 1). The output has v's shape and dtype.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+try:  # Triton is a CUDA-side extra: CPU installs do not have it
+    import triton
+    import triton.language as tl
+except Exception:  # a broken install raises more than ImportError
+    triton = None
+
+L2NORM_EPS = 1e-6  # fla's l2norm (tcal.gdn.l2norm)
+
+
+def token_step_torch(q, k, v, a, b, gate, A_log, dt_bias, norm_weight, state, scale: float, norm_eps: float,
+                     v_silu: bool) -> torch.Tensor:
+    """The reference. `state` [B, H, D, D] float32 is overwritten with the new state."""
+    batch, heads = state.shape[:2]
+    cdt = state.dtype  # float32 (float64 for reference checks)
+
+    def per_head(x):
+        return x.reshape(batch, heads, -1).to(cdt)
+
+    q, k, vh, gate = (per_head(x) for x in (q, k, v, gate))
+    q, k = F.silu(q), F.silu(k)
+    q = q * torch.rsqrt(q.pow(2).sum(-1, keepdim=True) + L2NORM_EPS)
+    k = k * torch.rsqrt(k.pow(2).sum(-1, keepdim=True) + L2NORM_EPS)
+    vh = F.silu(vh) if v_silu else vh
+    beta = b.reshape(batch, heads).to(cdt).sigmoid()
+    g = -A_log.to(cdt).exp() * F.softplus(a.reshape(batch, heads).to(cdt) + dt_bias.to(cdt))
+    s = state * g.exp()[..., None, None]
+    delta = beta[..., None] * (vh - torch.einsum("bhk,bhkv->bhv", k, s))
+    s = s + k[..., :, None] * delta[..., None, :]
+    o = torch.einsum("bhk,bhkv->bhv", q * scale, s)
+    state.copy_(s)
+    normed = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + norm_eps) * norm_weight.to(cdt) * F.silu(gate)
+    return normed.to(v.dtype).reshape(v.shape)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _token_step_kernel(q, k, v, a, b, gate, A_log, dt_bias, norm_weight, state, out,
+                           stride_q, stride_k, stride_v, stride_a, stride_b, stride_gate, stride_out,
+                           scale, norm_eps, H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
+                           V_SILU: tl.constexpr):
+        """Program (row n, head h): its [D, D] state tile in registers, read once, written once."""
+        pid = tl.program_id(0).to(tl.int64)
+        n, h = pid // H, pid % H
+        d = tl.arange(0, BD)
+        inside = d < D
+        vec = h * D + d
+        b_q = tl.load(q + n * stride_q + vec, mask=inside, other=0).to(tl.float32)
+        b_k = tl.load(k + n * stride_k + vec, mask=inside, other=0).to(tl.float32)
+        b_v = tl.load(v + n * stride_v + vec, mask=inside, other=0).to(tl.float32)
+        b_gate = tl.load(gate + n * stride_gate + vec, mask=inside, other=0).to(tl.float32)
+        b_q = b_q * tl.sigmoid(b_q)
+        b_k = b_k * tl.sigmoid(b_k)
+        if V_SILU:
+            b_v = b_v * tl.sigmoid(b_v)
+        b_q = b_q / tl.sqrt(tl.sum(b_q * b_q) + 1e-6) * scale
+        b_k = b_k / tl.sqrt(tl.sum(b_k * b_k) + 1e-6)
+        b_beta = tl.sigmoid(tl.load(b + n * stride_b + h).to(tl.float32))
+        x = tl.load(a + n * stride_a + h).to(tl.float32) + tl.load(dt_bias + h).to(tl.float32)
+        softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
+        decay = tl.exp(-tl.exp(tl.load(A_log + h).to(tl.float32)) * softplus)
+        tile = state + pid * D * D + d[:, None] * D + d[None, :]
+        both = inside[:, None] & inside[None, :]
+        s = tl.load(tile, mask=both, other=0) * decay
+        delta = b_beta * (b_v - tl.sum(s * b_k[:, None], 0))
+        s += b_k[:, None] * delta[None, :]
+        o = tl.sum(s * b_q[:, None], 0)
+        tl.store(tile, s, mask=both)
+        rms = tl.sqrt(tl.sum(o * o) / D + norm_eps)
+        weight = tl.load(norm_weight + d, mask=inside, other=0).to(tl.float32)
+        normed = o / rms * weight * (b_gate * tl.sigmoid(b_gate))
+        tl.store(out + n * stride_out + vec, normed.to(out.dtype.element_ty), mask=inside)
+
+
+def _rows(x: torch.Tensor, batch: int) -> torch.Tensor:
+    """x as [B, N] with unit last stride (a slice of a projection output stays a view)."""
+    x = x.reshape(batch, -1)
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def token_step_triton(q, k, v, a, b, gate, A_log, dt_bias, norm_weight, state, scale: float, norm_eps: float,
+                      v_silu: bool) -> torch.Tensor:
+    """The Triton kernel (CUDA tensors; or CPU ones under TRITON_INTERPRET=1, which is how the CPU
+    tests check it). `state` must be float32 and contiguous: it is written in place."""
+    if triton is None:
+        raise RuntimeError("token_step_triton needs Triton; use token_step_torch.")
+    batch, heads, dim = state.shape[:3]
+    if state.dtype != torch.float32 or not state.is_contiguous() or state.shape[3] != dim:
+        raise ValueError(f"the state must be a contiguous float32 [B, H, D, D] tensor, got {state.dtype} {tuple(state.shape)}")
+    rows = [_rows(x, batch) for x in (q, k, v, a, b, gate)]
+    out = torch.empty(batch, heads * dim, dtype=v.dtype, device=v.device)
+    _token_step_kernel[(batch * heads,)](
+        *rows, A_log, dt_bias, norm_weight, state, out, *(x.stride(0) for x in rows), out.stride(0),
+        float(scale), float(norm_eps), H=heads, D=dim, BD=triton.next_power_of_2(dim), V_SILU=v_silu,
+        num_warps=4 if dim > 32 else 1,
+    )
+    return out.reshape(v.shape)
+
+
+def triton_available() -> bool:
+    return triton is not None
+
+
+def _dispatch(q, k, v, a, b, gate, A_log, dt_bias, norm_weight, state, scale, norm_eps, v_silu, use_triton):
+    run = token_step_triton if use_triton else token_step_torch
+    return run(q, k, v, a, b, gate, A_log, dt_bias, norm_weight, state, scale, norm_eps, v_silu)
+
+
+# Any input layout will do (the launcher reads each row through its own stride): without this,
+# inductor copied the four wide projection slices into fresh buffers at batch 16 on the H200
+# (its GEMM output rows are padded there, so the slices' strides differ from the traced ones).
+def _flexible_op(name: str, mutates_args):
+    """torch.library.custom_op with the flexible_layout tag (where this torch takes tags)."""
+    try:
+        return torch.library.custom_op(name, mutates_args=mutates_args, tags=(torch.Tag.flexible_layout,))
+    except (TypeError, AttributeError):
+        return torch.library.custom_op(name, mutates_args=mutates_args)
+
+
+@_flexible_op("tcal::gdn_token_step", mutates_args=("state",))
+def gdn_token_step_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                      gate: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, norm_weight: torch.Tensor,
+                      state: torch.Tensor, scale: float, norm_eps: float, v_silu: bool, use_triton: bool) -> torch.Tensor:
+    """The token step as one opaque op that writes `state` (what torch.compile sees, so a compiled
+    decode step keeps the kernel and updates the state without a copy)."""
+    return _dispatch(q, k, v, a, b, gate, A_log, dt_bias, norm_weight, state, scale, norm_eps, v_silu, use_triton)
+
+
+@gdn_token_step_op.register_fake
+def _(q, k, v, a, b, gate, A_log, dt_bias, norm_weight, state, scale, norm_eps, v_silu, use_triton):
+    return v.new_empty(v.shape)
+
+
+def gdn_token_step(q, k, v, a, b, gate, A_log, dt_bias, norm_weight, state, scale: float, norm_eps: float,
+                   v_silu: bool, backend: str = "auto") -> torch.Tensor:
+    """The token step; backend "torch" is the reference, otherwise the Triton kernel runs on CUDA
+    tensors with a float32 state when Triton imports (a float64 state: the reference). Under
+    torch.compile, the custom op."""
+    use_triton = backend != "torch" and state.is_cuda and triton is not None and state.dtype == torch.float32
+    if torch.compiler.is_compiling():
+        return gdn_token_step_op(q, k, v, a, b, gate, A_log, dt_bias, norm_weight, state, float(scale),
+                                 float(norm_eps), v_silu, use_triton)
+    return _dispatch(q, k, v, a, b, gate, A_log, dt_bias, norm_weight, state, scale, norm_eps, v_silu, use_triton)

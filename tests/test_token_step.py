@@ -1,0 +1,120 @@
+"""The fused one-token GDN step (tcal.token_step): its reference against the layer's own composition
+and full recomputation, in-place state semantics, the custom op's schema, and the Triton kernel
+against the reference under Triton's CPU interpreter (where Triton is installed)."""
+
+import importlib.util
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import tcal.gdn
+from tcal.gdn import GatedDeltaNet
+from tcal.token_step import gdn_token_step_op, token_step_torch
+
+
+def layer(v_activation="silu", dtype=torch.float64, **kw):
+    """A layer with every new parameter away from its init, so each term of the step matters."""
+    torch.manual_seed(0)
+    m = GatedDeltaNet(24, 3, 8, q_bias=True, v_activation=v_activation, **kw).to(dtype).eval()
+    with torch.no_grad():
+        m.A_log.uniform_(-2, 1)
+        m.dt_bias.normal_()
+        m.o_norm.weight.uniform_(0.5, 1.5)
+    return m
+
+
+def prefilled(m, x, in_place: bool):
+    cache = m.new_cache()
+    with torch.no_grad():
+        m(x, cache=cache)
+    cache.in_place = in_place
+    return cache
+
+
+@pytest.mark.parametrize("v_activation", ["silu", "identity"])
+def test_token_step_matches_the_composed_layer_and_full_recomputation(v_activation):
+    m = layer(v_activation)
+    x = torch.randn(2, 9, 24, dtype=torch.float64)
+    fused, composed = prefilled(m, x[:, :6], True), prefilled(m, x[:, :6], False)
+    memory = fused.recurrent.data_ptr()
+    with torch.no_grad():
+        got = [m(x[:, t:t + 1], cache=fused) for t in range(6, 9)]
+        want = [m(x[:, t:t + 1], cache=composed) for t in range(6, 9)]
+        full = m(x)[:, 6:]
+    assert fused.recurrent.data_ptr() == memory, "the in-place cache kept its tensor"
+    # the layer's l2norm and output norm round through float32 even for a float64 layer; the token
+    # step does not, so they agree to float32's precision, not float64's
+    torch.testing.assert_close(torch.cat(got, 1), torch.cat(want, 1), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(torch.cat(got, 1), full, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(fused.recurrent, composed.recurrent, rtol=1e-5, atol=1e-6)
+
+
+def test_token_step_is_taken_only_where_it_applies(monkeypatch):
+    """In-place cache, one token, no gradient, no short convolution: anything else composes."""
+    calls = []
+    real = tcal.gdn.gdn_token_step
+    monkeypatch.setattr(tcal.gdn, "gdn_token_step", lambda *a, **k: calls.append(1) or real(*a, **k))
+    x = torch.randn(1, 5, 24, dtype=torch.float64)
+    m, conv = layer(), layer(use_short_conv=True)
+    with torch.no_grad():
+        m(x[:, 4:], cache=prefilled(m, x[:, :4], True))
+        assert len(calls) == 1
+        m(x[:, 4:], cache=prefilled(m, x[:, :4], False))
+        m(x[:, 3:], cache=prefilled(m, x[:, :3], True))
+        conv(x[:, 4:], cache=prefilled(conv, x[:, :4], True))
+    m(x[:, 4:], cache=prefilled(m, x[:, :4], True))  # gradients on
+    assert len(calls) == 1
+
+
+def step_inputs(dtype=torch.float32, batch=2, heads=3, dim=8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    width = heads * dim
+    proj = torch.randn(batch, 1, 4 * width + 2 * heads, generator=g).to(dtype)
+    q, k, v, a, b, gate = proj.split([width, width, width, heads, heads, width], dim=-1)
+    params = [torch.randn(heads, generator=g), torch.randn(heads, generator=g), torch.rand(dim, generator=g) + 0.5]
+    state = torch.randn(batch, heads, dim, dim, generator=g)
+    return [q, k, v, a, b, gate, *params, state]
+
+
+def test_token_step_op_passes_opcheck():
+    """Schema (the state is declared mutated), fake shapes and strides, on slices of one projection."""
+    args = step_inputs()
+    torch.library.opcheck(gdn_token_step_op, (*args, 8**-0.5, 1e-5, True, False))
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed (a CUDA-side extra)")
+def test_triton_kernel_matches_the_reference_in_the_interpreter(tmp_path):
+    """The kernel itself, run by Triton's CPU interpreter: non-power-of-two head size, both dtypes,
+    both v activations, the state written in place."""
+    script = textwrap.dedent("""
+        import torch
+        from tcal.token_step import token_step_torch, token_step_triton
+        import tests.test_token_step as t
+        for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+            for v_silu in (True, False):
+                args = t.step_inputs(dtype, batch=2, heads=3, dim=24, seed=1)
+                mine = [x.clone() for x in args]
+                want = token_step_torch(*args, 24**-0.5, 1e-5, v_silu)
+                memory = mine[-1].data_ptr()
+                got = token_step_triton(*mine, 24**-0.5, 1e-5, v_silu)
+                assert mine[-1].data_ptr() == memory
+                torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+                torch.testing.assert_close(mine[-1], args[-1], rtol=1e-5, atol=1e-5)
+        print("ok")
+    """)
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-3000:]
+
+
+def test_reference_writes_the_state_it_is_given():
+    args = step_inputs(torch.float64)
+    args[6:9] = [p.double() for p in args[6:9]]
+    state = args[-1] = args[-1].double()
+    before = state.clone()
+    token_step_torch(*args, 8**-0.5, 1e-5, True)
+    assert not torch.equal(state, before)
