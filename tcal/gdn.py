@@ -17,7 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .kernels import fla_available, gated_delta_rule
-from .token_step import gdn_token_step
+from .token_step import gdn_token_step, token_step_fits
 
 V_ACTIVATIONS = {"silu": F.silu, "identity": lambda x: x}
 TOKEN_STEP_V_SILU = {"silu": True, "identity": False}  # the v activations tcal.token_step fuses
@@ -325,12 +325,14 @@ class GatedDeltaNet(nn.Module):
 
 
 def takes_token_step(layer: GatedDeltaNet, x: torch.Tensor, cache: GDNCache) -> bool:
-    """No short convolution, one token, no gradient, and a float32 (or float64) state to write in place."""
+    """No short convolution, one token, no gradient, a float32 (or float64) state to write in place,
+    and a head the step can hold (tcal.token_step.token_step_fits)."""
     s = cache.recurrent
     return (cache.in_place and s is not None and x.shape[1] == 1 and not layer.use_short_conv
             and not torch.is_grad_enabled() and layer.v_activation in TOKEN_STEP_V_SILU
             and s.dtype in (torch.float32, torch.float64) and s.is_contiguous()
-            and tuple(s.shape) == (x.shape[0], layer.num_heads, layer.head_dim, layer.head_dim))
+            and tuple(s.shape) == (x.shape[0], layer.num_heads, layer.head_dim, layer.head_dim)
+            and token_step_fits(layer.head_dim, s.device.type, layer.backend))
 
 
 def token_step_forward(layer: GatedDeltaNet, x: torch.Tensor, cache: GDNCache, projection=None) -> torch.Tensor:

@@ -121,8 +121,18 @@ def token_step_triton(q, k, v, a, b, gate, A_log, dt_bias, norm_weight, state, s
     return out.reshape(v.shape)
 
 
-def triton_available() -> bool:
-    return triton is not None
+# The kernel holds a head's whole [D, D] float32 state in one program's registers: 128 x 128 is
+# 64 KB over 4 warps. Gemma's 256-wide heads would be 256 KB, far past what a program can hold.
+MAX_TRITON_HEAD_DIM = 128
+
+
+def token_step_fits(head_dim: int, device_type: str, backend: str) -> bool:
+    """Whether a layer's decoded token should take this step: everywhere the reference runs (CPU,
+    or backend "torch"), and on CUDA where the Triton kernel can hold the state; else the layer
+    composes its step from its pieces (fla's recurrent kernel among them) as before."""
+    if device_type != "cuda" or backend == "torch":
+        return True
+    return triton is not None and head_dim <= MAX_TRITON_HEAD_DIM
 
 
 def _dispatch(q, k, v, a, b, gate, A_log, dt_bias, norm_weight, state, scale, norm_eps, v_silu, use_triton):
@@ -158,9 +168,11 @@ def _(q, k, v, a, b, gate, A_log, dt_bias, norm_weight, state, scale, norm_eps, 
 def gdn_token_step(q, k, v, a, b, gate, A_log, dt_bias, norm_weight, state, scale: float, norm_eps: float,
                    v_silu: bool, backend: str = "auto") -> torch.Tensor:
     """The token step; backend "torch" is the reference, otherwise the Triton kernel runs on CUDA
-    tensors with a float32 state when Triton imports (a float64 state: the reference). Under
+    tensors with a float32 state and heads of at most MAX_TRITON_HEAD_DIM when Triton imports
+    (otherwise: the reference). Under
     torch.compile, the custom op."""
-    use_triton = backend != "torch" and state.is_cuda and triton is not None and state.dtype == torch.float32
+    use_triton = (backend != "torch" and state.is_cuda and triton is not None and state.dtype == torch.float32
+                  and state.shape[2] <= MAX_TRITON_HEAD_DIM)
     if torch.compiler.is_compiling():
         return gdn_token_step_op(q, k, v, a, b, gate, A_log, dt_bias, norm_weight, state, float(scale),
                                  float(norm_eps), v_silu, use_triton)

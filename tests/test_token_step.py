@@ -13,7 +13,7 @@ import torch
 
 import tcal.gdn
 from tcal.gdn import GatedDeltaNet
-from tcal.token_step import gdn_token_step_op, token_step_torch
+from tcal.token_step import MAX_TRITON_HEAD_DIM, gdn_token_step_op, token_step_fits, token_step_torch
 
 
 def layer(v_activation="silu", dtype=torch.float64, **kw):
@@ -118,3 +118,11 @@ def test_reference_writes_the_state_it_is_given():
     before = state.clone()
     token_step_torch(*args, 8**-0.5, 1e-5, True)
     assert not torch.equal(state, before)
+
+
+def test_wide_heads_on_cuda_compose_instead():
+    """The Triton kernel keeps a head's whole state in one program: heads wider than it can hold
+    (Gemma's 256) keep the composed step on CUDA; the CPU reference takes any width."""
+    assert token_step_fits(256, "cpu", "auto") and token_step_fits(256, "cuda", "torch")
+    assert not token_step_fits(MAX_TRITON_HEAD_DIM * 2, "cuda", "auto")
+    assert token_step_fits(64, "cuda", "auto") == (importlib.util.find_spec("triton") is not None)
