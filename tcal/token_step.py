@@ -6,13 +6,15 @@ the gated-normed core output, with the recurrent state [B, H, Dk, Dv] (float32) 
     S = exp(g) S;  S += k (beta (v - S^T k))^T;  o = S^T (scale q)
     out = o * rsqrt(mean(o^2) + eps) * norm_weight * silu(gate)
 
-Why: a decode step is bound by kernel launches, not bytes. Composed from the layer's pieces this is
-six to seven kernels per layer (norms, gates, the recurrence, the state copy, the output norm); here
-it is one Triton kernel per layer (`token_step_triton`), one program per (row, head) holding the
-whole state tile, so the output norm over the head sees the full value vector. `token_step_torch`
-is its reference: the same math in plain PyTorch, everywhere (CPU, and CUDA with backend "torch").
-Both compute in float32 throughout (the reference: in the state's dtype, float64 for checks) (the layer's composition rounds q, k, v and o to the model's
-dtype between its kernels, so in bf16 the two differ at that rounding).
+Why: a decode step is bound by kernel launches, not bytes. Composed from the layer's pieces and
+compiled, a layer's token was seven kernels on the H200 (four fused elementwise ones, fla's
+recurrent kernel, the state copy, the output norm); here it is one Triton kernel
+(`token_step_triton`), one program per (row, head) holding the whole state tile, so the output norm
+over the head sees the full value vector (a 75% hybrid's step: 418 kernels -> 286, bench/RESULTS.md,
+twelfth session). `token_step_torch` is its reference: the same math in plain PyTorch, everywhere
+(CPU, and CUDA with backend "torch"). Both compute in float32 throughout (the reference in the
+state's dtype: float64 for checks); the layer's composition rounds q, k, v and o to the model's
+dtype between its kernels, so in bf16 the two differ at that rounding.
 
 Shapes: q, k, v, gate [B, 1, H*D] or [B, H*D]; a, b [B, 1, H] or [B, H]; each may be a slice of a
 wider projection output (last stride 1). The output has v's shape and dtype.
@@ -33,7 +35,7 @@ L2NORM_EPS = 1e-6  # fla's l2norm (tcal.gdn.l2norm)
 
 def token_step_torch(q, k, v, a, b, gate, A_log, dt_bias, norm_weight, state, scale: float, norm_eps: float,
                      v_silu: bool) -> torch.Tensor:
-    """The reference. `state` [B, H, D, D] float32 is overwritten with the new state."""
+    """The reference. `state` [B, H, D, D] (float32, or float64) is overwritten with the new state."""
     batch, heads = state.shape[:2]
     cdt = state.dtype  # float32 (float64 for reference checks)
 
@@ -167,10 +169,9 @@ def _(q, k, v, a, b, gate, A_log, dt_bias, norm_weight, state, scale, norm_eps, 
 
 def gdn_token_step(q, k, v, a, b, gate, A_log, dt_bias, norm_weight, state, scale: float, norm_eps: float,
                    v_silu: bool, backend: str = "auto") -> torch.Tensor:
-    """The token step; backend "torch" is the reference, otherwise the Triton kernel runs on CUDA
+    """The token step. Backend "torch" is the reference; otherwise the Triton kernel runs on CUDA
     tensors with a float32 state and heads of at most MAX_TRITON_HEAD_DIM when Triton imports
-    (otherwise: the reference). Under
-    torch.compile, the custom op."""
+    (otherwise: the reference). Under torch.compile, the custom op."""
     use_triton = (backend != "torch" and state.is_cuda and triton is not None and state.dtype == torch.float32
                   and state.shape[2] <= MAX_TRITON_HEAD_DIM)
     if torch.compiler.is_compiling():
