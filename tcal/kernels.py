@@ -15,6 +15,7 @@ anywhere and are differentiable; on CUDA, fla's Triton kernels are used when the
 from __future__ import annotations
 
 import functools
+import hashlib
 import importlib.metadata
 import re
 
@@ -296,7 +297,24 @@ def _rule_outputs(q, k, v, g, beta, initial_state, scale, output_final_state, ba
 OUTSIDE_DISPATCH_KEYS = (torch._C._dispatch_tls_local_include_set(), torch._C._dispatch_tls_local_exclude_set())
 
 
-@torch.library.custom_op("tcal::gated_delta_rule", mutates_args=())
+def _op_namespace() -> str:
+    """The torch.library namespace of tcal's custom ops: "tcal" for the package, a name of its own
+    for a copy (an exported model's modeling directory imports copies of these files). Freeing a
+    custom op's definition deletes every registration under its name, so a copy that registered
+    "tcal::..." again and was later garbage-collected took the package's ops with it (seen: opcheck
+    failing after an export test had loaded a model)."""
+    base = "tcal" if __package__ == "tcal" else "tcal_" + hashlib.sha1(str(__package__).encode()).hexdigest()[:12]
+    namespace, n = base, 0
+    while hasattr(getattr(torch.ops, namespace), "gated_delta_rule"):  # this very file executed again
+        n += 1
+        namespace = f"{base}_{n}"
+    return namespace
+
+
+OP_NAMESPACE = _op_namespace()
+
+
+@torch.library.custom_op(f"{OP_NAMESPACE}::gated_delta_rule", mutates_args=())
 def gated_delta_rule_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                         initial_state: torch.Tensor | None, scale: float, output_final_state: bool, backend: str,
                         chunk_size: int, training: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -316,7 +334,7 @@ def _(q, k, v, g, beta, initial_state, scale, output_final_state, backend, chunk
     return v.new_empty(*q.shape[:3], v.shape[-1]), _state_like(q, v, output_final_state)
 
 
-@torch.library.custom_op("tcal::gated_delta_rule_backward", mutates_args=())
+@torch.library.custom_op(f"{OP_NAMESPACE}::gated_delta_rule_backward", mutates_args=())
 def gated_delta_rule_backward_op(grad_o: torch.Tensor, grad_state: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                                  v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, initial_state: torch.Tensor | None,
                                  scale: float, output_final_state: bool, backend: str, chunk_size: int) -> list[torch.Tensor]:

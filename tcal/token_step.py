@@ -24,6 +24,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .kernels import OP_NAMESPACE
+
 try:  # Triton is a CUDA-side extra: CPU installs do not have it
     import triton
     import triton.language as tl
@@ -153,7 +155,7 @@ def _flexible_op(name: str, mutates_args):
         return torch.library.custom_op(name, mutates_args=mutates_args)
 
 
-@_flexible_op("tcal::gdn_token_step", mutates_args=("state",))
+@_flexible_op(f"{OP_NAMESPACE}::gdn_token_step", mutates_args=("state",))
 def gdn_token_step_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
                       gate: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, norm_weight: torch.Tensor,
                       state: torch.Tensor, scale: float, norm_eps: float, v_silu: bool, use_triton: bool) -> torch.Tensor:

@@ -126,3 +126,31 @@ def test_wide_heads_on_cuda_compose_instead():
     assert token_step_fits(256, "cpu", "auto") and token_step_fits(256, "cuda", "torch")
     assert not token_step_fits(MAX_TRITON_HEAD_DIM * 2, "cuda", "auto")
     assert token_step_fits(64, "cuda", "auto") == (importlib.util.find_spec("triton") is not None)
+
+
+def test_a_freed_copy_of_the_files_leaves_the_package_ops_working(tmp_path):
+    """An exported model imports copies of tcal's files (surgery.io.hf_export). Each copy registers
+    its ops under a namespace of its own: when one registered "tcal::..." again and was then freed,
+    the package's ops lost their schema (opcheck failed after the export tests)."""
+    import gc
+    import importlib
+    import shutil
+
+    import tcal.kernels
+
+    package = tmp_path / "exported_copy"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    for name in ("kernels.py", "token_step.py"):
+        shutil.copy(os.path.join(os.path.dirname(tcal.kernels.__file__), name), package / name)
+    sys.path.insert(0, str(tmp_path))
+    try:
+        copy = importlib.import_module("exported_copy.token_step")
+        assert copy.OP_NAMESPACE != "tcal" and tcal.kernels.OP_NAMESPACE == "tcal"
+        del copy
+        for name in [m for m in sys.modules if m.startswith("exported_copy")]:
+            del sys.modules[name]
+        gc.collect()
+    finally:
+        sys.path.remove(str(tmp_path))
+    torch.library.opcheck(gdn_token_step_op, (*step_inputs(), 8**-0.5, 1e-5, True, False))
