@@ -117,7 +117,13 @@ def median_rate(out: Path, key: str) -> float:
 
 
 def plot(curves: dict, teacher_ppl: float, path: Path, title: str) -> None:
-    import matplotlib
+    """The curves as a PNG; without matplotlib (not a dependency of the project) a note instead, so
+    the tables after it are still printed."""
+    try:
+        import matplotlib
+    except ImportError:
+        log(f"matplotlib is not installed: no {path.name} (pip install matplotlib)")
+        return
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -125,7 +131,7 @@ def plot(curves: dict, teacher_ppl: float, path: Path, title: str) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for label, curve in curves.items():
         ax.plot([t / 1e6 for t, _ in curve], [p for _, p in curve], marker="o", ms=3, label=label)
-    for m in (1.2, 1.5):
+    for m in (1.2, 1.3, 1.5):
         ax.axhline(teacher_ppl * m, ls="--", lw=0.8, color="grey")
         ax.text(0, teacher_ppl * m, f" {m}x teacher", va="bottom", fontsize=8, color="grey")
     ax.set_yscale("log")
@@ -366,7 +372,9 @@ def tokens_to_target(runs: dict) -> list[dict]:
         target = teacher_subset * m
         b = tokens_to(runs["baseline"]["curve"], target)
         tc = tokens_to(runs["taylor-calibrate"]["curve"], target)
-        if tc is not None and b is not None:
+        if tc == 0 and b == 0:
+            ratio = "both start below"
+        elif tc is not None and b is not None:
             ratio = f"{b / max(tc, 1):.1f}x" if tc > 0 else "inf (TC starts there)"
         elif tc is not None:
             ratio = f"> {baseline_budget / max(tc, 1):.1f}x (baseline not reached)" if tc > 0 else "TC starts below; baseline not reached"
