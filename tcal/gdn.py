@@ -279,8 +279,7 @@ class GatedDeltaNet(nn.Module):
         return self._split_heads(activation(y))
 
     def _decay(self, a: torch.Tensor) -> torch.Tensor:
-        rate = F.softplus(a.float() + self.dt_bias.float())
-        return -self.A_log.float().exp() * rate
+        return -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
 
     def decay(self, x: torch.Tensor) -> torch.Tensor:
         """Log-space decay g = -exp(A_log) * softplus(a_proj x + dt_bias), float32, [B, T, H]."""
