@@ -150,6 +150,15 @@ def parameters_by_role(module: nn.Module, roles: dict) -> dict[str, list[tuple[s
     return groups
 
 
+def concatenated(weights, biases) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Several linears' weights stacked along the output dim, and their biases (zeros where one
+    has none; None where none has one): one matmul then computes them all."""
+    weight = torch.cat(list(weights))
+    if all(b is None for b in biases):
+        return weight, None
+    return weight, torch.cat([b if b is not None else w.new_zeros(w.shape[0]) for w, b in zip(weights, biases)])
+
+
 def fused_weight(owner: nn.Module, layers) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The concatenated weight and bias of `layers`. When no gradient is needed (inference, decoding
     one token at a time) the concatenation is kept on `owner` until a parameter changes (tensor
@@ -160,10 +169,7 @@ def fused_weight(owner: nn.Module, layers) -> tuple[torch.Tensor, torch.Tensor |
     cached = owner.__dict__.get("_fused_cache")
     if inference and cached is not None and cached[0] == key:
         return cached[1], cached[2]
-    weight = torch.cat([l.weight for l in layers])
-    bias = None
-    if any(l.bias is not None for l in layers):
-        bias = torch.cat([l.bias if l.bias is not None else l.weight.new_zeros(l.out_features) for l in layers])
+    weight, bias = concatenated([l.weight for l in layers], [l.bias for l in layers])
     if inference:
         owner.__dict__["_fused_cache"] = (key, weight, bias)
     else:

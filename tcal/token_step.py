@@ -136,6 +136,10 @@ def token_step_fits(head_dim: int, device_type: str, backend: str) -> bool:
     composes its step from its pieces (fla's recurrent kernel among them) as before."""
     if device_type != "cuda" or backend == "torch":
         return True
+    return _triton_holds(head_dim)
+
+
+def _triton_holds(head_dim: int) -> bool:
     return triton is not None and head_dim <= MAX_TRITON_HEAD_DIM
 
 
@@ -174,8 +178,7 @@ def gdn_token_step(q, k, v, a, b, gate, A_log, dt_bias, norm_weight, state, scal
     """The token step. Backend "torch" is the reference; otherwise the Triton kernel runs on CUDA
     tensors with a float32 state and heads of at most MAX_TRITON_HEAD_DIM when Triton imports
     (otherwise: the reference). Under torch.compile, the custom op."""
-    use_triton = (backend != "torch" and state.is_cuda and triton is not None and state.dtype == torch.float32
-                  and state.shape[2] <= MAX_TRITON_HEAD_DIM)
+    use_triton = backend != "torch" and state.is_cuda and state.dtype == torch.float32 and _triton_holds(state.shape[2])
     if torch.compiler.is_compiling():
         return gdn_token_step_op(q, k, v, a, b, gate, A_log, dt_bias, norm_weight, state, float(scale),
                                  float(norm_eps), v_silu, use_triton)

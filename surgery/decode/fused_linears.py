@@ -16,6 +16,8 @@ from collections import defaultdict
 import torch
 from torch.fx import GraphModule
 
+from tcal.gdn import concatenated
+
 from ..core.rewrite import prune
 from ..errors import DecodeError
 
@@ -29,12 +31,8 @@ class FusedWeight:
         self.weights, self.biases = list(weights), list(biases)
         self.sizes = [w.shape[0] for w in self.weights]
         with torch.no_grad():
-            self.weight = torch.cat([w.detach() for w in self.weights])
-            self.bias = None if all(b is None for b in self.biases) else torch.cat(self._bias_parts())
+            self.weight, self.bias = concatenated(self.weights, self.biases)
         self.key = self._key()
-
-    def _bias_parts(self) -> list[torch.Tensor]:
-        return [b.detach() if b is not None else w.new_zeros(w.shape[0]) for w, b in zip(self.weights, self.biases)]
 
     def _key(self) -> tuple:
         return tuple((t.data_ptr(), t._version) for t in self.weights + self.biases if t is not None)
@@ -48,9 +46,10 @@ class FusedWeight:
             raise DecodeError("A weight changed dtype or device after the Decoder was built.",
                               "Build a new Decoder after moving or casting the model.")
         with torch.no_grad():
-            self.weight.copy_(torch.cat([w.detach() for w in self.weights]))
+            weight, bias = concatenated(self.weights, self.biases)
+            self.weight.copy_(weight)
             if self.bias is not None:
-                self.bias.copy_(torch.cat(self._bias_parts()))
+                self.bias.copy_(bias)
         self.key = key
 
     def pair(self) -> tuple[torch.Tensor, torch.Tensor | None]:
