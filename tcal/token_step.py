@@ -134,13 +134,13 @@ def token_step_fits(head_dim: int, device_type: str, backend: str) -> bool:
     """Whether a layer's decoded token should take this step: everywhere the reference runs (CPU,
     or backend "torch"), and on CUDA where the Triton kernel can hold the state; else the layer
     composes its step from its pieces (fla's recurrent kernel among them) as before."""
-    if device_type != "cuda" or backend == "torch":
-        return True
-    return _triton_holds(head_dim)
+    return device_type != "cuda" or backend == "torch" or _triton_runs(head_dim, device_type, backend)
 
 
-def _triton_holds(head_dim: int) -> bool:
-    return triton is not None and head_dim <= MAX_TRITON_HEAD_DIM
+def _triton_runs(head_dim: int, device_type: str, backend: str) -> bool:
+    """Whether the Triton kernel (rather than the reference) runs this head: one rule for
+    token_step_fits and gdn_token_step."""
+    return device_type == "cuda" and backend != "torch" and triton is not None and head_dim <= MAX_TRITON_HEAD_DIM
 
 
 def _dispatch(q, k, v, a, b, gate, A_log, dt_bias, norm_weight, state, scale, norm_eps, v_silu, use_triton):
@@ -178,7 +178,7 @@ def gdn_token_step(q, k, v, a, b, gate, A_log, dt_bias, norm_weight, state, scal
     """The token step. Backend "torch" is the reference; otherwise the Triton kernel runs on CUDA
     tensors with a float32 state and heads of at most MAX_TRITON_HEAD_DIM when Triton imports
     (otherwise: the reference). Under torch.compile, the custom op."""
-    use_triton = backend != "torch" and state.is_cuda and state.dtype == torch.float32 and _triton_holds(state.shape[2])
+    use_triton = state.dtype == torch.float32 and _triton_runs(state.shape[2], state.device.type, backend)
     if torch.compiler.is_compiling():
         return gdn_token_step_op(q, k, v, a, b, gate, A_log, dt_bias, norm_weight, state, float(scale),
                                  float(norm_eps), v_silu, use_triton)
