@@ -26,6 +26,7 @@ def inspect(model: str = ModelOpt, as_json: bool = typer.Option(False, "--json",
             device: Optional[str] = DeviceOpt, dtype: Optional[str] = DtypeOpt):
     """Show the attention sites found in the model's graph."""
     with guard(debug):
+        model_inputs(model)
         dev, dt = placement(device or "cpu", dtype)
         graph = open_model(model, device=dev, dtype=dt, debug=debug)
         rows = [s.summary() | {"now": k} for s, k in zip(graph.sites, graph.layer_kinds)]

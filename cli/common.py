@@ -86,10 +86,14 @@ def placement(device: Optional[str], dtype: Optional[str]):
 
 
 def model_inputs(source: str) -> list:
-    """The path a --model names (a short name resolved), checked to exist before anything loads."""
+    """The path a --model names (a short name resolved), checked to exist before anything loads; a
+    model directory's config.json is checked too (its numbers, and that the model fits in memory)."""
     from surgery.core.load import resolve
+    from surgery.io.config_check import check_model_dir
 
-    return [resolve(source)]
+    path = resolve(source)
+    check_model_dir(path)
+    return [path]
 
 
 def more_files(given, more, option: str) -> list | None:

@@ -75,6 +75,17 @@ def read_prompts(prompt: Optional[List[str]], prompt_file: Optional[Path]) -> li
     return prompts
 
 
+def check_room(path, max_new_tokens: int) -> None:
+    """Before the model loads: a prompt of one token plus --max-new-tokens fits the position limit
+    the model's files state (after the load every prompt is checked with its real length)."""
+    from surgery.io.limits import position_limit
+
+    limit = position_limit(path)
+    if limit is not None and max_new_tokens + 1 > limit:
+        raise SurgeryError(f"--max-new-tokens {max_new_tokens} leaves no room for a prompt: this model takes at most {limit} positions (prompt and continuation).",
+                           f"Pass --max-new-tokens {limit - 1} or fewer (less the prompt's length).")
+
+
 def generate(
     model: str = ModelOpt,
     prompt: Optional[List[str]] = typer.Option(None, "--prompt", "-p", help="Prompt text: --prompt 'a' 'b' (or repeat the flag): one continuation per prompt."),
@@ -99,7 +110,7 @@ def generate(
         if max_new_tokens < 1:
             raise SurgeryError(f"--max-new-tokens must be at least 1, got {max_new_tokens}.", "Pass e.g. --max-new-tokens 64.")
         check_sampling(temperature, top_k, top_p)  # before the model loads
-        model_inputs(model)
+        check_room(model_inputs(model)[0], max_new_tokens)
         dev, dt = placement(device, dtype)
         err.print(f"loading {model} on {dev} ({str(dt).removeprefix('torch.')})")
         graph = open_model(model, device=dev, dtype=dt, debug=debug)
