@@ -102,3 +102,11 @@ def more_files(given, more, option: str) -> list | None:
     if more and not given:
         raise SurgeryError(f"Unexpected argument(s): {', '.join(map(str, more))}.", f"Give them after {option} (e.g. {option} a.txt b.txt).")
     return [*(given or []), *(more or [])] or None
+
+
+def check_device_fits(path, dev, dt) -> None:
+    """On an accelerator: the model at `path` fits its free memory in `dt`, before it loads."""
+    if dev.type == "cuda":
+        from surgery.io.config_check import check_fits_on
+
+        check_fits_on(path, dev, dt)

@@ -12,7 +12,7 @@ import typer
 
 from surgery.errors import SurgeryError
 
-from .common import err, guard, model_inputs, more_files, placement
+from .common import check_device_fits, err, guard, model_inputs, more_files, placement
 from .options import CompileOpt, DebugOpt, DeviceOpt, DtypeOpt, ModelOpt
 
 CONTEXT_TOKENS = 8  # prompt tokens decoded with the continuation, so a leading space survives detokenisation
@@ -110,8 +110,10 @@ def generate(
         if max_new_tokens < 1:
             raise SurgeryError(f"--max-new-tokens must be at least 1, got {max_new_tokens}.", "Pass e.g. --max-new-tokens 64.")
         check_sampling(temperature, top_k, top_p)  # before the model loads
-        check_room(model_inputs(model)[0], max_new_tokens)
+        path = model_inputs(model)[0]
+        check_room(path, max_new_tokens)
         dev, dt = placement(device, dtype)
+        check_device_fits(path, dev, dt)
         err.print(f"loading {model} on {dev} ({str(dt).removeprefix('torch.')})")
         graph = open_model(model, device=dev, dtype=dt, debug=debug)
         tokenizer = graph.tokenizer

@@ -252,21 +252,26 @@ class PassManager:
     def __call__(self, graph: Graph, progress=None) -> PassResult:
         self.validate([h["pass"] for h in graph.history])
         for p in self.passes:
-            p.preflight(graph)
+            named(p, graph, p.preflight)
         modified, info = False, {}
         for p in self.passes:
-            before = ", ".join(h["pass"] for h in graph.history) or "nothing"
-            try:
-                result = p(graph)
-            except SurgeryError as exc:
-                raise type(exc)(f"Pass '{p.name}' failed (after: {before}). {exc.problem}", exc.fix) from exc
-            except Exception as exc:
-                raise PassFailedError(f"Pass '{p.name}' failed (after: {before}): {type(exc).__name__}: {exc}", "Run with --debug for the trace.") from exc
+            result = named(p, graph, p)
             modified |= result.modified
             info[p.name] = result.info
             if progress is not None:
                 progress(p.name, result)
         return PassResult(graph, modified, info)
+
+
+def named(p: Pass, graph: Graph, step):
+    """step(graph), its errors naming the pass and what ran on the graph before it."""
+    before = ", ".join(h["pass"] for h in graph.history) or "nothing"
+    try:
+        return step(graph)
+    except SurgeryError as exc:
+        raise type(exc)(f"Pass '{p.name}' failed (after: {before}). {exc.problem}", exc.fix) from exc
+    except Exception as exc:
+        raise PassFailedError(f"Pass '{p.name}' failed (after: {before}): {type(exc).__name__}: {exc}", "Run with --debug for the trace.") from exc
 
 
 def parse_options(items, into: dict | None = None) -> dict:

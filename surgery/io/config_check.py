@@ -16,6 +16,7 @@ from ..errors import SurgeryError
 from .json_safe import non_finite
 from .memory import available_bytes, describe_bytes
 
+MEMORY_FIX = "Load it where more memory is free or in a smaller --dtype (bfloat16 halves it); if a size was edited by hand, restore it."
 SIZE = re.compile(r"(^|_)(size|dim|embd|embeddings|positions|inner|layers?|heads?|experts?|window)$|^(num|n)_")
 RATE = re.compile(r"(^|_)(dropout|pdrop)$")
 EPS = re.compile(r"(^|_)(eps|epsilon)$")
@@ -85,7 +86,7 @@ def check_fits(config, config_dict: dict, defaults: dict, dtype: torch.dtype, er
     free = available_bytes(device)
     if free is not None and need > free:
         raise error(f"{where}: the model's parameters take {describe_bytes(need)} in {name}, more than the {describe_bytes(free)} "
-                    f"of memory free on {device} ({largest_size(config_dict, defaults)}).", fix)
+                    f"of memory free on {device} ({largest_size(config_dict, defaults)}).", MEMORY_FIX)
     return need
 
 
@@ -127,3 +128,25 @@ def check_model_dir(path) -> None:
     dtype = getattr(torch, named, None) if isinstance(named, str) else None
     check_config(config, config.get("model_type"), dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else torch.float32,
                  ModelLoadError, str(file), fix)
+
+
+def check_fits_on(path, device, dtype: torch.dtype) -> None:
+    """The parameters of the model directory or saved hybrid at `path` fit the memory free on
+    `device` in `dtype` (the CPU is checked when the files are read; this is for an accelerator,
+    whose dtype and device are known only once the options are parsed)."""
+    from pathlib import Path
+
+    from ..errors import CheckpointError, ModelLoadError
+    from .json_safe import read_json
+
+    path = Path(path)
+    if (path / "recipe.json").is_file():
+        file, error = path / "recipe.json", CheckpointError
+        config = read_json(file, error, MEMORY_FIX).get("config")
+    elif (path / "config.json").is_file():
+        file, error = path / "config.json", ModelLoadError
+        config = read_json(file, error, MEMORY_FIX)
+    else:
+        return
+    if isinstance(config, dict):
+        check_config(config, config.get("model_type"), dtype, error, str(file), MEMORY_FIX, device)
