@@ -43,8 +43,9 @@ def non_finite(value, path: str = ""):
     return None
 
 
-def loads(text: str, name: str, error: type[SurgeryError] = SurgeryError, fix: str = "The file is damaged; write it again."):
-    """Parse `text` (from the file called `name`) or raise `error` naming what is wrong with it."""
+def loads(text: str, name: str, error: type[SurgeryError] = SurgeryError, fix: str = "The file is damaged; write it again.", finite: bool = True):
+    """Parse `text` (from the file called `name`) or raise `error` naming what is wrong with it.
+    finite=False lets NaN through (a log line may record a loss that diverged)."""
     depth = nesting_depth(text)
     if depth > MAX_DEPTH:
         raise error(f"'{name}' nests arrays or objects {depth} levels deep; surgery reads at most {MAX_DEPTH}.", fix)
@@ -52,7 +53,7 @@ def loads(text: str, name: str, error: type[SurgeryError] = SurgeryError, fix: s
         data = json.loads(text)
     except json.JSONDecodeError as exc:
         raise error(f"'{name}' is not valid JSON ({exc.msg} at line {exc.lineno}).", fix) from exc
-    found = non_finite(data)
+    found = non_finite(data) if finite else None
     if found is not None:
         raise error(f"'{name}': {found[0]} = {found[1]} is not a finite number (JSON has no NaN or Infinity).", fix)
     return data

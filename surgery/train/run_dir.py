@@ -27,7 +27,7 @@ PREFIX = CHECKPOINT_PREFIX
 def logged_step(line: str) -> float:
     """The step of a log.jsonl record; a line a killed run left half-written counts as after every step."""
     try:
-        return loads(line, LOG_FILE).get("step", 0) if line.strip() else float("inf")
+        return loads(line, LOG_FILE, finite=False).get("step", 0) if line.strip() else float("inf")
     except (SurgeryError, AttributeError):
         return float("inf")
 
