@@ -4,6 +4,7 @@ stdout carries the continuations and nothing else (one per prompt, each ended by
 token by token), so the command can be piped; loading messages and errors go to stderr."""
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 from typing import List, Optional
@@ -109,6 +110,9 @@ def generate(
         prompts = read_prompts(more_files(prompt, more_prompts, "--prompt"), prompt_file)
         if max_new_tokens < 1:
             raise SurgeryError(f"--max-new-tokens must be at least 1, got {max_new_tokens}.", "Pass e.g. --max-new-tokens 64.")
+        for option, value in (("--temperature", temperature), ("--top-p", top_p)):
+            if value is not None and not math.isfinite(value):  # NaN passes every `< 0` check below
+                raise SurgeryError(f"{option} {value} is not a finite number.", f"Pass e.g. {option} {0.8 if option == '--temperature' else 0.9}.")
         check_sampling(temperature, top_k, top_p)  # before the model loads
         path = model_inputs(model)[0]
         check_room(path, max_new_tokens)

@@ -75,6 +75,12 @@ def test_every_pass_config_checks_its_numbers_when_made():
             make()
 
 
+def test_generate_refuses_a_non_finite_temperature_before_loading(runner, stories_path, no_model_loads, deadline):
+    """NaN passed `temperature < 0` and reached the sampler."""
+    for value in ("nan", "inf"):
+        assert_clean_failure(invoke(runner, "generate", "--model", stories_path, "--prompt", "Once", "--temperature", value), "--temperature", "not a finite number")
+
+
 @pytest.mark.parametrize("args, words", [
     (["--lr", "nan"], ["lr_"]),
     (["--set", "temperature=inf"], ["temperature"]),
