@@ -105,7 +105,7 @@ def test_distill_refuses_absurd_numbers_before_loading(runner, hybrid, tmp_path,
     ("config.rms_norm_eps", "NaN", ["config.rms_norm_eps", "not a finite number"]),
     ("config.rope_parameters.rope_theta", "Infinity", ["rope_theta", "not a finite number"]),
     ("config.rope_parameters.rope_theta", "1e400", ["rope_theta", "not a finite number"]),
-    ("config.vocab_size", "1e30", ["config.vocab_size", "not a whole number"]),
+    ("config.vocab_size", "1e30", ["config.vocab_size", "not an integer"]),
     ("config.vocab_size", str(10**30), ["config.vocab_size", "out of range"]),
     ("config.intermediate_size", str(2**40), ["intermediate_size = 1,099,511,627,776", "memory"]),
     ("config.num_hidden_layers", "-5", ["config.num_hidden_layers", "not a size"]),
@@ -133,7 +133,7 @@ def test_a_teacher_config_too_large_for_memory_is_refused_before_loading(runner,
     (tmp_path / "teacher" / "config.json").write_text(json.dumps(data | {"intermediate_size": 2**40}))
     assert_clean_failure(invoke(runner, "inspect", "--model", tmp_path / "teacher"), "intermediate_size = 1,099,511,627,776", "memory")
     (tmp_path / "teacher" / "config.json").write_text(json.dumps(data | {"vocab_size": 1e30}))
-    assert_clean_failure(invoke(runner, "apply", "--model", tmp_path / "teacher", "--out", tmp_path / "o"), "vocab_size", "whole number")
+    assert_clean_failure(invoke(runner, "apply", "--model", tmp_path / "teacher", "--out", tmp_path / "o"), "vocab_size", "not an integer")
 
 
 def test_json_reader_limits_depth_and_refuses_non_finite_numbers():

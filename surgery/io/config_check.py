@@ -35,9 +35,10 @@ def check_numbers(config: dict, defaults: dict, error: type[SurgeryError], where
             continue
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             continue
-        wants_int = (isinstance(default, int) and not isinstance(default, bool)) or SIZE.search(key)
+        top = path == "config"  # nested objects (rope_parameters, ...) mix kinds: 1.0 may stand for a float there
+        wants_int = top and ((isinstance(default, int) and not isinstance(default, bool)) or SIZE.search(key))
         if wants_int and not isinstance(value, int):
-            raise error(f"{where}: {field} = {value!r} is not a whole number.", fix)
+            raise error(f"{where}: {field} = {value!r} is not an integer (a size or count).", fix)
         problem = None
         if isinstance(value, int) and not -INT_LIMIT < value < INT_LIMIT:
             problem = f"is out of range (at most {INT_LIMIT - 1:,})"
