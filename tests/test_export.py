@@ -19,6 +19,8 @@ from surgery.decode import generate
 from surgery.errors import CheckpointError, ExportError
 from surgery.io.export import export
 
+pytestmark = pytest.mark.versions  # exports load in the users' transformers: repeated at the floor in CI
+
 
 def convert(graph, layers):
     PassManager(["select", "replace"], {"select": {"policy": "convert", "layers": list(layers)}})(graph)
