@@ -1,7 +1,8 @@
 """The transformers versions surgery runs on: the range CI tests (pyproject.toml declares the same).
 
-Outside it, things fail quietly rather than loudly: transformers 5.17's GGUF tokenizer splits
-Gemma's text into 2.25x the tokens, exports do not load before 5.19, BOS is added only from 5.23.
+Below it, things fail quietly rather than loudly: transformers 5.17's GGUF tokenizer splits
+Gemma's text into 2.25x the tokens, exports do not load before 5.19, BOS is added only from 5.23,
+and the whole suite passes from 5.24 (5.23 captures GPT-J and CodeGen with eager attention).
 So `import surgery` refuses any other version at once, in one line, before any work. The version
 is read from the installed metadata, which does not import transformers."""
 from __future__ import annotations
@@ -11,7 +12,7 @@ from importlib.metadata import PackageNotFoundError, version
 
 from ..errors import SurgeryError
 
-FLOOR, CEILING = "5.23", "6"
+FLOOR, CEILING = "5.24", "6"
 REQUIREMENT = f"transformers>={FLOOR},<{CEILING}"
 INSTALL = f'pip install "{REQUIREMENT}"'
 

@@ -24,7 +24,7 @@ import tcal.token_step
 from ..core.graph import Graph
 from ..errors import ExportError
 from .checkpoint import unique_state, write_weights
-from .tokenizer_check import save_tokenizer
+from .tokenizer_check import check_saved
 
 MODELING_FILE = Path(__file__).parent / "hf_modeling" / "modeling_surgery_hybrid.py"
 MODEL_CLASS = "SurgeryHybridForCausalLM"
@@ -132,7 +132,8 @@ def write_model_dir(graph: Graph, folder: Path, state: dict, config: dict, shard
     (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
     GenerationConfig.from_model_config(graph.config).save_pretrained(folder)
     if graph.tokenizer is not None:
-        save_tokenizer(graph.tokenizer, folder)
+        graph.tokenizer.save_pretrained(folder)
+        check_saved(graph.tokenizer, folder)
 
 
 def write_hf(graph: Graph, folder: Path, *, dtype: torch.dtype | None = None, shard_bytes: int) -> None:

@@ -50,11 +50,16 @@ def difference(saved, teacher) -> str | None:
 
 
 def save_tokenizer(tokenizer, folder: str | Path) -> None:
-    """tokenizer.save_pretrained(folder), then reload it from `folder` and refuse any difference."""
+    """tokenizer.save_pretrained(folder), then check_saved."""
+    tokenizer.save_pretrained(folder)
+    check_saved(tokenizer, folder)
+
+
+def check_saved(tokenizer, folder: str | Path) -> None:
+    """Reload the tokenizer written in `folder` (after any edit of its files) and refuse any difference from `tokenizer`."""
     import transformers
     from transformers import AutoTokenizer
 
-    tokenizer.save_pretrained(folder)
     try:
         reloaded = AutoTokenizer.from_pretrained(folder)
     except Exception as exc:  # transformers raises many kinds; the writer only needs to know it failed
