@@ -7,6 +7,7 @@ from typing import Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from surgery.errors import SurgeryError
 
@@ -15,9 +16,9 @@ err = Console(stderr=True)
 
 
 def fail(exc: SurgeryError) -> None:
-    err.print(f"[bold red]Error:[/] {exc.problem}")
+    err.print(f"[bold red]Error:[/] {escape(exc.problem)}")  # escaped: a message's [brackets] are text, not markup
     if exc.fix:
-        err.print(f"[bold]Fix:[/] {exc.fix}")
+        err.print(f"[bold]Fix:[/] {escape(exc.fix)}")
     raise typer.Exit(2)
 
 

@@ -22,6 +22,7 @@ from ..errors import CheckpointError, SurgeryError, first_line
 from . import recipe as recipes
 from .json_safe import read_json
 from .outdir import EXTRA_FILES, check_replaceable, clean_stale_staging, describe_os_error, hybrid_leftovers, staging_prefix
+from .tokenizer_check import save_tokenizer
 
 DEFAULT_SHARD_BYTES = 2 * 1024**3
 INDEX = "model.safetensors.index.json"
@@ -98,7 +99,7 @@ def write_hybrid(graph: Graph, folder: Path, shard_bytes: int = DEFAULT_SHARD_BY
     weights = {"files": files, "aliases": aliases, "tensors": len(state)}
     (folder / "recipe.json").write_text(json.dumps(recipes.build(graph, weights), indent=1, allow_nan=False))
     if graph.tokenizer is not None:
-        graph.tokenizer.save_pretrained(folder / "tokenizer")
+        save_tokenizer(graph.tokenizer, folder / "tokenizer")  # reloaded and compared: a mismatch saves nothing
 
 
 def write_weights(state: dict, folder: Path, shard_bytes: int = DEFAULT_SHARD_BYTES, index_metadata: dict | None = None) -> dict:

@@ -24,6 +24,7 @@ import tcal.token_step
 from ..core.graph import Graph
 from ..errors import ExportError
 from .checkpoint import unique_state, write_weights
+from .tokenizer_check import check_saved
 
 MODELING_FILE = Path(__file__).parent / "hf_modeling" / "modeling_surgery_hybrid.py"
 MODEL_CLASS = "SurgeryHybridForCausalLM"
@@ -132,6 +133,7 @@ def write_model_dir(graph: Graph, folder: Path, state: dict, config: dict, shard
     GenerationConfig.from_model_config(graph.config).save_pretrained(folder)
     if graph.tokenizer is not None:
         graph.tokenizer.save_pretrained(folder)
+        check_saved(graph.tokenizer, folder)
 
 
 def write_hf(graph: Graph, folder: Path, *, dtype: torch.dtype | None = None, shard_bytes: int) -> None:
