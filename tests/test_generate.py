@@ -474,19 +474,25 @@ def longrope():
         return surgery.capture(model)
 
 
+@pytest.fixture(scope="module")
+def longrope_prompts(longrope):
+    """8 prompts of 14 tokens and full recomputation's 10 greedy tokens and logits for each."""
+    prompts = [prompt_of(14, 128, seed=s) for s in range(8)]
+    return prompts, [full_greedy(longrope, p, 10) for p in prompts]
+
+
 @pytest.mark.parametrize("step_mode", ["dynamic", "static"])
-def test_longrope_decoding_past_its_switch_equals_full_recomputation(longrope, step_mode):
-    """8 prompts of 14 tokens + 10 greedy ones cross the switch: the decoder recomputes its caches
-    there (as transformers' Phi3 does), so every token and logit is full recomputation's."""
+def test_longrope_decoding_past_its_switch_equals_full_recomputation(longrope, longrope_prompts, step_mode):
+    """14 + 10 tokens cross the switch: the decoder recomputes its caches there (as transformers'
+    Phi3 does), so every token and logit is full recomputation's."""
     decoder = Decoder(longrope, step_mode=step_mode)
     assert decoder.regimes.switches == [SWITCH + 1]
-    prompts = [prompt_of(14, 128, seed=s) for s in range(8)]
-    for prompt in prompts:
+    prompts, full = longrope_prompts
+    for prompt, (want_tokens, want_logits) in zip(prompts, full):
         tokens, logits = incremental_greedy(decoder, prompt, 10)
-        want_tokens, want_logits = full_greedy(longrope, prompt, 10)
         assert tokens == want_tokens
         torch.testing.assert_close(logits, want_logits, atol=ATOL, rtol=1e-4)
-    assert generate(decoder, prompts, 10, eos_token_id=None) == [full_greedy(longrope, p, 10)[0] for p in prompts]
+    assert generate(decoder, prompts, 10, eos_token_id=None) == [tokens for tokens, _ in full]
 
 
 def test_longrope_below_its_switch_and_chunked_prefills_across_it(longrope):
