@@ -1,8 +1,9 @@
 """Conversion across the registry, on the CPU: for every architecture that captures (tests/archs.py,
 ARCHS + EXTRA_ARCHS), capture, select + replace + calibrate + align with small options, check that
-the hybrid's logits are finite and that incremental decoding equals full recomputation. The check
-of one architecture is tests/sweep_check.py (shared with `pytest -m sweep`); this script runs it over
-the registry, prints a markdown table and writes JSON.
+the hybrid's logits are finite, that incremental decoding equals full recomputation, and that the
+hybrid survives save -> load -> generate -> export (or a stage refuses by name). The check of one
+architecture is tests/sweep_check.py (shared with `pytest -m sweep`); this script runs it over the
+registry, prints a markdown table and writes JSON.
 
     python bench/sweep.py --out bench/results/sweep_cpu.json --table /tmp/sweep_table.md
     python bench/sweep.py --only llama,bloom --jobs 2 --timeout 300
@@ -29,7 +30,8 @@ import torch  # noqa: E402
 
 from archs import ARCHS, EXTRA_ARCHS  # noqa: E402
 
-COLUMNS = ("architecture", "converts", "decodes", "why")
+COLUMNS = ("architecture", "converts", "decodes", "why", "round_trip", "round_trip_why")
+NOT_REACHED = {"converts": "error", "decodes": "-", "max_diff": None, "round_trip": "-", "round_trip_why": ""}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -62,14 +64,12 @@ def in_child(name: str, args: argparse.Namespace) -> dict:
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout or None)
     except subprocess.TimeoutExpired:
-        return {"architecture": name, "converts": "error", "decodes": "-", "why": f"timed out after {args.timeout:g} s",
-                "max_diff": None, "seconds": round(time.perf_counter() - start, 2)}
+        return {"architecture": name, **NOT_REACHED, "why": f"timed out after {args.timeout:g} s", "seconds": round(time.perf_counter() - start, 2)}
     lines = done.stdout.strip().splitlines()
     if done.returncode == 0 and lines:
         return json.loads(lines[-1])
     tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
-    return {"architecture": name, "converts": "error", "decodes": "-", "why": f"child exited {done.returncode}: {tail}",
-            "max_diff": None, "seconds": round(time.perf_counter() - start, 2)}
+    return {"architecture": name, **NOT_REACHED, "why": f"child exited {done.returncode}: {tail}", "seconds": round(time.perf_counter() - start, 2)}
 
 
 def in_process(name: str) -> dict:
@@ -86,7 +86,8 @@ def table(rows: list[dict]) -> str:
     lines.append("")
     lines.append(f"{counts['architectures']} architectures: {counts['converts']} convert, {counts['exact']} convert and decode"
                  f" exactly, {counts['refused']} refuse to decode (named reason), {counts['wrong']} decode wrongly,"
-                 f" {counts['errors']} fail.")
+                 f" {counts['errors']} fail. Round trip (save, load, generate, export): {counts['round_trip_exact']} exact,"
+                 f" {counts['round_trip_refused']} refused by name, {counts['round_trip_wrong']} wrong, {counts['round_trip_errors']} fail.")
     return "\n".join(lines) + "\n"
 
 
@@ -94,7 +95,9 @@ def summary(rows: list[dict]) -> dict:
     return {"architectures": len(rows), "converts": sum(r["converts"] == "yes" for r in rows),
             "exact": sum(r["decodes"] == "exact" for r in rows), "refused": sum(r["decodes"] == "refused" for r in rows),
             "wrong": sum(r["decodes"] == "wrong" for r in rows),
-            "errors": sum(r["converts"] != "yes" or r["decodes"] == "error" for r in rows)}
+            "errors": sum(r["converts"] != "yes" or r["decodes"] == "error" for r in rows),
+            **{f"round_trip_{key}": sum(r["round_trip"] == value for r in rows)
+               for key, value in (("exact", "exact"), ("refused", "refused"), ("wrong", "wrong"), ("errors", "error"))}}
 
 
 def sweep(args: argparse.Namespace) -> list[dict]:
@@ -104,7 +107,8 @@ def sweep(args: argparse.Namespace) -> list[dict]:
     rows = []
     with ThreadPoolExecutor(max(1, args.jobs)) as pool:
         for row in pool.map(run, todo):
-            print(f"{row['architecture']:>20}  {row['converts']:>5}  {row['decodes']:>7}  {row['seconds']:7.1f} s  {row['why']}",
+            print(f"{row['architecture']:>20}  {row['converts']:>5}  {row['decodes']:>7}  {row['round_trip']:>7}  {row['seconds']:7.1f} s"
+                  f"  {row['why']}  {row['round_trip_why']}",
                   file=sys.stderr, flush=True)
             rows.append(row)
     return rows

@@ -345,3 +345,52 @@ def test_binary_recipe_is_a_checkpoint_error(damaged):
     (damaged / "recipe.json").write_bytes(b"\xff\xfe{\x00")
     with pytest.raises(CheckpointError, match="not text"):
         surgery.load(damaged)
+
+
+# ------------------------------------------------------------------------------------------------
+# the attention implementation the teacher was captured with (gemma2 has no SDPA)
+
+
+@pytest.fixture(scope="module")
+def gemma2_saved(tiny, tmp_path_factory):
+    """tests/archs.py's gemma2 (eager only), one layer replaced, saved."""
+    hybrid = convert(tiny("gemma2").graph.branch(), [1])
+    out = surgery.save(hybrid, tmp_path_factory.mktemp("gemma2") / "h")
+    return hybrid, out
+
+
+def test_a_saved_eager_only_hybrid_loads_generates_and_exports(gemma2_saved, tmp_path):
+    hybrid, out = gemma2_saved
+    assert json.loads((out / "recipe.json").read_text())["capture"]["attn_implementation"] == "eager"
+    loaded = surgery.load(out)
+    assert_same_logits(hybrid, loaded, 128)
+    prompt = ids_for((1, 6), 128, seed=3)
+    assert surgery.generate(loaded, prompt, 5, eos_token_id=None) == surgery.generate(hybrid, prompt, 5, eos_token_id=None)
+    from surgery.io import export
+
+    assert (export(loaded, tmp_path / "x") / "config.json").exists()
+
+
+def test_a_recipe_without_the_attention_implementation_loads_as_the_model_class_allows(gemma2_saved, tmp_path):
+    """Recipes written before the field existed: transformers' own choice (SDPA, else eager)."""
+    hybrid, out = gemma2_saved
+    old = tmp_path / "old"
+    shutil.copytree(out, old)
+    recipe = json.loads((old / "recipe.json").read_text())
+    del recipe["capture"]["attn_implementation"]
+    (old / "recipe.json").write_text(json.dumps(recipe))
+    assert_same_logits(hybrid, surgery.load(old), 128)
+
+
+@pytest.mark.parametrize("value, error", [(7, "is not a string"), ("", "names no attention implementation"),
+                                          ("sdpa", "cannot build the 'gemma2' teacher"),
+                                          ("no_such_attention", "cannot build the 'gemma2' teacher")])
+def test_a_bad_attention_implementation_is_a_checkpoint_error(gemma2_saved, tmp_path, value, error):
+    _, out = gemma2_saved
+    bad = tmp_path / "bad"
+    shutil.copytree(out, bad)
+    recipe = json.loads((bad / "recipe.json").read_text())
+    recipe["capture"]["attn_implementation"] = value
+    (bad / "recipe.json").write_text(json.dumps(recipe))
+    with pytest.raises(CheckpointError, match=error):
+        surgery.load(bad)

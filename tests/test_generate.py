@@ -15,6 +15,7 @@ from typer.testing import CliRunner
 import surgery
 from surgery import PassManager
 from surgery.decode import DecodeError, Decoder, generate
+from surgery.decode.regimes import Regimes
 
 from cli_checks import assert_clean_failure as assert_cli_failure, invoke as cli_invoke
 
@@ -148,7 +149,7 @@ def test_self_check_refuses_what_it_cannot_continue(tiny, monkeypatch):
     comparison with full recomputation must catch it rather than decode wrongly."""
     from surgery.decode import runtime as decode
 
-    monkeypatch.setattr(decode, "rewrite_positions", lambda *args: None)
+    monkeypatch.setattr(decode, "rewrite_positions", lambda *args: Regimes())
     with pytest.raises(DecodeError, match="disagrees with full recomputation"):
         Decoder(tiny("llama").graph)
 
@@ -162,7 +163,7 @@ def test_self_check_in_bf16_accepts_rounding_and_refuses_wrong_positions(stories
     graph = capture(stories_path, dtype=torch.bfloat16)
     PassManager(["select", "replace"], {"select": {"keep_ratio": 0.5}})(graph)
     Decoder(graph)  # passes its self-check
-    monkeypatch.setattr(decode, "rewrite_positions", lambda *args: None)
+    monkeypatch.setattr(decode, "rewrite_positions", lambda *args: Regimes())
     with pytest.raises(DecodeError, match="relative logit error"):
         Decoder(graph)
 
@@ -449,3 +450,93 @@ def test_a_one_dimensional_prompt_is_one_row(tiny):
     ids = torch.tensor(prompt_of(6, 128, seed=3))
     got = Decoder(graph).reset(1, 8).prefill(ids)
     torch.testing.assert_close(got, graph.logits(ids[None]), atol=ATOL, rtol=1e-4)
+
+
+# ------------------------------------------------------------------------------------------------
+# positions whose tables change with the sequence's length (LongRoPE's switch)
+
+SWITCH = 16  # original_max_position_embeddings: short factors up to 16 tokens, long ones past it
+
+
+@pytest.fixture(scope="module")
+def longrope():
+    """phi3 (unconverted) with LongRoPE: every position's rotation changes when the sequence passes SWITCH."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 8,
+            "long_factor": [1.0 + 0.5 * i for i in range(8)], "original_max_position_embeddings": SWITCH}
+    config = AutoConfig.for_model("phi3", vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                  num_key_value_heads=2, intermediate_size=128, max_position_embeddings=64,
+                                  original_max_position_embeddings=SWITCH, rope_parameters=rope, pad_token_id=0)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config).eval()
+        return surgery.capture(model)
+
+
+@pytest.fixture(scope="module")
+def longrope_prompts(longrope):
+    """8 prompts of 14 tokens and full recomputation's 10 greedy tokens and logits for each."""
+    prompts = [prompt_of(14, 128, seed=s) for s in range(8)]
+    return prompts, [full_greedy(longrope, p, 10) for p in prompts]
+
+
+@pytest.mark.parametrize("step_mode", ["dynamic", "static"])
+def test_longrope_decoding_past_its_switch_equals_full_recomputation(longrope, longrope_prompts, step_mode):
+    """14 + 10 tokens cross the switch: the decoder recomputes its caches there (as transformers'
+    Phi3 does), so every token and logit is full recomputation's."""
+    decoder = Decoder(longrope, step_mode=step_mode)
+    assert decoder.regimes.switches == [SWITCH + 1]
+    prompts, full = longrope_prompts
+    for prompt, (want_tokens, want_logits) in zip(prompts, full):
+        tokens, logits = incremental_greedy(decoder, prompt, 10)
+        assert tokens == want_tokens
+        torch.testing.assert_close(logits, want_logits, atol=ATOL, rtol=1e-4)
+    assert generate(decoder, prompts, 10, eos_token_id=None) == [tokens for tokens, _ in full]
+
+
+def test_longrope_below_its_switch_and_chunked_prefills_across_it(longrope):
+    decoder = Decoder(longrope)
+    prompt = prompt_of(6, 128, seed=9)
+    tokens, logits = incremental_greedy(decoder, prompt, 8)  # 14 tokens: short factors throughout
+    want_tokens, want_logits = full_greedy(longrope, prompt, 8)
+    assert tokens == want_tokens
+    torch.testing.assert_close(logits, want_logits, atol=ATOL, rtol=1e-4)
+    ids = torch.tensor([prompt_of(30, 128, seed=4)])
+    decoder.reset(1, 30)
+    got = torch.cat([decoder.prefill(ids[:, :10]), decoder.prefill(ids[:, 10:20])[:, -1:], decoder.prefill(ids[:, 20:])[:, -1:]], dim=1)
+    want = torch.cat([longrope.logits(ids[:, :10]), longrope.logits(ids[:, :20])[:, -1:], longrope.logits(ids)[:, -1:]], dim=1)
+    torch.testing.assert_close(got, want, atol=ATOL, rtol=1e-4)
+
+
+def test_self_check_catches_a_decoder_that_keeps_its_caches_across_the_switch(longrope, monkeypatch):
+    from surgery.decode.regimes import Regimes as RegimesClass
+
+    monkeypatch.setattr(RegimesClass, "crosses", lambda self, offset, new: False)
+    with pytest.raises(DecodeError, match="disagrees with full recomputation on a 19-token probe"):
+        Decoder(longrope)
+
+
+class StubTables:
+    """find_regimes' view of a graph: the tables at two lengths agree when `regime` maps them alike."""
+
+    def __init__(self, regime):
+        self.regime, self.calls = regime, 0
+
+    def prefix(self, short: int, long: int) -> bool:
+        self.calls += 1
+        return self.regime(short) == self.regime(long)
+
+
+def test_switches_are_located_and_tables_that_change_at_every_length_are_refused_past_a_few():
+    from surgery.decode.regimes import MAX_SWITCHES, find_regimes
+
+    one = find_regimes(StubTables(lambda n: n > 4096), 131072)
+    assert one.switches == [4097] and one.limit is None
+    assert not one.crosses(10, 100) and one.crosses(4096, 1) and one.crosses(4000, 200) and not one.crosses(0, 5000)
+    assert find_regimes(StubTables(lambda n: 0), 131072).switches == []
+    every = find_regimes(StubTables(lambda n: n if n > 10 else 0), 64)  # as dynamic NTK scaling would be
+    assert every.switches == list(range(11, 11 + MAX_SWITCHES)) and every.limit == 10 + MAX_SWITCHES
+    every.check(every.limit)
+    with pytest.raises(DecodeError, match="change with the sequence length at more than"):
+        every.check(every.limit + 1)

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import DecodeError
+from .lengths import FIX_FULL
+
 # The worst position's relative logit error (||incremental - full|| / ||full|| over the vocabulary)
 # that bf16/fp16 rounding stays under on the self-check's short probe, while a structural mistake
 # goes well over it; the measurements behind it are in bench/RESULTS.md ("Numbers formerly in decode
@@ -32,3 +35,37 @@ def agrees(got: torch.Tensor, full: torch.Tensor) -> tuple[bool, str]:
     g, f = got.float(), full.float()
     rel = ((g - f).norm(dim=-1) / f.norm(dim=-1).clamp_min(1e-6)).max().item()
     return rel <= LOW_PRECISION_REL_ERROR, f"relative logit error {rel:.3g} at the worst position, in {str(full.dtype).removeprefix('torch.')}"
+
+
+SELF_CHECK = 12      # tokens of the construction-time comparison with full recomputation
+SWITCH_CHECK = 1024  # the longest probe across a switch of the position tables (LongRoPE's) it also runs
+
+
+def probes(max_length: int, switches: list[int]) -> list[tuple[int, int]]:
+    """(tokens, prefilled) of each self-check probe: a short one, and one whose steps cross the
+    first switch of the position tables when that is within SWITCH_CHECK tokens."""
+    n = min(max_length, SELF_CHECK)
+    out = [(n, max(1, n - 4))]
+    if switches and switches[0] + 2 <= min(max_length, SWITCH_CHECK):
+        out.append((switches[0] + 2, max(1, switches[0] - 2)))
+    return out
+
+
+def references(graph, ids: torch.Tensor, first: int) -> torch.Tensor:
+    """What full recomputation gives for a prefill of `first` tokens and then one step per token:
+    each call's logits from the sequence as long as it then was (positions whose tables change with
+    the length make the last call's full pass differ from the first's)."""
+    with torch.no_grad():
+        calls = [graph.logits(ids[:, :first])] + [graph.logits(ids[:, :t + 1])[:, -1:] for t in range(first, ids.shape[1])]
+    return torch.cat(calls, dim=1)
+
+
+def check_probe(got: torch.Tensor, full: torch.Tensor) -> None:
+    """A self-check probe's incremental logits against full recomputation's: DecodeError if they disagree."""
+    ok, diff = agrees(got, full)
+    if not ok:
+        raise DecodeError(
+            f"Incremental decoding disagrees with full recomputation on a {full.shape[1]}-token probe ({diff}): "
+            "the graph computes something from the sequence that the decoder does not carry over (positions in an unusual form?).",
+            FIX_FULL,
+        )

@@ -10,6 +10,7 @@ import torch
 from ..core.rewrite import SHAPE_QUERIES, ancestors, token_dependent
 from ..errors import DecodeError
 from .lengths import FIX_FULL, Lengths, symbolic
+from .regimes import Regimes, TableRun, find_regimes
 
 
 def length_derived(gm, seq, value: set) -> tuple[set, set, set]:
@@ -54,16 +55,18 @@ def sliced_tensors(gm, seq, value: set, derived: set) -> list:
     return rewrite
 
 
-def rewrite_positions(gm, lengths: Lengths, state_target: str) -> None:
+def rewrite_positions(gm, lengths: Lengths, state_target: str, max_length: int, device) -> Regimes:
     """Evaluate what the graph computes from the input's length alone at cache+new length and keep
     the new tokens' part: every such tensor with one sequence-long dimension that feeds the token
     computation is recomputed from length + offset and sliced (for positions = arange(T), that is
-    arange(T) + offset). Tensors of the call's tokens only (MoE dispatch over B*T) are left alone."""
+    arange(T) + offset). Tensors of the call's tokens only (MoE dispatch over B*T) are left alone.
+    Returns the lengths at which those tensors are not continued exactly (surgery.decode.regimes)."""
     value = token_dependent(gm, lengths.ids)
     sources, derived, mixed = length_derived(gm, lengths.seq, value)
     rewrite = sliced_tensors(gm, lengths.seq, value, derived)
     if not rewrite:
-        return
+        return Regimes()
+    regimes = find_regimes(TableRun(gm, [f for f, _ in rewrite], [d for _, d in rewrite], device), max_length)
     copy = set()
     for f, _ in rewrite:
         copy |= (ancestors(f) | {f}) & derived
@@ -83,3 +86,4 @@ def rewrite_positions(gm, lengths: Lengths, state_target: str) -> None:
         with gm.graph.inserting_after(mapping[f]):
             sliced = gm.graph.call_module(state_target, (mapping[f],), {"dim": dim})
         f.replace_all_uses_with(sliced, delete_user_cb=lambda u: u in value)
+    return regimes

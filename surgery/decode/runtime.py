@@ -23,7 +23,7 @@ from ..core.compiled import CompiledGraph, resolve_compile
 from ..core.rewrite import fork, prune, set_submodule, splice_module
 from ..core.run import graph_logits
 from ..errors import DecodeError
-from .agreement import agrees
+from .agreement import check_probe, probes, references
 from .caches import DecodeState, KVCacheAttention
 from .fused_linears import fuse_sibling_linears
 from .gdn_state import GDNState
@@ -31,9 +31,9 @@ from .lengths import FIX_FULL
 from .masks import MASK_PROBE
 from .plan import DecodePlan, plan_decode
 from .positions import rewrite_positions
+from .regimes import History
 from .static_step import StaticStep
 
-SELF_CHECK = 12        # tokens of the construction-time comparison with full recomputation
 STEP_MODES = ("auto", "dynamic", "static", "cuda-graph")
 
 
@@ -48,9 +48,10 @@ def check_step_mode(step_mode: str, device: torch.device, compiled: bool = False
     return step_mode
 
 
-def build_decode_graph(plan: DecodePlan, state: DecodeState, in_place: bool):
+def build_decode_graph(plan: DecodePlan, state: DecodeState, in_place: bool, device):
     """Rewrite plan.gm into the decode graph: KV-cache attention and GDN state modules in place of
-    the layers, positions continued from the offset. Returns the attention and GDN modules by layer."""
+    the layers, positions continued from the offset. Returns the attention and GDN modules by layer
+    and the lengths where the positions switch (surgery.decode.regimes)."""
     gm = plan.gm
     attention: dict[int, KVCacheAttention] = {}
     for layer, p in plan.attention.items():
@@ -65,11 +66,11 @@ def build_decode_graph(plan: DecodePlan, state: DecodeState, in_place: bool):
             n.target = f"_decode_gdn.layer{layer}"
     prune(gm)
     set_submodule(gm, "_decode", state)
-    rewrite_positions(gm, plan.lengths, "_decode")
+    regimes = rewrite_positions(gm, plan.lengths, "_decode", plan.max_length, device)
     prune(gm)
     gm.graph.lint()
     gm.recompile()
-    return attention, gdn
+    return attention, gdn, regimes
 
 
 class Decoder:
@@ -102,7 +103,8 @@ class Decoder:
         plan = plan_decode(graph, mask_probe=mask_probe)
         self.max_length = plan.max_length
         self.state = DecodeState()
-        self.attention, self.gdn = build_decode_graph(plan, self.state, in_place=self.step_mode != "dynamic")
+        self.attention, self.gdn, self.regimes = build_decode_graph(plan, self.state, self.step_mode != "dynamic", graph.device)
+        self.history = History(self.regimes)
         self.gm = plan.gm
         self.cores = plan.attention
         self._warned = False
@@ -126,8 +128,11 @@ class Decoder:
         they start at the prefill's length and double."""
         if capacity is not None and capacity > self.max_length:
             raise DecodeError(f"A capacity of {capacity} tokens exceeds this graph's position limit of {self.max_length}.", "Use a shorter prompt or fewer new tokens.")
+        if capacity is not None:
+            self.regimes.check(capacity)
         self._static.release()
         self.state.offset = 0
+        self.history.clear()
         self.batch_size, self.capacity = batch_size, capacity
         for m in self.attention.values():
             m.reset(batch_size, capacity)
@@ -139,15 +144,22 @@ class Decoder:
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Feed T new tokens [B, T] (or one row [T]) after those already cached; logits [B, T, V]."""
-        return self._run(self._checked(input_ids))
+        return self._feed(self._checked(input_ids))
 
     __call__ = forward
 
-    def _run(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """The graph on checked ids (see _checked), advancing the offset."""
+    def _feed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The graph on checked ids (see _checked), advancing the offset. A call that crosses a
+        switch of the position tables recomputes the caches from the whole sequence, as full
+        recomputation would see it (transformers' Phi3 does the same at LongRoPE's switch)."""
+        if self.regimes.crosses(self.state.offset, input_ids.shape[1]):
+            whole = self.history.joined(input_ids)
+            self.reset(self.batch_size, self.capacity)
+            return self._feed(whole)[:, -input_ids.shape[1]:]
         with torch.no_grad():
             logits = graph_logits(self.gm, input_ids)
         self.state.offset += input_ids.shape[1]
+        self.history.add(input_ids)
         return logits
 
     def _checked(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -161,6 +173,7 @@ class Decoder:
         need = self.state.offset + input_ids.shape[1]
         if need > self.max_length:
             raise DecodeError(f"{need} tokens exceed this graph's position limit of {self.max_length}.", "Use a shorter prompt or fewer new tokens.")
+        self.regimes.check(need)
         for c in self.cores.values():
             if need > c.exact_len and c.rule is None:
                 raise DecodeError(f"The mask of attention {c.layer} could only be checked up to {c.exact_len} tokens; {need} were asked for.", FIX_FULL)
@@ -180,8 +193,10 @@ class Decoder:
             raise DecodeError(f"step takes one token per row, got shape {tuple(next_ids.shape)}.", "Use prefill for several tokens.")
         ids = self._checked(next_ids.reshape(-1, 1))
         if self.step_mode != "dynamic" and self._static.ready(ids):
-            return self._static(ids)
-        return self._run(ids)
+            logits = self._static(ids)
+            self.history.add(ids)
+            return logits
+        return self._feed(ids)
 
     def cache_bytes(self, per_layer: bool = False) -> dict:
         """Bytes held by the caches, by layer kind ({"attention", "gdn", "total"}) or by layer."""
@@ -192,23 +207,15 @@ class Decoder:
         return {"attention": sum(att.values()), "gdn": sum(gdn.values()), "total": sum(att.values()) + sum(gdn.values())}
 
     def _self_check(self, vocab: int) -> None:
-        """Prefill + steps against full recomputation on a short random probe."""
-        n = min(self.max_length, SELF_CHECK)
-        ids = torch.randint(0, vocab, (1, n), generator=torch.Generator().manual_seed(0)).to(self.graph.device)
-        with torch.no_grad():
-            full = self.graph.logits(ids)
-        first = max(1, n - 4)
+        """Prefill + steps against full recomputation on short random probes (agreement.probes)."""
         runner, self._static.runner = self._static.runner, None  # eager: compiling for the probe's shapes would not serve later ones
         try:
-            self.reset(1, n)
-            got = [self.prefill(ids[:, :first])] + [self.step(ids[:, t:t + 1]) for t in range(first, n)]
+            for n, first in probes(self.max_length, self.regimes.switches):
+                ids = torch.randint(0, vocab, (1, n), generator=torch.Generator().manual_seed(0)).to(self.graph.device)
+                self.reset(1, n)
+                got = [self.prefill(ids[:, :first])] + [self.step(ids[:, t:t + 1]) for t in range(first, n)]
+                self.reset()
+                check_probe(torch.cat(got, dim=1), references(self.graph, ids, first))
         finally:
             self._static.runner = runner
-        self.reset()
-        ok, diff = agrees(torch.cat(got, dim=1), full)
-        if not ok:
-            raise DecodeError(
-                f"Incremental decoding disagrees with full recomputation on a {n}-token probe ({diff}): "
-                "the graph computes something from the sequence that the decoder does not carry over (positions in an unusual form?).",
-                FIX_FULL,
-            )
+            self.reset()

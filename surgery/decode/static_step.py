@@ -42,6 +42,8 @@ class StaticStep:
         dec = self.decoder
         if dec.capacity is None or dec.state.offset == 0 or dec.state.offset >= dec.capacity:
             return False
+        if dec.regimes.crosses(dec.state.offset, 1) or not dec.regimes.same(dec.capacity, dec.state.offset + 1):
+            return False  # its tables, built at capacity, are not this length's (surgery.decode.regimes)
         if ids.shape[1] != 1 or (dec.batch_size is not None and ids.shape[0] != dec.batch_size):
             return False
         if self.graph is not None:  # captured on these buffers, which keep their memory until reset

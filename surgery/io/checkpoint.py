@@ -201,8 +201,6 @@ def teacher_config(recipe: dict):
 def load(path: str | Path, *, device=None, dtype: torch.dtype | None = None, verify: bool = True) -> Graph:
     """Rebuild the hybrid: teacher architecture from its config (random weights), capture, replay the
     structural passes from the recipe's decisions, then load the saved weights (strictly)."""
-    from transformers import AutoModelForCausalLM
-
     from ..core.capture import capture_graph
     from ..sites import find_sites
 
@@ -212,7 +210,7 @@ def load(path: str | Path, *, device=None, dtype: torch.dtype | None = None, ver
     config = teacher_config(recipe)
     saved_dtype = getattr(torch, recipe["capture"].get("dtype", "float32"))  # one of recipes.DTYPES (checked)
     dtype = dtype or saved_dtype
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=config._attn_implementation or "sdpa").eval()
+    model = build_teacher(config, dtype, recipe["capture"].get(recipes.ATTN_FIELD), path)
     graph = capture_graph(model, max_length=recipe["capture"].get("max_length"), device=device, dtype=dtype)
     graph.sites = find_sites(graph)
     graph.source = recipe["source"]
@@ -237,6 +235,28 @@ def load(path: str | Path, *, device=None, dtype: torch.dtype | None = None, ver
         graph.tokenizer = AutoTokenizer.from_pretrained(tok)
     graph.teacher = None  # the teacher's weights are not in a checkpoint
     return graph
+
+
+def build_teacher(config, dtype: torch.dtype, attn_implementation: str | None, path: Path):
+    """The teacher's architecture with random weights, in the attention implementation it was
+    captured with; None (a recipe from before it was recorded): transformers' own choice, SDPA where
+    the model class supports it, else eager. transformers' refusals become one CheckpointError."""
+    from transformers import AutoModelForCausalLM
+
+    impl = f"attention implementation {attn_implementation!r}" if attn_implementation else "its default attention implementation"
+    try:
+        return AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation).eval()
+    except Exception as exc:  # ValueError (unsupported implementation), ImportError (flash-attn missing), ...
+        raise CheckpointError(
+            f"transformers {transformers_version()} cannot build the '{config.model_type}' teacher of '{path}' with {impl}: {first_line(exc)}",
+            "Load it where that attention implementation is available (recipe.json's capture.attn_implementation and versions say what wrote it).",
+        ) from exc
+
+
+def transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__
 
 
 def _compare_keys(gm, state: dict) -> tuple[list, list]:

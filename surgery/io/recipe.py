@@ -45,7 +45,7 @@ def build(graph: Graph, weights: dict) -> dict:
         "source": graph.source,
         "model_type": graph.config.model_type,
         "config": config,
-        "capture": graph.meta.get("capture", {}),
+        "capture": capture_record(graph),
         "passes": graph.history,
         "decisions": {name: _jsonable(graph.meta[name]) for name in dict.fromkeys(structural) if name in graph.meta},
         "results": {k: _jsonable(v) for k, v in graph.meta.items() if k not in ("capture",) and k not in structural},
@@ -56,6 +56,17 @@ def build(graph: Graph, weights: dict) -> dict:
     }
 
 
+def capture_record(graph: Graph) -> dict:
+    """How the teacher was captured: length, dtype and the attention implementation its model ran
+    (load must build the same one: Gemma2 has no SDPA, and another choice changes the graph)."""
+    capture = dict(graph.meta.get("capture", {}))
+    impl = getattr(graph.config, "_attn_implementation", None)
+    if isinstance(impl, str) and impl:
+        capture.setdefault(ATTN_FIELD, impl)
+    return capture
+
+
+ATTN_FIELD = "attn_implementation"
 RECIPE_FIX = "The recipe was edited or damaged; write the checkpoint again with `surgery apply`."
 FIELD_TYPES = {"config": dict, "passes": list, "decisions": dict, "weights": dict, "sites": list, "capture": dict}
 GDN_INTS, GDN_BOOLS = constructor_options("int"), constructor_options("bool")
@@ -126,6 +137,10 @@ def check_capture(capture: dict, where: str) -> None:
             raise bad_field(where, "capture.max_length", capture["max_length"], "is not a positive length")
     if capture.get("dtype", "float32") not in DTYPES:
         raise bad_field(where, "capture.dtype", capture.get("dtype"), f"is not one of {', '.join(DTYPES)}")
+    if ATTN_FIELD in capture:  # absent in recipes written before it was recorded: load lets transformers choose
+        expect(capture[ATTN_FIELD], str, f"capture.{ATTN_FIELD}", where)
+        if not capture[ATTN_FIELD].strip():
+            raise bad_field(where, f"capture.{ATTN_FIELD}", capture[ATTN_FIELD], "names no attention implementation")
 
 
 def check_weights(weights: dict, where: str) -> None:
