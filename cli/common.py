@@ -86,10 +86,15 @@ def placement(device: Optional[str], dtype: Optional[str]):
 
 
 def model_inputs(source: str) -> list:
-    """The path a --model names (a short name resolved), checked to exist before anything loads."""
+    """The path a --model names (a short name resolved), checked to exist before anything loads; an
+    export directory is verified (surgery verify-export) before anything could run its code."""
     from surgery.core.load import resolve
+    from surgery.io.export_manifest import is_export, verify_export
 
-    return [resolve(source)]
+    path = resolve(source)
+    if is_export(path):
+        verify_export(path)
+    return [path]
 
 
 def more_files(given, more, option: str) -> list | None:

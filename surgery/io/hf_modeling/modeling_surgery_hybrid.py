@@ -6,17 +6,35 @@ GDNAttention: the project's GatedDeltaNet (gdn.py, kernels.py and token_step.py 
 copied verbatim by `surgery export`) called the way the teacher's decoder layer calls its attention.
 
 Imports only torch, transformers and, when they import, fla (through kernels.py, on CUDA) and
-Triton (token_step.py).
+Triton (token_step.py). Loads in transformers 4.57 and later (tests/test_export_versions.py checks
+4.57.6 and the 5.x range); an older one is refused at import in one line.
 """
 from __future__ import annotations
 
 import inspect
 
 import torch
-from transformers import AutoModelForCausalLM, PreTrainedModel
+import transformers
+from transformers import PreTrainedModel
 from transformers.cache_utils import Cache
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from .gdn import GatedDeltaNet
+# transformers 4.x copies only the files this module imports itself: name gdn.py's own imports here
+from .kernels import fla_available  # noqa: F401
+from .surgery_teacher import TEACHER_CONFIG
+from .token_step import gdn_token_step  # noqa: F401
+
+MIN_TRANSFORMERS = (4, 57)  # Cache.layers, which the GDN layers keep their state on
+
+
+def release(version: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in version.split(".")[:2] if part.isdigit())
+
+
+if release(transformers.__version__) < MIN_TRANSFORMERS or not hasattr(transformers, TEACHER_CONFIG):
+    raise ImportError(f"This surgery export needs transformers >= {'.'.join(map(str, MIN_TRANSFORMERS))} with {TEACHER_CONFIG} "
+                      f"(found {transformers.__version__}): pip install -U 'transformers>=4.57'.")
 
 HYBRID_KEY = "surgery_hybrid"
 CACHE_ARGUMENTS = ("cache", "past_key_values", "past_key_value", "layer_past")
@@ -96,14 +114,16 @@ class GDNAttention(GatedDeltaNet):
 
 
 def teacher_class(config) -> type:
-    """The teacher's own causal-LM class for this config (transformers' mapping, not auto_map)."""
-    return AutoModelForCausalLM._model_mapping[type(config)]
+    """The teacher's own causal-LM class for this config, by transformers' model-type table (not the
+    auto mapping, where 4.x registers this very class for the teacher's config class)."""
+    return getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type])
 
 
 class SurgeryHybridForCausalLM(PreTrainedModel):
     """Stands for the teacher's class with its converted attention swapped: from_pretrained and
     from_config build `hybrid_class(teacher)`, a subclass of both this class and the teacher's."""
 
+    config_class = getattr(transformers, TEACHER_CONFIG)  # transformers 5.17-5.18 register every remote class by it
     _hybrid_classes: dict = {}
 
     @classmethod
