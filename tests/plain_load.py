@@ -2,10 +2,12 @@
 
     python plain_load.py SPEC.json OUT_DIR
 
-SPEC.json: {"exports": {name: {"dir", "ids", "prompt", "new_tokens", "probe" (text or null)}}}.
+SPEC.json: {"exports": {name: {"dir", "ids", "prompt", "new_tokens", "probe" (text or null), "needs" (a
+transformers class the export needs, or null)}}}.
 OUT_DIR/results.safetensors gets, per export, <name>.logits (float32), <name>.greedy (the generated
 ids) and <name>.probe (the tokenizer's ids for the probe text); OUT_DIR/results.json the transformers
-version and, per export, the one-line error of a load that failed. Run by tests/test_export_versions.py
+version, the exports whose needed class this transformers lacks ("absent") and, per export, the
+one-line error of a load that failed. Run by tests/test_export_versions.py
 with the python of each transformers version under test: one process loads every export."""
 from __future__ import annotations
 
@@ -40,15 +42,18 @@ def run(entry: dict) -> dict:
 
 def main(spec_path: str, out_dir: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
-    tensors, errors = {}, {}
+    tensors, errors, absent = {}, {}, []
     for name, entry in spec["exports"].items():
+        if entry.get("needs") and not hasattr(transformers, entry["needs"]):
+            absent.append(entry["needs"])
+            continue
         try:
             tensors.update({f"{name}.{k}": v for k, v in run(entry).items()})
         except Exception as e:  # noqa: BLE001 -- recorded per export, the test reports it
             errors[name] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(Path(out_dir) / "results.safetensors"))
-    (Path(out_dir) / "results.json").write_text(json.dumps({"transformers": transformers.__version__, "errors": errors}, indent=1))
+    (Path(out_dir) / "results.json").write_text(json.dumps({"transformers": transformers.__version__, "errors": errors, "absent": absent}, indent=1))
 
 
 if __name__ == "__main__":

@@ -122,7 +122,21 @@ def hf_state(graph: Graph, layers: dict, dtype: torch.dtype | None) -> dict:
     return named
 
 
-def hf_config(graph: Graph, layers: dict, dtype: torch.dtype) -> dict:
+def legacy_names(graph: Graph, names) -> dict:
+    """{name: the name transformers 4.x gives that tensor} where they differ (GPT-NeoX's lm_head is 4.x's
+    embed_out): the installed transformers' own save-time renaming, asked one tensor at a time of the
+    teacher's class built on the meta device. The modeling file passes it to 4.x as key_mapping."""
+    from transformers import AutoModelForCausalLM
+    from transformers.core_model_loading import revert_weight_conversion
+
+    with torch.device("meta"):
+        teacher = AutoModelForCausalLM.from_config(graph.config)
+    meta = torch.empty(0, device="meta")
+    renamed = {name: list(revert_weight_conversion(teacher, {name: meta})) for name in names}
+    return {name: new[0] for name, new in renamed.items() if len(new) == 1 and new[0] != name}
+
+
+def hf_config(graph: Graph, layers: dict, dtype: torch.dtype, names=()) -> dict:
     """The teacher's config.json plus the hybrid: which modules are GDN and how they are built."""
     config = {k: v for k, v in graph.config.to_dict().items() if k not in DROPPED_CONFIG}
     config.update({k: v for k, v in legacy_rope_keys(graph.config).items() if k not in config})
@@ -135,6 +149,7 @@ def hf_config(graph: Graph, layers: dict, dtype: torch.dtype) -> dict:
         "gdn_layers": {path: {"layer": e["layer"], "gdn_config": e["gdn_config"]} for path, e in layers.items()},
         "layer_kinds": graph.layer_kinds,
         "passes": [entry["pass"] for entry in graph.history],
+        "legacy_names": legacy_names(graph, names),
     }
     return config
 
@@ -166,7 +181,8 @@ def write_hf(graph: Graph, folder: Path, *, dtype: torch.dtype | None = None, sh
     """Everything of DIR into `folder` (export stages it and renames it into place)."""
 
     layers = plan(graph)
-    write_model_dir(graph, folder, hf_state(graph, layers, dtype), hf_config(graph, layers, dtype or graph.dtype), shard_bytes)
+    state = hf_state(graph, layers, dtype)
+    write_model_dir(graph, folder, state, hf_config(graph, layers, dtype or graph.dtype, state), shard_bytes)
     shutil.copyfile(MODELING_FILE, folder / MODELING_FILE.name)
     for name, source in GDN_SOURCES.items():
         shutil.copyfile(source, folder / name)

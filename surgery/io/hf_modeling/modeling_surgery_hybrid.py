@@ -12,6 +12,7 @@ Triton (token_step.py). Loads in transformers 4.57 and later (tests/test_export_
 from __future__ import annotations
 
 import inspect
+import re
 
 import torch
 import transformers
@@ -113,6 +114,14 @@ class GDNAttention(GatedDeltaNet):
         return out
 
 
+def keep_flags(attention: torch.nn.Module, gdn: torch.nn.Module) -> None:
+    """The attention module's plain attributes (is_sliding, layer_idx, ...) on its GDN, for a decoder
+    layer that reads them (transformers 4.x's Gemma3 layer reads self_attn.is_sliding)."""
+    for key, value in vars(attention).items():
+        if not key.startswith("_") and isinstance(value, (bool, int, float, str, type(None))) and not hasattr(gdn, key):
+            setattr(gdn, key, value)
+
+
 def teacher_class(config) -> type:
     """The teacher's own causal-LM class for this config, by transformers' model-type table (not the
     auto mapping, where 4.x registers this very class for the teacher's config class)."""
@@ -145,6 +154,9 @@ class SurgeryHybridForCausalLM(PreTrainedModel):
             from transformers import AutoConfig
 
             config = AutoConfig.from_pretrained(pretrained_model_name_or_path, trust_remote_code=kwargs.get("trust_remote_code"))
+        renamed = getattr(config, HYBRID_KEY).get("legacy_names")
+        if renamed and release(transformers.__version__) < (5,):  # the file holds 5.x's names; 4.x's model others
+            kwargs.setdefault("key_mapping", {f"^{re.escape(new)}$": old for new, old in renamed.items()})
         return cls.hybrid_class(config).from_pretrained(pretrained_model_name_or_path, *args, config=config, **kwargs)
 
     @classmethod
@@ -159,8 +171,10 @@ class SurgeryHybridForCausalLM(PreTrainedModel):
         for path, entry in getattr(config, HYBRID_KEY)["gdn_layers"].items():
             parent_path, _, name = path.rpartition(".")
             parent = self.get_submodule(parent_path)
-            cache_index = getattr(getattr(parent, name), "layer_idx", None)
+            attention = getattr(parent, name)
+            cache_index = getattr(attention, "layer_idx", None)
             gdn = GDNAttention(entry["gdn_config"], entry["layer"] if cache_index is None else cache_index, self.gdn_padding)
+            keep_flags(attention, gdn)
             setattr(parent, name, gdn.to(dtype=self.dtype))
         self.register_forward_pre_hook(self.record_padding, with_kwargs=True)
         self.register_forward_hook(self.forget_padding, with_kwargs=True)
