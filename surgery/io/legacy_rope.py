@@ -8,6 +8,7 @@ passed with a marker value and found where the marker lands. No table of archite
 from __future__ import annotations
 
 import copy
+import warnings
 
 CANDIDATES = ("rope_theta", "rope_local_base_freq", "rotary_emb_base", "partial_rotary_factor", "rotary_pct")
 MARK = 4242.125  # no real RoPE parameter has this value
@@ -29,11 +30,19 @@ def at(tree: dict, path: tuple):
 
 def probe(config, extra: dict) -> dict | None:
     """rope_parameters of the teacher's config class built from its own fields without rope_parameters, plus `extra`."""
+    from transformers.utils import logging
+
     fields = {k: v for k, v in config.to_dict().items() if k not in ("rope_parameters", "rope_scaling", *CANDIDATES)}
+    level = logging.get_verbosity()
+    logging.set_verbosity_error()  # the marker values draw the config class's validation warnings
     try:
-        return copy.deepcopy(type(config)(**fields, **extra).rope_parameters)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return copy.deepcopy(type(config)(**fields, **extra).rope_parameters)
     except Exception:  # noqa: BLE001 -- a class that refuses the key simply does not read it
         return None
+    finally:
+        logging.set_verbosity(level)
 
 
 def legacy_rope_keys(config) -> dict:
