@@ -147,3 +147,23 @@ def test_export_in_plain_transformers_matches_surgery_load(exports, plain_result
     assert tensors[f"{name}.greedy"].tolist() == want["greedy"], info["transformers"]
     if "probe" in want:
         assert tensors[f"{name}.probe"].tolist() == want["probe"], info["transformers"]
+
+
+
+def test_a_transformers_without_the_teachers_class_is_refused_in_one_line(exports, tmp_path):
+    """The modeling file checks, when it is imported, the version and the teacher's config class
+    (a Qwen3 export in a transformers that predates Qwen3, here a class no version has) and names what it needs."""
+    import shutil
+
+    entry, _ = exports[1]["stories260k"]
+    folder = shutil.copytree(entry["dir"], tmp_path / "export")
+    (folder / "surgery_teacher.py").write_text("TEACHER_CONFIG = 'Qwen9Config'\n")
+    code = "import sys; sys.modules['surgery'] = None\nfrom transformers import AutoModelForCausalLM\n" \
+           "AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True)"
+    run = subprocess.run([sys.executable, "-c", code, str(folder)], capture_output=True, text=True, timeout=300)
+    assert run.returncode != 0
+    import transformers
+
+    last = run.stderr.strip().splitlines()[-1]
+    assert last == (f"ImportError: This surgery export needs transformers >= 4.57 with Qwen9Config (found {transformers.__version__}): "
+                    "pip install -U 'transformers>=4.57'."), last
