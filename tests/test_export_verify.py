@@ -119,3 +119,14 @@ def test_force_replaces_an_export_with_its_manifest(exported, tmp_path):
     out = export(hybrid, tmp_path / "hf")
     export(hybrid, out, force=True)
     assert verify_export(out)
+
+
+def test_lm_eval_runs_a_verified_export_as_its_hybrid(exported):
+    """eval --task lm-eval is a transformers run: a verified export is evaluated, with its hybrid's scores."""
+    hybrid, out = exported
+    scores = []
+    for model in (hybrid, out):
+        result = cli("eval", "--model", model, "--task", "lm-eval", "--limit", 4, "--json")
+        assert result.exit_code == 0, result.output
+        scores.append(json.loads(result.stdout.strip().splitlines()[-1])["tasks"])
+    assert scores[0] == scores[1]
