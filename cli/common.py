@@ -7,6 +7,7 @@ from typing import Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from surgery.errors import SurgeryError
 
@@ -15,9 +16,9 @@ err = Console(stderr=True)
 
 
 def fail(exc: SurgeryError) -> None:
-    err.print(f"[bold red]Error:[/] {exc.problem}")
+    err.print(f"[bold red]Error:[/] {escape(exc.problem)}")  # escaped: a message's [brackets] are text, not markup
     if exc.fix:
-        err.print(f"[bold]Fix:[/] {exc.fix}")
+        err.print(f"[bold]Fix:[/] {escape(exc.fix)}")
     raise typer.Exit(2)
 
 
@@ -86,12 +87,15 @@ def placement(device: Optional[str], dtype: Optional[str]):
 
 
 def model_inputs(source: str) -> list:
-    """The path a --model names (a short name resolved), checked to exist before anything loads; an
-    export directory is verified (surgery verify-export) before anything could run its code."""
+    """The path a --model names (a short name resolved), checked to exist before anything loads; a
+    model directory's config.json is checked too (its numbers, and that the model fits in memory), and
+    an export directory is verified (surgery verify-export) before anything could run its code."""
     from surgery.core.load import resolve
+    from surgery.io.config_check import check_model_dir
     from surgery.io.export_manifest import is_export, verify_export
 
     path = resolve(source)
+    check_model_dir(path)
     if is_export(path):
         verify_export(path)
     return [path]
@@ -103,3 +107,11 @@ def more_files(given, more, option: str) -> list | None:
     if more and not given:
         raise SurgeryError(f"Unexpected argument(s): {', '.join(map(str, more))}.", f"Give them after {option} (e.g. {option} a.txt b.txt).")
     return [*(given or []), *(more or [])] or None
+
+
+def check_device_fits(path, dev, dt) -> None:
+    """On an accelerator: the model at `path` fits its free memory in `dt`, before it loads."""
+    if dev.type == "cuda":
+        from surgery.io.config_check import check_fits_on
+
+        check_fits_on(path, dev, dt)

@@ -8,7 +8,11 @@ initialise them with Taylor-Calibrate.
     generate(hybrid, [prompt_ids], max_new_tokens=32)   # incremental decoding (Decoder)
     distill("out/hybrid", ["corpus.txt"], "out/distilled", DistillConfig(tokens=10_000_000))
 """
-from .core.graph import Graph
+from .core.versions import check_transformers
+
+check_transformers()  # first: outside the tested transformers range, refuse before anything loads
+
+from .core.graph import Graph  # noqa: E402
 from .core.pipeline import Pass, PassConfig, PassManager, PassResult, get_pass, known_passes, register
 from .decode import Decoder, generate
 from .errors import SurgeryError

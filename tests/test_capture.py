@@ -208,6 +208,7 @@ def test_found_projections_reproduce_attention_inputs(name, tiny, record):
 # stories260K (GGUF, the real teacher)
 
 
+@pytest.mark.versions
 def test_stories_capture_matches_transformers_gguf(stories_teacher, stories_eager):
     g = stories_teacher
     for shape in [(1, 9), (2, 40)]:
@@ -343,6 +344,7 @@ def test_truncated_gguf(tmp_path, stories_path):
     assert_one_paragraph(info.value, "cut.gguf")
 
 
+@pytest.mark.versions
 def test_a_gguf_is_parsed_once_per_load(stories_path, monkeypatch):
     """transformers parses a GGUF's metadata anew for the config, the weights and the tokenizer;
     load_model hands it the one reader it made, puts gguf.GGUFReader back, and loads the same model."""

@@ -13,6 +13,8 @@ import surgery
 from surgery import PassManager
 from surgery.errors import CheckpointError, ModelLoadError
 
+pytestmark = pytest.mark.versions  # round trips through transformers' config and tokenizer: repeated at the floor in CI
+
 
 def convert(graph, layers):
     PassManager(["select", "replace"], {"select": {"policy": "convert", "layers": list(layers)}})(graph)

@@ -19,6 +19,8 @@ from surgery.decode import generate
 from surgery.errors import CheckpointError, ExportError
 from surgery.io.export import export
 
+pytestmark = pytest.mark.versions  # exports load in the users' transformers: repeated at the floor in CI
+
 
 def convert(graph, layers):
     PassManager(["select", "replace"], {"select": {"policy": "convert", "layers": list(layers)}})(graph)
@@ -140,7 +142,7 @@ def test_cli_export(stories_export, tmp_path):
 
 ISOLATED = """
 import sys
-sys.path.append({site!r})
+sys.path.extend({sites!r})
 try:
     import surgery
 except ImportError:
@@ -162,7 +164,7 @@ print(error, tokens[0, 5:].tolist())
 
 def test_export_loads_without_surgery_installed(stories_export, tmp_path):
     """python -I -S: no site hooks (so no editable finder of this project), only the site-packages
-    directory that holds torch and transformers on sys.path."""
+    directories that hold transformers and torch on sys.path (two in a --system-site-packages venv)."""
     import transformers
 
     hybrid, out = stories_export
@@ -170,8 +172,8 @@ def test_export_loads_without_surgery_installed(stories_export, tmp_path):
     ids = ids_for((2, 19), 512, seed=5)
     with torch.no_grad():
         save_file({"ids": ids, "logits": loaded(ids)}, tmp_path / "data.safetensors")
-    site = str(Path(transformers.__file__).parent.parent)
-    code = ISOLATED.format(site=site, out=str(out), data=str(tmp_path / "data.safetensors"))
+    sites = list(dict.fromkeys(str(Path(m.__file__).parent.parent) for m in (transformers, torch)))  # a venv's, then the system's
+    code = ISOLATED.format(sites=sites, out=str(out), data=str(tmp_path / "data.safetensors"))
     run = subprocess.run([sys.executable, "-I", "-S", "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-3000:]
     error, tokens = run.stdout.strip().splitlines()[-1].split(" ", 1)

@@ -5,9 +5,10 @@ directory first, then loaded by lm-eval's "hf" model with trust_remote_code=True
 `lm_eval --model hf --model_args pretrained=DIR,trust_remote_code=True --tasks surgery_next_sentence
 --include_path surgery/eval/tasks` does. A teacher is handed to lm-eval as its directory or GGUF file
 (model_args gguf_file=...). lm_eval is imported only here, when a run asks for it (it pulls datasets,
-evaluate, ... and takes seconds)."""
+evaluate, ... and takes seconds), and is no dependency of surgery itself: the `eval` extra installs it."""
 from __future__ import annotations
 
+import importlib.util
 import os
 import tempfile
 from pathlib import Path
@@ -21,6 +22,14 @@ from ..io.outdir import RUN_FILE
 from .choice_task import TASK, TASKS_DIR
 
 METRICS = ("acc", "acc_norm")
+EVAL_INSTALL = 'pip install "surgery[eval]" (from a checkout: pip install -e ".[eval]")'
+
+
+def require_lm_eval() -> None:
+    """Refuse, before any model loads, when lm-eval (the `eval` extra) is not installed."""
+    if importlib.util.find_spec("lm_eval") is None:
+        raise EvalTaskError("--task lm-eval needs lm-eval, which is not installed (it is an optional extra of surgery).",
+                            f"Install it: {EVAL_INSTALL}.")
 
 
 def shipped_tasks() -> list[str]:
@@ -29,7 +38,8 @@ def shipped_tasks() -> list[str]:
 
 
 def check_tasks(tasks) -> list[str]:
-    """The task names, each a shipped task (checked before any model loads)."""
+    """The task names, each a shipped task, and lm-eval installed (checked before any model loads)."""
+    require_lm_eval()
     names = [t.strip() for t in (tasks.split(",") if isinstance(tasks, str) else tasks) if t.strip()]
     known = shipped_tasks()
     unknown = [t for t in names if t not in known]
@@ -68,7 +78,7 @@ def run_tasks(model_args: dict, tasks: list[str], *, limit, device: str, dtype: 
         import lm_eval
         from lm_eval.tasks import TaskManager
     except ImportError as exc:
-        raise EvalTaskError(f"lm-eval is not installed ({exc}).", "pip install lm-eval==0.4.13 (a dependency of surgery).") from exc
+        raise EvalTaskError(f"lm-eval cannot be imported ({exc}).", f"Install it: {EVAL_INSTALL}.") from exc
     manager = TaskManager(include_path=str(TASKS_DIR), include_defaults=False)
     args = {**model_args, "trust_remote_code": True, "dtype": dtype}
     return lm_eval.simple_evaluate(model="hf", model_args=args, tasks=tasks, task_manager=manager, limit=limit, device=device,

@@ -28,6 +28,7 @@ from ..core.graph import Graph
 from ..errors import ExportError
 from .checkpoint import unique_state, write_weights
 from .legacy_rope import legacy_rope_keys
+from .tokenizer_check import check_saved
 
 MODELING_FILE = Path(__file__).parent / "hf_modeling" / "modeling_surgery_hybrid.py"
 MODEL_CLASS = "SurgeryHybridForCausalLM"
@@ -165,6 +166,7 @@ def write_model_dir(graph: Graph, folder: Path, state: dict, config: dict, shard
     if graph.tokenizer is not None:
         graph.tokenizer.save_pretrained(folder)
         portable_tokenizer_class(folder / "tokenizer_config.json")
+        check_saved(graph.tokenizer, folder)  # what is written, renamed class included, encodes as the teacher's
 
 
 def portable_tokenizer_class(path: Path) -> None:
