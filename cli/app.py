@@ -16,6 +16,7 @@ from .common import check_device_fits, err, guard, model_inputs, more_files, out
 from .distill import distill as distill_command
 from .export import export as export_command
 from .generate import generate as generate_command
+from .verify import describe as describe_export, render as render_export, verify_export as verify_command
 from .options import CompileOpt, DebugOpt, DeviceOpt, DtypeOpt, ModelOpt
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Convert softmax attention to Gated DeltaNet, Taylor-Calibrated.")
@@ -24,9 +25,13 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, help="Convert soft
 @app.command()
 def inspect(model: str = ModelOpt, as_json: bool = typer.Option(False, "--json", help="Print JSON."), debug: bool = DebugOpt,
             device: Optional[str] = DeviceOpt, dtype: Optional[str] = DtypeOpt):
-    """Show the attention sites found in the model's graph."""
+    """Show the attention sites found in the model's graph (of an export: its verified manifest and layers)."""
+    from surgery.io.export_manifest import is_export
+
     with guard(debug):
         model_inputs(model)
+        if is_export(model):
+            return render_export(describe_export(Path(model)), as_json)
         dev, dt = placement(device or "cpu", dtype)
         graph = open_model(model, device=dev, dtype=dt, debug=debug)
         rows = [s.summary() | {"now": k} for s, k in zip(graph.sites, graph.layer_kinds)]
@@ -289,6 +294,7 @@ def list_passes():
 app.command("distill")(distill_command)
 app.command("generate")(generate_command)
 app.command("export")(export_command)
+app.command("verify-export")(verify_command)
 
 
 def main() -> None:

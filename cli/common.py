@@ -88,12 +88,16 @@ def placement(device: Optional[str], dtype: Optional[str]):
 
 def model_inputs(source: str) -> list:
     """The path a --model names (a short name resolved), checked to exist before anything loads; a
-    model directory's config.json is checked too (its numbers, and that the model fits in memory)."""
+    model directory's config.json is checked too (its numbers, and that the model fits in memory), and
+    an export directory is verified (surgery verify-export) before anything could run its code."""
     from surgery.core.load import resolve
     from surgery.io.config_check import check_model_dir
+    from surgery.io.export_manifest import is_export, verify_export
 
     path = resolve(source)
     check_model_dir(path)
+    if is_export(path):
+        verify_export(path)
     return [path]
 
 

@@ -126,3 +126,20 @@ def test_cli_export_qwen3_5_and_force(exported, tmp_path):
     result = CliRunner().invoke(app, args + ["--force"])  # an earlier export is replaceable
     assert result.exit_code == 0, result.output
     assert json.loads((tmp_path / "out" / "config.json").read_text())["model_type"] == "qwen3_5_text"
+
+
+def test_bf16_capture_with_a_kept_logits_slice_names_the_real_reasons(stories_path, tmp_path):
+    """A bf16 capture (as on CUDA) whose LM head reads hidden[:, 0:] as an aten.slice (torch 2.11's
+    export keeps logits_to_keep=0's slice there; 2.13's makes it an alias): the fit looks through the
+    whole slice and names what does not fit, not "the final norm is not an RMSNorm ('slice_...')"."""
+    graph = convert(surgery.capture(stories_path, dtype=torch.bfloat16), [1], FITTING)
+    head = next(n for n in graph.gm.graph.nodes if n.op == "call_function" and n.target is torch.ops.aten.linear.default
+                and n.args[1].op == "get_attr" and n.args[1].target == "lm_head.weight")
+    with graph.gm.graph.inserting_before(head):
+        whole = graph.gm.graph.call_function(torch.ops.aten.slice.Tensor, (head.args[0], 1, 0, 2 ** 63 - 1))
+    head.replace_input_with(head.args[0], whole)
+    graph.gm.recompile()
+    with pytest.raises(ExportError) as caught:
+        export(graph, tmp_path / "out", format="qwen3_5")
+    assert "no q/k norm" in caught.value.problem and "final norm" not in caught.value.problem
+    assert not (tmp_path / "out").exists()

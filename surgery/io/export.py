@@ -14,6 +14,7 @@ import torch
 from ..core.graph import Graph
 from ..errors import CheckpointError, ExportError
 from . import hf_export, qwen3_5_export
+from .export_manifest import MANIFEST, write_manifest
 from .checkpoint import DEFAULT_SHARD_BYTES, source_paths, write_staged
 from .open import open_model
 from .outdir import REPLACE_HINT, check_replaceable, check_writable, inputs_inside
@@ -27,7 +28,8 @@ def export(model, out: str | Path, *, format: str = "hf", dtype: torch.dtype | N
            shard_bytes: int = DEFAULT_SHARD_BYTES) -> Path:
     """Write `model` (a hybrid Graph, or the path of a saved hybrid) to `out` in `format`; returns out.
 
-    dtype casts the floating-point weights (default: the hybrid's own)."""
+    dtype casts the floating-point weights (default: the hybrid's own). The directory's last file is
+    its manifest (surgery_export.json: each file's sha256, the auto_map), which `verify_export` checks."""
     if format not in FORMATS:
         raise ExportError(f"Unknown export format '{format}'.", f"Use one of: {', '.join(FORMATS)}.")
     out = Path(out)
@@ -38,9 +40,12 @@ def export(model, out: str | Path, *, format: str = "hf", dtype: torch.dtype | N
     check_export_out(out, force=force, inputs=inputs)
     PLANS[format](graph)  # refuse before staging anything
 
+    source = None if isinstance(model, Graph) else str(Path(model).resolve())
+
     def write(folder: Path) -> None:
         FORMATS[format](graph, folder, dtype=dtype, shard_bytes=shard_bytes)
         record_files(folder)
+        write_manifest(folder, format=format, source=source, teacher_config=type(graph.config).__name__ if format == "hf" else None)
 
     return write_staged(out, write, what="Exporting the hybrid")
 
@@ -48,7 +53,7 @@ def export(model, out: str | Path, *, format: str = "hf", dtype: torch.dtype | N
 def record_files(folder: Path) -> None:
     """List in config.json what the export wrote, so a later --force knows them as the project's."""
     config = json.loads((folder / "config.json").read_text())
-    config[hf_export.HYBRID_KEY][FILES] = sorted(p.name + ("/" if p.is_dir() else "") for p in folder.iterdir())
+    config[hf_export.HYBRID_KEY][FILES] = sorted([p.name + ("/" if p.is_dir() else "") for p in folder.iterdir()] + [MANIFEST])
     (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
 
 

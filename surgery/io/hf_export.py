@@ -3,7 +3,10 @@
 DIR holds config.json (the teacher's config, `surgery_hybrid` with each converted attention module's
 GDN, an auto_map to the modeling file), model.safetensors (the teacher's own parameter names, each
 GDN's under its attention module's path), the tokenizer, generation_config.json, and the modeling
-file with tcal's gdn.py, kernels.py and token_step.py copied verbatim beside it: one source of the GDN math.
+file with tcal's gdn.py, kernels.py and token_step.py copied verbatim beside it: one source of the GDN math,
+and surgery_teacher.py naming the teacher's config class (which the modeling file's class declares).
+It loads in transformers 4.57 to 5.x: config.json also carries the RoPE keys 4.x reads (legacy_rope),
+and the tokenizer is named by a class both know.
 
 The modeling file swaps whole attention modules, so the export is exact only where the region the
 replace pass cut is exactly such a module's forward: its input the module's input, its output the
@@ -24,6 +27,7 @@ import tcal.token_step
 from ..core.graph import Graph
 from ..errors import ExportError
 from .checkpoint import unique_state, write_weights
+from .legacy_rope import legacy_rope_keys
 from .tokenizer_check import check_saved
 
 MODELING_FILE = Path(__file__).parent / "hf_modeling" / "modeling_surgery_hybrid.py"
@@ -34,6 +38,10 @@ GDN_SOURCES = {"gdn.py": Path(tcal.gdn.__file__), "kernels.py": Path(tcal.kernel
 # ops that pass a tensor through unchanged in eval mode (an attention module's output dropout)
 IDENTITY_OPS = {"aten.dropout.default", "aten.clone.default", "aten.alias.default", "aten.contiguous.default"}
 DROPPED_CONFIG = ("_name_or_path", "_model_name_or_path", "architectures", "auto_map", "transformers_version")
+TEACHER_FILE = "surgery_teacher.py"
+# 5.x names a tokenizer.json-only tokenizer TokenizersBackend, which 4.x lacks; both load it as this class
+PORTABLE_TOKENIZER = {"TokenizersBackend": "PreTrainedTokenizerFast"}
+SLICE_END = 2 ** 63 - 1  # an open slice end as export writes it
 
 
 def inside(node: torch.fx.Node, path: str) -> bool:
@@ -49,6 +57,8 @@ def gdn_call(graph: Graph, target: str) -> torch.fx.Node:
 
 
 def passes_through(node: torch.fx.Node) -> bool:
+    if str(node.target) == "aten.slice.Tensor":
+        return whole_slice(node)
     if str(node.target) not in IDENTITY_OPS:
         return False
     return not (str(node.target) == "aten.dropout.default" and len(node.args) > 2 and node.args[2])
@@ -69,6 +79,12 @@ def swap_refusal(graph: Graph, layer: int, target: str) -> str | None:
     if kept:
         return f"the hybrid still uses the attention module's tensors {kept[:3]}"
     return None
+
+
+def whole_slice(node: torch.fx.Node) -> bool:
+    """x[:, 0:] (the LM head's logits_to_keep=0 slice): older torch keeps it as a slice, newer as an alias."""
+    start, end, step = (list(node.args[2:]) + [None, None, None])[:3]
+    return start in (None, 0) and (end is None or (isinstance(end, int) and end >= SLICE_END)) and step in (None, 1)
 
 
 def inside_path(name: str, path: str) -> bool:
@@ -107,9 +123,24 @@ def hf_state(graph: Graph, layers: dict, dtype: torch.dtype | None) -> dict:
     return named
 
 
-def hf_config(graph: Graph, layers: dict, dtype: torch.dtype) -> dict:
+def legacy_names(graph: Graph, names) -> dict:
+    """{name: the name transformers 4.x gives that tensor} where they differ (GPT-NeoX's lm_head is 4.x's
+    embed_out): the installed transformers' own save-time renaming, asked one tensor at a time of the
+    teacher's class built on the meta device. The modeling file passes it to 4.x as key_mapping."""
+    from transformers import AutoModelForCausalLM
+    from transformers.core_model_loading import revert_weight_conversion
+
+    with torch.device("meta"):
+        teacher = AutoModelForCausalLM.from_config(graph.config)
+    meta = torch.empty(0, device="meta")
+    renamed = {name: list(revert_weight_conversion(teacher, {name: meta})) for name in names}
+    return {name: new[0] for name, new in renamed.items() if len(new) == 1 and new[0] != name}
+
+
+def hf_config(graph: Graph, layers: dict, dtype: torch.dtype, names=()) -> dict:
     """The teacher's config.json plus the hybrid: which modules are GDN and how they are built."""
     config = {k: v for k, v in graph.config.to_dict().items() if k not in DROPPED_CONFIG}
+    config.update({k: v for k, v in legacy_rope_keys(graph.config).items() if k not in config})
     if (config.get("quantization_config") or {}).get("quant_method") == "gguf":
         config.pop("quantization_config")  # the weights are written dequantized
     config["dtype"] = str(dtype).removeprefix("torch.")
@@ -119,6 +150,7 @@ def hf_config(graph: Graph, layers: dict, dtype: torch.dtype) -> dict:
         "gdn_layers": {path: {"layer": e["layer"], "gdn_config": e["gdn_config"]} for path, e in layers.items()},
         "layer_kinds": graph.layer_kinds,
         "passes": [entry["pass"] for entry in graph.history],
+        "legacy_names": legacy_names(graph, names),
     }
     return config
 
@@ -133,14 +165,32 @@ def write_model_dir(graph: Graph, folder: Path, state: dict, config: dict, shard
     GenerationConfig.from_model_config(graph.config).save_pretrained(folder)
     if graph.tokenizer is not None:
         graph.tokenizer.save_pretrained(folder)
-        check_saved(graph.tokenizer, folder)
+        portable_tokenizer_class(folder / "tokenizer_config.json")
+        check_saved(graph.tokenizer, folder)  # what is written, renamed class included, encodes as the teacher's
+
+
+def portable_tokenizer_class(path: Path) -> None:
+    """Name the tokenizer by a class every supported transformers has (same tokenizer.json, same ids)."""
+    if not path.exists():
+        return
+    settings = json.loads(path.read_text())
+    if settings.get("tokenizer_class") in PORTABLE_TOKENIZER:
+        settings["tokenizer_class"] = PORTABLE_TOKENIZER[settings["tokenizer_class"]]
+        path.write_text(json.dumps(settings, indent=2, sort_keys=True))
 
 
 def write_hf(graph: Graph, folder: Path, *, dtype: torch.dtype | None = None, shard_bytes: int) -> None:
     """Everything of DIR into `folder` (export stages it and renames it into place)."""
 
     layers = plan(graph)
-    write_model_dir(graph, folder, hf_state(graph, layers, dtype), hf_config(graph, layers, dtype or graph.dtype), shard_bytes)
+    state = hf_state(graph, layers, dtype)
+    write_model_dir(graph, folder, state, hf_config(graph, layers, dtype or graph.dtype, state), shard_bytes)
     shutil.copyfile(MODELING_FILE, folder / MODELING_FILE.name)
     for name, source in GDN_SOURCES.items():
         shutil.copyfile(source, folder / name)
+    (folder / TEACHER_FILE).write_text(teacher_source(type(graph.config).__name__))
+
+
+def teacher_source(config_class: str) -> str:
+    """surgery_teacher.py: the one line of the export's code that depends on the teacher."""
+    return f'"""Written by surgery export: the teacher\'s transformers config class."""\nTEACHER_CONFIG = {config_class!r}\n'

@@ -12,6 +12,7 @@ from ..core.graph import Graph
 from ..sites import find_sites
 from ..errors import CheckpointError
 from .checkpoint import load
+from .export_manifest import export_refusal, is_export
 from .outdir import LAST, RUN_FILE
 
 
@@ -48,4 +49,6 @@ def open_model(source, *, device=None, dtype: torch.dtype | None = None, debug: 
         source = latest_checkpoint(Path(source))
     if is_hybrid(source):
         return load(source, device=device, dtype=dtype)
+    if isinstance(source, (str, Path)) and is_export(source):
+        raise export_refusal(source)  # transformers would run its code; surgery runs the hybrid it came from
     return capture(source, device=device, dtype=dtype, debug=debug)

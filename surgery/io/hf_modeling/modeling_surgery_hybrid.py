@@ -6,17 +6,36 @@ GDNAttention: the project's GatedDeltaNet (gdn.py, kernels.py and token_step.py 
 copied verbatim by `surgery export`) called the way the teacher's decoder layer calls its attention.
 
 Imports only torch, transformers and, when they import, fla (through kernels.py, on CUDA) and
-Triton (token_step.py).
+Triton (token_step.py). Loads in transformers 4.57 and later (tests/test_export_versions.py checks
+4.57.6 and the 5.x range); an older one is refused at import in one line.
 """
 from __future__ import annotations
 
 import inspect
+import re
 
 import torch
-from transformers import AutoModelForCausalLM, PreTrainedModel
+import transformers
+from transformers import PreTrainedModel
 from transformers.cache_utils import Cache
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from .gdn import GatedDeltaNet
+# transformers 4.x copies only the files this module imports itself: name gdn.py's own imports here
+from .kernels import fla_available  # noqa: F401
+from .surgery_teacher import TEACHER_CONFIG
+from .token_step import gdn_token_step  # noqa: F401
+
+MIN_TRANSFORMERS = (4, 57)  # Cache.layers, which the GDN layers keep their state on
+
+
+def release(version: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in version.split(".")[:2] if part.isdigit())
+
+
+if release(transformers.__version__) < MIN_TRANSFORMERS or not hasattr(transformers, TEACHER_CONFIG):
+    raise ImportError(f"This surgery export needs transformers >= {'.'.join(map(str, MIN_TRANSFORMERS))} with {TEACHER_CONFIG} "
+                      f"(found {transformers.__version__}): pip install -U 'transformers>=4.57'.")
 
 HYBRID_KEY = "surgery_hybrid"
 CACHE_ARGUMENTS = ("cache", "past_key_values", "past_key_value", "layer_past")
@@ -95,15 +114,25 @@ class GDNAttention(GatedDeltaNet):
         return out
 
 
+def keep_flags(attention: torch.nn.Module, gdn: torch.nn.Module) -> None:
+    """The attention module's plain attributes (is_sliding, layer_idx, ...) on its GDN, for a decoder
+    layer that reads them (transformers 4.x's Gemma3 layer reads self_attn.is_sliding)."""
+    for key, value in vars(attention).items():
+        if not key.startswith("_") and isinstance(value, (bool, int, float, str, type(None))) and not hasattr(gdn, key):
+            setattr(gdn, key, value)
+
+
 def teacher_class(config) -> type:
-    """The teacher's own causal-LM class for this config (transformers' mapping, not auto_map)."""
-    return AutoModelForCausalLM._model_mapping[type(config)]
+    """The teacher's own causal-LM class for this config, by transformers' model-type table (not the
+    auto mapping, where 4.x registers this very class for the teacher's config class)."""
+    return getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type])
 
 
 class SurgeryHybridForCausalLM(PreTrainedModel):
     """Stands for the teacher's class with its converted attention swapped: from_pretrained and
     from_config build `hybrid_class(teacher)`, a subclass of both this class and the teacher's."""
 
+    config_class = getattr(transformers, TEACHER_CONFIG)  # transformers 5.17-5.18 register every remote class by it
     _hybrid_classes: dict = {}
 
     @classmethod
@@ -125,6 +154,9 @@ class SurgeryHybridForCausalLM(PreTrainedModel):
             from transformers import AutoConfig
 
             config = AutoConfig.from_pretrained(pretrained_model_name_or_path, trust_remote_code=kwargs.get("trust_remote_code"))
+        renamed = getattr(config, HYBRID_KEY).get("legacy_names")
+        if renamed and release(transformers.__version__) < (5,):  # the file holds 5.x's names; 4.x's model others
+            kwargs.setdefault("key_mapping", {f"^{re.escape(new)}$": old for new, old in renamed.items()})
         return cls.hybrid_class(config).from_pretrained(pretrained_model_name_or_path, *args, config=config, **kwargs)
 
     @classmethod
@@ -139,8 +171,10 @@ class SurgeryHybridForCausalLM(PreTrainedModel):
         for path, entry in getattr(config, HYBRID_KEY)["gdn_layers"].items():
             parent_path, _, name = path.rpartition(".")
             parent = self.get_submodule(parent_path)
-            cache_index = getattr(getattr(parent, name), "layer_idx", None)
+            attention = getattr(parent, name)
+            cache_index = getattr(attention, "layer_idx", None)
             gdn = GDNAttention(entry["gdn_config"], entry["layer"] if cache_index is None else cache_index, self.gdn_padding)
+            keep_flags(attention, gdn)
             setattr(parent, name, gdn.to(dtype=self.dtype))
         self.register_forward_pre_hook(self.record_padding, with_kwargs=True)
         self.register_forward_hook(self.forget_padding, with_kwargs=True)
