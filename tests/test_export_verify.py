@@ -130,3 +130,13 @@ def test_lm_eval_runs_a_verified_export_as_its_hybrid(exported):
         assert result.exit_code == 0, result.output
         scores.append(json.loads(result.stdout.strip().splitlines()[-1])["tasks"])
     assert scores[0] == scores[1]
+
+
+def test_lm_eval_from_python_refuses_a_tampered_export(copy):
+    """surgery.eval.lm_harness.evaluate runs an export's code (trust_remote_code): it verifies first,
+    as the CLI does, so an added .py is refused before lm-eval imports anything from the directory."""
+    from surgery.eval.lm_harness import evaluate
+
+    (copy / "extra.py").write_text("raise SystemExit('ran')\n")
+    with pytest.raises(ExportError, match="extra.py"):
+        evaluate(copy, limit=1)

@@ -17,6 +17,7 @@ from ..core.graph import Graph
 from ..core.load import resolve
 from ..errors import EvalTaskError
 from ..io.export import export
+from ..io.export_manifest import is_export, verify_export
 from ..io.open import is_hybrid
 from ..io.outdir import RUN_FILE
 from .choice_task import TASK, TASKS_DIR
@@ -64,6 +65,8 @@ def teacher_args(model) -> dict:
         gguf = model.source.get("gguf_file")
         return {"pretrained": model.source["path"], **({"gguf_file": gguf} if gguf else {})}
     path = resolve(model)
+    if is_export(path):
+        verify_export(path)  # lm-eval runs its code (trust_remote_code): only what surgery wrote
     ggufs = sorted(path.glob("*.gguf")) if path.is_dir() and not (path / "config.json").exists() else []
     if path.suffix == ".gguf" or len(ggufs) == 1:
         gguf = path if path.suffix == ".gguf" else ggufs[0]
