@@ -7,11 +7,11 @@ extra .py, no link), auto_map naming only modules inside DIR and equal to the ma
 .py file the very code this surgery writes (so a directory re-hashed by someone else is refused too)."""
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from pathlib import Path
 
+from ..core.files import sha256_file as sha256
 from ..errors import ExportError
 from . import hf_export
 
@@ -19,14 +19,6 @@ MANIFEST = "surgery_export.json"
 KIND = "surgery_export"  # the manifest's version field
 VERSION = 1
 CODE_SUFFIXES = (".py", ".pyc", ".so", ".pyd")
-
-
-def sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def listed_files(folder: Path) -> list[str]:
