@@ -59,6 +59,24 @@ def concat_rows(rows: list[dict]) -> dict:
     return merged
 
 
+class AttentionOutput(tuple):
+    """(output, None), joinable to what the teacher's decoder layer joins it to: most attention modules
+    return a tuple, some (OpenAI GPT's) a list that the layer concatenates to a list (`[h] + out[1:]`).
+    A slice stays this type, and `list + it` gives a list (a list has no `+` slot for a tuple, so
+    Python asks this one's __radd__), `tuple + it` a tuple."""
+
+    def __getitem__(self, index):
+        item = super().__getitem__(index)
+        return AttentionOutput(item) if isinstance(index, slice) else item
+
+    def __radd__(self, other):
+        if isinstance(other, list):
+            return other + list(self)
+        if isinstance(other, tuple):
+            return other + tuple(self)
+        return NotImplemented
+
+
 class GDNAttention(GatedDeltaNet):
     """A GatedDeltaNet in an attention module's place: forward(hidden_states, ...) returns
     (output, None) as the teacher's attention returns (output, weights). With a cache, the layer's
@@ -77,8 +95,8 @@ class GDNAttention(GatedDeltaNet):
         mask = self.padding.mask
         keep = None if mask is None else mask[:, -hidden_states.shape[1]:].bool()
         if keep is None or bool(keep.all()):
-            return super().forward(hidden_states, state), None
-        return self.forward_rows(hidden_states, keep, state), None
+            return AttentionOutput((super().forward(hidden_states, state), None))
+        return AttentionOutput((self.forward_rows(hidden_states, keep, state), None))
 
     def cached_state(self, cache: Cache, hidden_states: torch.Tensor):
         """This layer's GDN state in `cache` (created empty on the first call)."""
