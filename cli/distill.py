@@ -3,6 +3,7 @@ command; only rank 0 prints."""
 from __future__ import annotations
 
 import json
+import signal
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import List, Optional
@@ -68,6 +69,7 @@ def distill(
     from surgery.data.text import check_text_file
     from surgery.train import DistillConfig
     from surgery.train import distill as run_distill
+    from surgery.train.interrupt import Aborted, exit_code
 
     with guard(debug):
         given = {"stage": stage, "seq_len": seq_len, "global_batch": batch_size, "micro_batch": micro_batch, "warmup": warmup,
@@ -84,10 +86,19 @@ def distill(
             check_text_file(eval_text, "Evaluation text")
         if device is not None:
             parse_device(device)
-        result = run_distill(str(model), files, out_dir, config, teacher=teacher, resume=resume, force=force, device=device,
-                             dtype=weights_dtype, progress=not as_json)
+        try:
+            result = run_distill(str(model), files, out_dir, config, teacher=teacher, resume=resume, force=force, device=device,
+                                 dtype=weights_dtype, progress=not as_json)
+        except Aborted as exc:  # a second Ctrl-C: nothing more written
+            err.print(f"aborted by a second {exc}: no checkpoint written since the last one in {out_dir}; --resume continues from it")
+            raise typer.Exit(exit_code(exc.signum)) from None
+        except KeyboardInterrupt:  # before training began: there was nothing to keep
+            err.print(f"interrupted before training began: {out_dir} holds no new checkpoint")
+            raise typer.Exit(exit_code(signal.SIGINT)) from None
         if result["rank"] == 0:
             render(result, as_json)
+        if (result.get("stopped") or "").startswith("SIG"):  # a checkpoint was written: exit as the signal says (130, 143)
+            raise typer.Exit(exit_code(signal.Signals[result["stopped"]]))
 
 
 def settings(given: dict, counts: dict, lr, lr_rest, options) -> dict:
@@ -113,7 +124,7 @@ def render(result: dict, as_json: bool) -> None:
     if as_json:
         print(json.dumps(result))
         return
-    if result.get("stopped"):
+    if result.get("stopped") == "time_limit":  # (a signal's stop was noted by the trainer as it happened)
         err.print(f"stopped by --time-limit after {result['tokens']:,} tokens; run the same command with --resume to continue")
     rate = f"{result['tokens_per_s']:,.0f} tokens/s, {result['flops_per_s'] / 1e12:.3g} model TFLOP/s" if result["tokens_per_s"] else "nothing left to train"
     ppl = f", eval perplexity {result['eval_ppl']:.4g}" if result.get("eval_ppl") is not None else ""
