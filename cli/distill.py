@@ -11,6 +11,7 @@ from typing import List, Optional
 import typer
 
 from surgery.errors import SurgeryError
+from surgery.train.interrupt import Aborted, exit_code
 
 from .common import err, guard, out, parse_device, parse_dtype
 from .options import CompileOpt, DebugOpt
@@ -69,7 +70,6 @@ def distill(
     from surgery.data.text import check_text_file
     from surgery.train import DistillConfig
     from surgery.train import distill as run_distill
-    from surgery.train.interrupt import Aborted, exit_code
 
     with guard(debug):
         given = {"stage": stage, "seq_len": seq_len, "global_batch": batch_size, "micro_batch": micro_batch, "warmup": warmup,
@@ -86,19 +86,25 @@ def distill(
             check_text_file(eval_text, "Evaluation text")
         if device is not None:
             parse_device(device)
-        try:
-            result = run_distill(str(model), files, out_dir, config, teacher=teacher, resume=resume, force=force, device=device,
-                                 dtype=weights_dtype, progress=not as_json)
-        except Aborted as exc:  # a second Ctrl-C: nothing more written
-            err.print(f"aborted by a second {exc}: no checkpoint written since the last one in {out_dir}; --resume continues from it")
-            raise typer.Exit(exit_code(exc.signum)) from None
-        except KeyboardInterrupt:  # before training began: there was nothing to keep
-            err.print(f"interrupted before training began: {out_dir} holds no new checkpoint")
-            raise typer.Exit(exit_code(signal.SIGINT)) from None
+        result = interruptible(lambda: run_distill(str(model), files, out_dir, config, teacher=teacher, resume=resume, force=force,
+                                                   device=device, dtype=weights_dtype, progress=not as_json), out_dir)
         if result["rank"] == 0:
             render(result, as_json)
         if (result.get("stopped") or "").startswith("SIG"):  # a checkpoint was written: exit as the signal says (130, 143)
             raise typer.Exit(exit_code(signal.Signals[result["stopped"]]))
+
+
+def interruptible(run, out_dir) -> dict:
+    """run(); a second Ctrl-C (Aborted) or one before training began ends the command with a line
+    that says what was kept, and exit 130 (143 for SIGTERM)."""
+    try:
+        return run()
+    except Aborted as exc:  # a second signal: nothing more written
+        err.print(f"aborted by a second {exc}: no checkpoint written since the last one in {out_dir}; --resume continues from it")
+        raise typer.Exit(exit_code(exc.signum)) from None
+    except KeyboardInterrupt:  # before training began: there was nothing to keep
+        err.print(f"interrupted before training began: {out_dir} holds no new checkpoint")
+        raise typer.Exit(exit_code(signal.SIGINT)) from None
 
 
 def settings(given: dict, counts: dict, lr, lr_rest, options) -> dict:

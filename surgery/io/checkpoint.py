@@ -214,7 +214,7 @@ def load(path: str | Path, *, device=None, dtype: torch.dtype | None = None, ver
     from ..sites import find_sites
 
     path = Path(path)
-    recipe, state, tokenizer = read_one_version(path, lambda folder: read_files(path, folder, verify))
+    recipe, state, tokenizer = read_hybrid(path, verify)
     config = teacher_config(recipe)
     saved_dtype = getattr(torch, recipe["capture"].get("dtype", "float32"))  # one of recipes.DTYPES (checked)
     dtype = dtype or saved_dtype
@@ -241,9 +241,15 @@ def load(path: str | Path, *, device=None, dtype: torch.dtype | None = None, ver
     return graph
 
 
+def read_hybrid(path: str | Path, verify: bool = True) -> tuple:
+    """(recipe, weights, tokenizer or None) of the hybrid at `path`, all of one version of it
+    (surgery.io.pinned): a save that replaces `path` meanwhile is never mixed in."""
+    path = Path(path)
+    return read_one_version(path, lambda folder: read_files(path, folder, verify))
+
+
 def read_files(path: Path, folder: Path, verify: bool) -> tuple:
-    """(recipe, weights, tokenizer or None) of the hybrid at `path`, every file read from `folder`
-    (one version of it: surgery.io.pinned), so a concurrent save never mixes two versions."""
+    """read_hybrid's files, read from `folder` (a handle on one version of `path`, which messages name)."""
     recipe = read_recipe(path, folder)
     state = _load_weights(path, recipe, verify, folder)
     tokenizer = None

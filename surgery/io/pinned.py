@@ -37,10 +37,21 @@ def swapping(path: Path) -> bool:
     return any(path.parent.glob(f".{glob_escape(path.name)}.old-*"))
 
 
+def names(path: Path, fd: int) -> bool:
+    """Whether `path` still names the directory open as `fd` (not yet replaced: nothing of it deleted)."""
+    try:
+        now, mine = os.stat(path), os.fstat(fd)
+    except OSError:
+        return False
+    return (now.st_dev, now.st_ino) == (mine.st_dev, mine.st_ino)
+
+
 def read_one_version(path: str | os.PathLike, read: Callable[[Path], T]) -> T:
     """read(folder) with `folder` naming one version of the directory `path` throughout: either
-    the version there before a concurrent replace or the one after, never a mix. Errors of a
-    version that was not replaced meanwhile are read's own (a missing directory: read(path))."""
+    the version there before a concurrent replace or the one after, never a mix. A version still
+    at `path` after its file list was taken is complete (a writer deletes only what it replaced);
+    the read counts when that list is unchanged at the end. Errors of a version nobody replaced
+    are read's own (a missing directory: read(path) names it)."""
     path = Path(path)
     for attempt in range(TRIES):
         try:
@@ -54,13 +65,15 @@ def read_one_version(path: str | os.PathLike, read: Callable[[Path], T]) -> T:
             proc = Path(f"/proc/self/fd/{fd}")
             folder = proc if proc.is_dir() else path
             before = tree(folder)
+            if not names(path, fd):
+                continue  # replaced already: its deletion may have begun
             try:
                 result = read(folder)
             except Exception:
-                if attempt + 1 < TRIES and tree(folder) != before:
-                    continue  # the version was deleted while read: read the new one
+                if attempt + 1 < TRIES and (tree(folder) != before or not names(path, fd)):
+                    continue  # the version was replaced while read: read the new one
                 raise
-            if tree(folder) == before:  # nothing of this version was deleted while read
+            if tree(folder) == before:  # nothing of this (complete) version was deleted while read
                 return result
         finally:
             os.close(fd)

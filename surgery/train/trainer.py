@@ -110,6 +110,15 @@ def finished_result(job: Job) -> dict:
             "flops_per_s": None, "seconds": 0.0, "complete": True, "stopped": None}
 
 
+def stop_reason(place, interrupts: Interrupts, time_limit: float | None, started: float) -> str | None:
+    """"time_limit" once it has passed (every rank takes rank 0's answer), else the name of a signal
+    any rank caught (an all-reduce), else None: every rank stops at the same step."""
+    if time_limit and place.agree(time.perf_counter() - started >= time_limit):
+        return "time_limit"
+    signum = place.largest(interrupts.signum or 0)  # a rank other than this one may have caught it
+    return signal.Signals(signum).name if signum else None
+
+
 class Trainer:
     """Trains a Job's stages from where its state left off; on_step(record) runs after each step's
     checkpoint (if any) is written."""
@@ -211,7 +220,7 @@ class Trainer:
             self.job.run_dir.log(record)
         self.reporter.update(record, tokens)
         saving = c.save_every and before // c.save_every < tokens // c.save_every or final
-        stopped = None if final else self.stop_reason()
+        stopped = None if final else stop_reason(self.place, self.interrupts, c.time_limit, self.started)
         if saving or stopped:
             self.tally.last_path = self.save(done, index, stage_step + 1, optimizer, scheduler) or self.tally.last_path
         if self.on_step is not None:
@@ -247,14 +256,6 @@ class Trainer:
 
     def elapsed(self) -> float:
         return self.elapsed_before + (time.perf_counter() - self.started)
-
-    def stop_reason(self) -> str | None:
-        """"time_limit" once it has passed (every rank takes rank 0's answer), else the name of a
-        signal any rank caught (an all-reduce), else None: every rank stops at the same step."""
-        if self.config.time_limit and self.place.agree(time.perf_counter() - self.started >= self.config.time_limit):
-            return "time_limit"
-        signum = self.place.largest(self.interrupts.signum or 0)  # a rank other than this one may have caught it
-        return signal.Signals(signum).name if signum else None
 
     def result(self) -> dict:
         c, t = self.config, self.tally
