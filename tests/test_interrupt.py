@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -163,3 +164,52 @@ def test_sigterm_from_outside_stops_a_real_run_that_a_second_writer_cannot_join(
     assert steps == list(range(1, len(steps) + 1))  # one run's log, no step twice
     assert checkpoints(out) == [f"checkpoint-{steps[-1]:08d}"] and leftovers(out) == []
     assert f"SIGTERM: stopped after {steps[-1] * STEP:,} tokens (step {steps[-1]})" in stderr
+
+
+def children(pid: int) -> list[int]:
+    found = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            found += [int(x) for x in f.read().split()]
+    return found
+
+
+def rank_of(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            env = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
+    except OSError:
+        return None
+    return int(env[b"RANK"]) if b"RANK" in env else None
+
+
+def test_under_torchrun_a_signal_to_one_rank_stops_every_rank_at_the_same_step(setup, tmp_path):
+    """Two gloo processes; SIGTERM reaches rank 1 alone. The ranks agree on the stop step (an
+    all-reduce of the flag): rank 0 writes that step's checkpoint and both exit 143, none hangs."""
+    hybrid, train, _ = setup
+    out = tmp_path / "ddp"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(port),
+           "-m", "surgery.cli.app", "distill", "--model", hybrid, "--data", train, "--tokens", "10M", "--seq-len", L, "--batch-size", G,
+           "--stage", "kl", "--device", "cpu", "--out", out]
+    proc = subprocess.Popen([str(a) for a in cmd], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+    try:
+        began = time.perf_counter()
+        while not ((out / "log.jsonl").exists() and (out / "log.jsonl").read_text().count("\n") >= 1):
+            assert proc.poll() is None and time.perf_counter() - began < 180, "torchrun ended or is slow"
+            time.sleep(0.05)
+        rank1 = [pid for pid in children(proc.pid) if rank_of(pid) == 1]
+        assert len(rank1) == 1
+        os.kill(rank1[0], signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    steps = logged_steps(out)
+    assert steps == list(range(1, len(steps) + 1)), stderr[-3000:]
+    assert checkpoints(out) == [f"checkpoint-{steps[-1]:08d}"], stderr[-3000:]
+    assert f"SIGTERM: stopped after {steps[-1] * STEP:,} tokens (step {steps[-1]})" in stderr  # rank 0, which no signal reached
+    assert proc.returncode != 0 and "exitcode  : 143" in stderr, stderr[-3000:]  # torchrun reports its workers

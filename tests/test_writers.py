@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -92,7 +93,7 @@ def test_a_second_writer_of_one_out_is_refused_at_once_by_the_holders_pid(hybrid
     assert (out / "recipe.json").exists() and not lock_file(out).exists()
 
 
-def test_the_lock_is_reentrant_in_one_process_and_spelled_paths_share_it(hybrid, tmp_path):
+def test_the_lock_is_reentrant_in_one_thread_and_spelled_paths_share_it(hybrid, tmp_path):
     graph, _ = hybrid
     out = tmp_path / "a" / "out"
     with output_lock(out):
@@ -102,6 +103,11 @@ def test_the_lock_is_reentrant_in_one_process_and_spelled_paths_share_it(hybrid,
         other = subprocess.run([sys.executable, "-c", HOLDER, str(out), "hold"], stdin=subprocess.DEVNULL, capture_output=True,
                                text=True, env=ENV, timeout=60)
         assert other.returncode != 0 and "OutputBusyError" in other.stderr and f"PID {os.getpid()}:" in other.stderr, other.stderr[-2000:]
+        failed = []
+        thread = threading.Thread(target=lambda: failed.append(pytest.raises(OutputBusyError, surgery.save, graph, out)))
+        thread.start()
+        thread.join(timeout=30)
+        assert failed and "another thread of this process" in str(failed[0].value)  # another thread is another writer
     assert not lock_file(out).exists()
 
 

@@ -6,7 +6,8 @@ their whole run; a second writer is refused at once, by the PID and command writ
 The kernel drops a flock when its process dies, so a lock file a killed process left behind is
 simply taken over. Only the holder deletes the file, while holding it; whoever locks a file checks
 that it is still the one at the path (else it retries), so a deleted file is never locked twice.
-Within one process the lock is re-entrant (the CLI takes it, then the library function again)."""
+Within one thread the lock is re-entrant (the CLI takes it, then the library function again);
+another thread of the same process is refused like another process."""
 from __future__ import annotations
 
 import contextlib
@@ -32,6 +33,7 @@ TRIES = 50  # a lock file deleted between our open and our flock: open the new o
 class Held:
     fd: int
     depth: int
+    thread: int  # the thread that holds it: another thread of this process is a second writer too
 
 
 HELD: dict[str, Held] = {}  # lock file -> this process's hold on it
@@ -90,17 +92,21 @@ def open_locked(path: Path, out: Path) -> int:
 
 
 def acquire(out: str | os.PathLike) -> Path:
-    """Take (or, in this process, take again) the lock of `out`; OutputBusyError when another process holds it."""
+    """Take (or, in this thread, take again) the lock of `out`; OutputBusyError when another process
+    or thread holds it."""
     path = lock_file(out)
     key = str(path)
     with GUARD:
-        if key in HELD:
+        if key in HELD and HELD[key].thread == threading.get_ident():
             HELD[key].depth += 1
             return path
+        if key in HELD:
+            raise OutputBusyError(f"'{out}' is being written by another thread of this process (PID {os.getpid()}).",
+                                  "Write each output from one thread at a time, or choose another output.")
         fd = open_locked(path, Path(out))
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps({"pid": os.getpid(), "command": this_command()}).encode("utf-8"), 0)
-        HELD[key] = Held(fd, 1)
+        HELD[key] = Held(fd, 1, threading.get_ident())
     return path
 
 
