@@ -68,15 +68,22 @@ SCRIPT = textwrap.dedent("""
 
 @pytest.fixture(scope="module")
 def setup(stories, tmp_path_factory):
-    """A saved stories260K hybrid, training text, and the uninterrupted run (in this process)."""
+    """A saved stories260K hybrid and training text."""
     folder = tmp_path_factory.mktemp("interrupt")
     graph = stories()
     PassManager(["select", "replace"], {"select": {"keep_ratio": 0.5}})(graph)
     hybrid = surgery.save(graph, folder / "hybrid")
     (folder / "train.txt").write_text(TEXT)
-    reference = folder / "reference"
-    distill(str(hybrid), [folder / "train.txt"], reference, config(), progress=False)
-    return hybrid, folder / "train.txt", reference
+    return hybrid, folder / "train.txt"
+
+
+@pytest.fixture(scope="module")
+def reference(setup, tmp_path_factory):
+    """The uninterrupted run (in this process)."""
+    hybrid, train = setup
+    out = tmp_path_factory.mktemp("reference") / "run"
+    distill(str(hybrid), [train], out, config(), progress=False)
+    return out
 
 
 def config() -> DistillConfig:
@@ -107,8 +114,8 @@ def leftovers(out) -> list[str]:
 
 
 @pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
-def test_a_signal_finishes_the_step_writes_a_checkpoint_and_resume_repeats_the_run(setup, tmp_path, sig):
-    hybrid, train, reference = setup
+def test_a_signal_finishes_the_step_writes_a_checkpoint_and_resume_repeats_the_run(setup, reference, tmp_path, sig):
+    hybrid, train = setup
     out = tmp_path / "run"
     proc = run_script("signal-in-step", 3, sig, "--model", hybrid, "--data", train, *ARGS, "--out", out)
     assert proc.returncode == 128 + getattr(signal, sig), proc.stderr[-3000:]
@@ -125,7 +132,7 @@ def test_a_signal_finishes_the_step_writes_a_checkpoint_and_resume_repeats_the_r
 
 
 def test_a_second_signal_aborts_without_a_half_written_checkpoint(setup, tmp_path):
-    hybrid, train, _ = setup
+    hybrid, train = setup
     out = tmp_path / "run"
     proc = run_script("abort-in-save", 2, "--model", hybrid, "--data", train, *ARGS, "--save-every", 2 * STEP, "--out", out)
     assert proc.returncode == 130, proc.stderr[-3000:]
@@ -140,7 +147,7 @@ def test_a_second_signal_aborts_without_a_half_written_checkpoint(setup, tmp_pat
 def test_sigterm_from_outside_stops_a_real_run_that_a_second_writer_cannot_join(setup, tmp_path):
     """`surgery distill` as a user starts it, stopped by SIGTERM from another process; while it runs,
     a second distill of its --out is refused naming its PID (before any model loads)."""
-    hybrid, train, _ = setup
+    hybrid, train = setup
     out = tmp_path / "run"
     args = ["--model", hybrid, "--data", train, "--tokens", "10M", "--seq-len", L, "--batch-size", G, "--stage", "kl",
             "--device", "cpu", "--out", out]
@@ -186,7 +193,7 @@ def rank_of(pid: int) -> int | None:
 def test_under_torchrun_a_signal_to_one_rank_stops_every_rank_at_the_same_step(setup, tmp_path):
     """Two gloo processes; SIGTERM reaches rank 1 alone. The ranks agree on the stop step (an
     all-reduce of the flag): rank 0 writes that step's checkpoint and both exit 143, none hangs."""
-    hybrid, train, _ = setup
+    hybrid, train = setup
     out = tmp_path / "ddp"
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

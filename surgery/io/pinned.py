@@ -4,7 +4,10 @@ save replaces a hybrid by renames (the old directory moved aside, the new one re
 one deleted), so a reader that opens DIR/recipe.json and later DIR/model.safetensors by name could
 take them from two versions. A reader here opens the directory once and reads every file through
 that handle (/proc/self/fd/N on Linux: lookups follow the directory it opened, wherever it was
-renamed); when the version it reads is deleted under it, it reads the new one from the start."""
+renamed); when the version it reads is deleted under it, it reads the new one from the start.
+A writer that replaced the directory again and again, faster than one read takes, would starve a
+reader: it gets a named error after TRIES versions. Without /proc the files are read by name,
+under the same checks."""
 from __future__ import annotations
 
 import os
