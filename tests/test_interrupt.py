@@ -91,7 +91,7 @@ def config() -> DistillConfig:
     return DistillConfig(tokens=STEPS * STEP, seq_len=L, global_batch=G, stage="kl")
 
 
-def run_script(mode: str, n: int, *args, timeout=120) -> subprocess.CompletedProcess:
+def run_script(mode: str, n: int, *args, timeout=600) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", SCRIPT, mode, str(n), *map(str, args)], capture_output=True, text=True,
                           env=ENV, timeout=timeout)
 
@@ -156,12 +156,12 @@ def test_sigterm_from_outside_stops_a_real_run_that_a_second_writer_cannot_join(
     try:
         began = time.perf_counter()
         while not ((out / "log.jsonl").exists() and (out / "log.jsonl").read_text().count("\n") >= 1):
-            assert proc.poll() is None and time.perf_counter() - began < 90, proc.stderr.read() if proc.poll() is not None else "slow"
+            assert proc.poll() is None and time.perf_counter() - began < 400, proc.stderr.read() if proc.poll() is not None else "slow"
             time.sleep(0.05)
         second = invoke(CliRunner(), "distill", *args[:-2], "--seed", 2, "--out", out)
         assert_clean_failure(second, f"'{out}' is being written by another process (PID {proc.pid}:", "distill")
         proc.send_signal(signal.SIGTERM)
-        _, stderr = proc.communicate(timeout=60)
+        _, stderr = proc.communicate(timeout=300)
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -205,12 +205,12 @@ def test_under_torchrun_a_signal_to_one_rank_stops_every_rank_at_the_same_step(s
     try:
         began = time.perf_counter()
         while not ((out / "log.jsonl").exists() and (out / "log.jsonl").read_text().count("\n") >= 1):
-            assert proc.poll() is None and time.perf_counter() - began < 180, "torchrun ended or is slow"
+            assert proc.poll() is None and time.perf_counter() - began < 400, "torchrun ended or is slow"
             time.sleep(0.05)
         rank1 = [pid for pid in children(proc.pid) if rank_of(pid) == 1]
         assert len(rank1) == 1
         os.kill(rank1[0], signal.SIGTERM)
-        _, stderr = proc.communicate(timeout=120)
+        _, stderr = proc.communicate(timeout=300)
     finally:
         if proc.poll() is None:
             proc.kill()
