@@ -4,7 +4,8 @@
   (b) the window study: which layers to convert when 15 of 18 layers have a 512-token sliding window,
       at equal KV-cache bytes at 32k tokens (local-only, global-only, uniform, ar; Phase 1+2), with the
       cache each variant keeps;
-  (c) a decode check (incremental vs full logits) and greedy generation of the Phase 1+2 hybrid.
+  (c) a decode check (incremental vs full logits) and greedy generation of the Phase 1+2 hybrid;
+  (d) each Phase 1+2 hybrid saved and scored through `surgery eval` (the user's path) beside (a)'s figure.
 Prints a table per part and writes everything as JSON (after every part: a run cut short keeps it).
 
 Each row type (ablation.ROWS) converts every layer it may need ONCE (select policy convert, then its
@@ -59,6 +60,7 @@ import inspect
 import json
 import os
 import sys
+import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -68,7 +70,8 @@ import torch  # noqa: E402
 import surgery  # noqa: E402
 from bench.ablation import ROWS, sync  # noqa: E402
 from bench.decode_check import compare  # noqa: E402
-from surgery import PassManager, capture  # noqa: E402
+from bench.through_save import cli  # noqa: E402
+from surgery import PassManager, capture, save  # noqa: E402
 from surgery.core.bos import lead_ids, lead_windows, leading_token, text_length  # noqa: E402
 from surgery.data.text import read_text, tokenize  # noqa: E402
 from surgery.decode import Decoder, generate  # noqa: E402
@@ -169,6 +172,7 @@ def hybrid(teacher, full, layers: list[int]):
     record = full.meta["replace"]
     graph.meta["replace"] = record | {"layers": layers, "modules": {str(l): record["modules"][str(l)] for l in layers}}
     graph.meta["select"] = LayerSelection("convert", layers, [i for i in range(teacher.num_layers) if i not in layers])
+    graph.history = list(full.history)  # what save's recipe replays: the structural passes that made it
     return graph
 
 
@@ -345,6 +349,25 @@ def decode_section(b: Bench, full, chosen: dict) -> None:
     b.save()
 
 
+def through_save(b: Bench, full, chosen: dict) -> None:
+    """Part (d): each Phase 1+2 hybrid of the ablation saved with surgery.save and scored by
+    `surgery eval` (the path a user takes), beside its in-memory WikiText-2 figure (issue 27: within 0.5%)."""
+    a, rows = b.args, []
+    in_memory = {r["selection"]: r for r in b.results["ablation"] if r["row"] == "phase1+2"}
+    with tempfile.TemporaryDirectory(prefix="gemma_saved.") as work:
+        for name in ("uniform", "ar"):
+            folder = os.path.join(work, name)
+            save(hybrid(b.teacher, full, chosen[name]), folder)
+            got = cli("eval", "--model", folder, "--text", a.eval, "--chunk", str(a.chunk), "--batch-size", str(a.batch_size),
+                      "--dtype", str(b.teacher.dtype).removeprefix("torch."), "--json")
+            ref = in_memory[name]["wikitext2"]
+            rows.append({"selection": name, "in_memory": ref, "through_save": got["perplexity"], "tokens": got["tokens"],
+                         "gap": got["perplexity"] / ref - 1})
+            print(json.dumps(rows[-1]), flush=True)
+    b.results["through_save"] = rows
+    b.save()
+
+
 def timed(b: Bench, part: str, run):
     start = time.perf_counter()
     got = run()
@@ -359,6 +382,8 @@ def main() -> None:
     full = timed(b, "ablation", lambda: ablation(b, chosen))
     timed(b, "window_study", lambda: window_study(b, full, chosen))
     timed(b, "decode", lambda: decode_section(b, full, chosen))
+    if not b.args.max_eval_tokens:  # `surgery eval` scores the whole file
+        timed(b, "through_save", lambda: through_save(b, full, chosen))
     b.results["seconds"]["total"] = sum(v for k, v in b.results["seconds"].items() if k != "ar_select")
     b.save()
     print(json.dumps(b.results["seconds"]))

@@ -12,7 +12,7 @@ from rich.table import Table
 from surgery.errors import SurgeryError
 from surgery.io import open_model
 
-from .common import err, guard, model_inputs, more_files, out, placement
+from .common import check_device_fits, err, guard, model_inputs, more_files, out, placement
 from .distill import distill as distill_command
 from .export import export as export_command
 from .generate import generate as generate_command
@@ -26,6 +26,7 @@ def inspect(model: str = ModelOpt, as_json: bool = typer.Option(False, "--json",
             device: Optional[str] = DeviceOpt, dtype: Optional[str] = DtypeOpt):
     """Show the attention sites found in the model's graph."""
     with guard(debug):
+        model_inputs(model)
         dev, dt = placement(device or "cpu", dtype)
         graph = open_model(model, device=dev, dtype=dt, debug=debug)
         rows = [s.summary() | {"now": k} for s, k in zip(graph.sites, graph.layer_kinds)]
@@ -150,8 +151,10 @@ def apply(
         manager.validate()
         for file in calibration or []:
             check_text_file(file, "Calibration file")
-        check_replaceable(out_dir, force=force, inputs=[model, *model_inputs(model), *(calibration or [])])
+        paths = model_inputs(model)
+        check_replaceable(out_dir, force=force, inputs=[model, *paths, *(calibration or [])])
         dev, dt = placement(device, dtype)
+        check_device_fits(paths[0], dev, dt)
         err.print(f"loading and capturing {model} on {dev} ({str(dt).removeprefix('torch.')})")
         graph = capture(model, device=dev, dtype=dt, debug=debug)
         err.print(f"found {graph.num_layers} attention layers")
@@ -222,10 +225,11 @@ def evaluate(model: str = ModelOpt,
 
     with guard(debug):
         length_list = check_eval_options(task, text, lengths, chunk=chunk, batch_size=batch_size, depths=depths, trials=trials)
-        model_inputs(model)
+        paths = model_inputs(model)
         if task == "lm-eval":
             return lm_eval_task(model, tasks, limit, device, dtype, batch_size, as_json)
         dev, dt = placement(device, dtype)
+        check_device_fits(paths[0], dev, dt)
         graph = open_model(model, device=dev, dtype=dt, debug=debug)
         if task == "passkey":
             from surgery.eval.passkey import passkey

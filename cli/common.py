@@ -86,10 +86,14 @@ def placement(device: Optional[str], dtype: Optional[str]):
 
 
 def model_inputs(source: str) -> list:
-    """The path a --model names (a short name resolved), checked to exist before anything loads."""
+    """The path a --model names (a short name resolved), checked to exist before anything loads; a
+    model directory's config.json is checked too (its numbers, and that the model fits in memory)."""
     from surgery.core.load import resolve
+    from surgery.io.config_check import check_model_dir
 
-    return [resolve(source)]
+    path = resolve(source)
+    check_model_dir(path)
+    return [path]
 
 
 def more_files(given, more, option: str) -> list | None:
@@ -98,3 +102,11 @@ def more_files(given, more, option: str) -> list | None:
     if more and not given:
         raise SurgeryError(f"Unexpected argument(s): {', '.join(map(str, more))}.", f"Give them after {option} (e.g. {option} a.txt b.txt).")
     return [*(given or []), *(more or [])] or None
+
+
+def check_device_fits(path, dev, dt) -> None:
+    """On an accelerator: the model at `path` fits its free memory in `dt`, before it loads."""
+    if dev.type == "cuda":
+        from surgery.io.config_check import check_fits_on
+
+        check_fits_on(path, dev, dt)

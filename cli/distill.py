@@ -78,6 +78,7 @@ def distill(
         counts = {"l2_tokens": (l2_tokens, "--l2-tokens"), "eval_every": (eval_every, "--eval-every"),
                   "eval_tokens": (eval_tokens, "--eval-tokens"), "save_every": (save_every, "--save-every")}
         config = DistillConfig.from_dict(settings(given, counts, lr, lr_rest, options))
+        check_seq_len(config.seq_len, model, teacher)
         weights_dtype = parse_dtype(dtype) if dtype is not None else None
         files = [str(p) for p in [*data, *(more_data or [])]]
         for path in check_files(files):  # before any model loads: a typo or a binary file costs seconds
@@ -105,6 +106,17 @@ def interruptible(run, out_dir) -> dict:
     except KeyboardInterrupt:  # before training began: there was nothing to keep
         err.print(f"interrupted before training began: {out_dir} holds no new checkpoint")
         raise typer.Exit(exit_code(signal.SIGINT)) from None
+
+
+def check_seq_len(seq_len: int, model, teacher) -> None:
+    """--seq-len within the position limit the model's (and a given teacher's) files state, before
+    either loads (surgery.train checks the loaded graphs again)."""
+    from surgery.io.limits import position_limit
+
+    for who, source in (("model", model), ("teacher", teacher)):
+        limit = position_limit(source) if source is not None else None
+        if limit is not None and seq_len > limit:
+            raise SurgeryError(f"--seq-len {seq_len} exceeds what the {who} '{source}' takes ({limit} positions).", f"Use --seq-len {limit} or less.")
 
 
 def settings(given: dict, counts: dict, lr, lr_rest, options) -> dict:

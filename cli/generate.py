@@ -4,6 +4,7 @@ stdout carries the continuations and nothing else (one per prompt, each ended by
 token by token), so the command can be piped; loading messages and errors go to stderr."""
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 from typing import List, Optional
@@ -12,7 +13,7 @@ import typer
 
 from surgery.errors import SurgeryError
 
-from .common import err, guard, model_inputs, more_files, placement
+from .common import check_device_fits, err, guard, model_inputs, more_files, placement
 from .options import CompileOpt, DebugOpt, DeviceOpt, DtypeOpt, ModelOpt
 
 CONTEXT_TOKENS = 8  # prompt tokens decoded with the continuation, so a leading space survives detokenisation
@@ -75,6 +76,17 @@ def read_prompts(prompt: Optional[List[str]], prompt_file: Optional[Path]) -> li
     return prompts
 
 
+def check_room(path, max_new_tokens: int) -> None:
+    """Before the model loads: a prompt of one token plus --max-new-tokens fits the position limit
+    the model's files state (after the load every prompt is checked with its real length)."""
+    from surgery.io.limits import position_limit
+
+    limit = position_limit(path)
+    if limit is not None and max_new_tokens + 1 > limit:
+        raise SurgeryError(f"--max-new-tokens {max_new_tokens} leaves no room for a prompt: this model takes at most {limit} positions (prompt and continuation).",
+                           f"Pass --max-new-tokens {limit - 1} or fewer (less the prompt's length).")
+
+
 def generate(
     model: str = ModelOpt,
     prompt: Optional[List[str]] = typer.Option(None, "--prompt", "-p", help="Prompt text: --prompt 'a' 'b' (or repeat the flag): one continuation per prompt."),
@@ -98,9 +110,14 @@ def generate(
         prompts = read_prompts(more_files(prompt, more_prompts, "--prompt"), prompt_file)
         if max_new_tokens < 1:
             raise SurgeryError(f"--max-new-tokens must be at least 1, got {max_new_tokens}.", "Pass e.g. --max-new-tokens 64.")
+        for option, value in (("--temperature", temperature), ("--top-p", top_p)):
+            if value is not None and not math.isfinite(value):  # NaN passes every `< 0` check below
+                raise SurgeryError(f"{option} {value} is not a finite number.", f"Pass e.g. {option} {0.8 if option == '--temperature' else 0.9}.")
         check_sampling(temperature, top_k, top_p)  # before the model loads
-        model_inputs(model)
+        path = model_inputs(model)[0]
+        check_room(path, max_new_tokens)
         dev, dt = placement(device, dtype)
+        check_device_fits(path, dev, dt)
         err.print(f"loading {model} on {dev} ({str(dt).removeprefix('torch.')})")
         graph = open_model(model, device=dev, dtype=dt, debug=debug)
         tokenizer = graph.tokenizer

@@ -15,7 +15,7 @@ from tcal.phase2 import AlignOptions, align_layers
 from tcal.schedule import SCHEDULES
 
 from .calibrate import require_finite
-from .teacher_data import TeacherDataConfig, teacher_data
+from .teacher_data import TeacherDataConfig, check_text, teacher_data
 
 
 @dataclass
@@ -44,6 +44,9 @@ class Align(Pass):
     config_cls = AlignConfig
     runs_after = ("replace",)
     not_after = ("align",)
+
+    def preflight(self, graph: Graph) -> None:
+        check_text(graph, self.config)
 
     def run(self, graph: Graph) -> PassResult:
         start = time.perf_counter()

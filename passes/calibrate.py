@@ -13,7 +13,7 @@ from surgery.core.graph import Graph
 from surgery.core.pipeline import Pass, PassResult, register
 from tcal.phase1 import CONCENTRATION, GATES, Phase1Options, calibrate_layer
 
-from .teacher_data import TeacherDataConfig, teacher_data
+from .teacher_data import TeacherDataConfig, check_text, teacher_data
 
 
 @dataclass
@@ -36,6 +36,9 @@ class Calibrate(Pass):
     config_cls = CalibrateConfig
     runs_after = ("replace",)
     not_after = ("align", "calibrate")
+
+    def preflight(self, graph: Graph) -> None:
+        check_text(graph, self.config)
 
     def run(self, graph: Graph) -> PassResult:
         start = time.perf_counter()

@@ -37,7 +37,7 @@ from surgery.data.windows import held_out_windows, window_spans, windows
 from surgery.errors import PassConfigError
 from surgery.eval.ablation import keep_one_scores, removal_scores
 
-from .teacher_data import TeacherDataConfig
+from .teacher_data import TeacherDataConfig, check_text
 from .align import AlignConfig
 from .kv_budget import GLOBAL, WINDOW, kv_report, layer_kinds, layer_windows
 from .calibrate import CalibrateConfig
@@ -186,6 +186,10 @@ class Select(Pass):
         if c.init is None and "replace" in names:
             updates["init"] = [n for n in names if n in DEFAULT_INIT]
         self.config = self.config_cls.from_dict(c.to_dict() | updates)
+
+    def preflight(self, graph: Graph) -> None:
+        if self.config.policy in SCORED:
+            check_text(graph, self.config)
 
     def check(self, graph: Graph) -> None:
         if not graph.sites:

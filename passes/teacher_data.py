@@ -34,6 +34,12 @@ class TeacherDataConfig(PassConfig):
             raise PassConfigError("length must be >= 2 tokens.", "Use e.g. 256.")
 
 
+def check_text(graph, config: TeacherDataConfig) -> None:
+    """The calibration text holds at least one window's tokens (a pass's preflight: before any pass
+    changes the graph; the tokens are cached, so the pass reads them again at no cost)."""
+    calibration_ids(graph, config.calibration, 1, config.length, config.seed)
+
+
 def teacher_data(graph, config: TeacherDataConfig):
     """Per converted layer: the teacher's attention inputs, outputs, contexts and statistics,
     cached on the graph so calibrate and align read the teacher once (an entry for more layers on

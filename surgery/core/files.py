@@ -25,4 +25,4 @@ def write_atomic(path: Path, text: str) -> None:
 
 
 def write_json_atomic(path: Path, data) -> None:
-    write_atomic(path, json.dumps(data, indent=1))
+    write_atomic(path, json.dumps(data, indent=1, allow_nan=False))  # JSON has no NaN or Infinity

@@ -4,6 +4,7 @@ with torchao's name -> config -> handler registry)."""
 from __future__ import annotations
 
 import dataclasses
+import math
 import typing
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -12,9 +13,41 @@ from ..errors import PassConfigError, PassFailedError, PassOrderError, SurgeryEr
 from .graph import Graph
 
 
+INT_LIMIT = 1 << 63  # a count past int64 overflows the first tensor or range it sizes (torch's integers)
+
+
+def bad_number(value, path: str = ""):
+    """(path, value) of the first number in `value` (through lists, tuples and dicts) that is NaN,
+    ±inf or an integer past int64, or None. Such a value passes every `x < 0` check and is never what
+    a user meant: NaN learning rates train nothing, 1e30 tokens never end."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, float) and not math.isfinite(value):
+        return path, value
+    if isinstance(value, int) and not -INT_LIMIT < value < INT_LIMIT:
+        return path, value
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, (list, tuple)) else ()
+    for key, item in items:
+        found = bad_number(item, f"{path}[{key!r}]" if isinstance(value, dict) else f"{path}[{key}]")
+        if found is not None:
+            return found
+    return None
+
+
 @dataclass
 class PassConfig:
-    """Base of every pass config: a dataclass that validates itself and round-trips through JSON."""
+    """Base of every pass config: a dataclass that validates itself and round-trips through JSON.
+
+    Every number is checked once, here, when a config is made (from --set, a recipe or Python):
+    finite and within int64; each subclass's validate() then checks its own ranges."""
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            found = bad_number(getattr(self, f.name))
+            if found is not None:
+                path, value = found
+                what = "is not a finite number" if isinstance(value, float) else f"is out of range (at most {INT_LIMIT - 1:,})"
+                raise PassConfigError(f"{type(self).__name__}.{f.name}{path} = {value!r} {what}.", "Give a finite number in the option's range.")
 
     def validate(self) -> None:
         """Raise PassConfigError naming the bad field; subclasses extend."""
@@ -116,6 +149,11 @@ class Pass:
         """Called by PassManager with the whole pipeline before anything runs: a pass whose work
         depends on the options of the passes around it (select's greedy probes) reads them here."""
 
+    def preflight(self, graph: Graph) -> None:
+        """What can be checked on the graph as it is before the pipeline's first pass runs (the
+        text a later pass reads): PassManager calls it for every pass first, so too little
+        calibration text fails in seconds, not after the layers were replaced."""
+
     def check(self, graph: Graph) -> None:
         """Everything that can be checked before mutating; raise a SurgeryError on failure."""
 
@@ -213,20 +251,27 @@ class PassManager:
 
     def __call__(self, graph: Graph, progress=None) -> PassResult:
         self.validate([h["pass"] for h in graph.history])
+        for p in self.passes:
+            named(p, graph, p.preflight)
         modified, info = False, {}
         for p in self.passes:
-            before = ", ".join(h["pass"] for h in graph.history) or "nothing"
-            try:
-                result = p(graph)
-            except SurgeryError as exc:
-                raise type(exc)(f"Pass '{p.name}' failed (after: {before}). {exc.problem}", exc.fix) from exc
-            except Exception as exc:
-                raise PassFailedError(f"Pass '{p.name}' failed (after: {before}): {type(exc).__name__}: {exc}", "Run with --debug for the trace.") from exc
+            result = named(p, graph, p)
             modified |= result.modified
             info[p.name] = result.info
             if progress is not None:
                 progress(p.name, result)
         return PassResult(graph, modified, info)
+
+
+def named(p: Pass, graph: Graph, step):
+    """step(graph), its errors naming the pass and what ran on the graph before it."""
+    before = ", ".join(h["pass"] for h in graph.history) or "nothing"
+    try:
+        return step(graph)
+    except SurgeryError as exc:
+        raise type(exc)(f"Pass '{p.name}' failed (after: {before}). {exc.problem}", exc.fix) from exc
+    except Exception as exc:
+        raise PassFailedError(f"Pass '{p.name}' failed (after: {before}): {type(exc).__name__}: {exc}", "Run with --debug for the trace.") from exc
 
 
 def parse_options(items, into: dict | None = None) -> dict:

@@ -16,6 +16,7 @@ from ..core.files import sha256_file as file_digest
 from ..errors import DataError
 from ..core.bos import lead_windows, text_length
 from .cache import FORMAT, file_tokens, token_dtype, tokenizer_fingerprint
+from .text import require_file
 
 
 def check_files(files) -> list[Path]:
@@ -23,9 +24,11 @@ def check_files(files) -> list[Path]:
     paths = [Path(f) for f in files]
     if not paths:
         raise DataError("No training data was given.", "Pass one or more text files with --data.")
-    missing = [str(p) for p in paths if not p.is_file()]
+    missing = [str(p) for p in paths if not p.exists()]  # what is there but no regular file: data.text names it
     if missing:
         raise DataError(f"Training data file(s) not found: {', '.join(missing)}.", "Check the paths given to --data.")
+    for path in paths:
+        require_file(path)
     return paths
 
 

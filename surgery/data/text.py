@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import lzma
+import os
+import stat
 from pathlib import Path
 
 import torch
@@ -16,8 +18,22 @@ def require_file(path: str | Path) -> Path:
     """The path of a text input that exists, or the error every reader gives for one that does not."""
     path = Path(path)
     if not path.is_file():
+        if path.exists():
+            raise SurgeryError(f"Text file '{path}' is {special_kind(path)}, not a regular file.", "Pass a text file.")
         raise SurgeryError(f"Text file '{path}' does not exist.", "Check the path.")
     return path
+
+
+def special_kind(path: Path) -> str | None:
+    """What a path that exists but is no regular file is ('a named pipe (FIFO)', ...), else None.
+    Opening a FIFO blocks until a writer comes, a character device may never end: text inputs are
+    regular files only (checked with stat, which opens nothing)."""
+    mode = os.stat(path).st_mode
+    if stat.S_ISREG(mode):
+        return None
+    kinds = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a named pipe (FIFO)"), (stat.S_ISCHR, "a character device"),
+             (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+    return next((name for test, name in kinds if test(mode)), "a special file")
 
 
 def require_tokenizer(tokenizer):
@@ -71,8 +87,9 @@ def check_text_file(path: str | Path, what: str = "Text file") -> Path:
     path = Path(path)
     if not path.exists():
         raise DataError(f"{what} '{path}' does not exist.", "Check the path.")
-    if path.is_dir():
-        raise DataError(f"{what} '{path}' is a directory.", "Pass a text file.")
+    kind = special_kind(path)
+    if kind is not None:
+        raise DataError(f"{what} '{path}' is {kind}, not a regular file.", "Pass a text file (a pipe or device cannot be read twice, and may never end).")
     opener = lzma.open if path.suffix == ".xz" else open
     try:
         with opener(path, "rb") as f:
@@ -85,4 +102,16 @@ def check_text_file(path: str | Path, what: str = "Text file") -> Path:
         codecs.getincrementaldecoder("utf-8")().decode(block, final=len(block) < TEXT_PROBE_BYTES)
     except UnicodeDecodeError as exc:
         raise DataError(f"{what} '{path}' is not UTF-8 text (byte {exc.start} cannot be decoded).", "Pass a UTF-8 text file (or a .xz of one).") from exc
+    require_words(path, what, block)
     return path
+
+
+def require_words(path: Path, what: str, probe: bytes) -> None:
+    """Refuse a text input with nothing but whitespace in it (or nothing at all): no model should
+    load for it. `probe` is the file's first block; the rest is read only while it is all blank."""
+    if probe.strip():
+        return
+    if len(probe) == TEXT_PROBE_BYTES and any(block.strip() for block in text_blocks(path)):
+        return
+    kind = "is empty" if not probe else "holds only whitespace"
+    raise DataError(f"{what} '{path}' {kind}.", "Pass a file with some text in it.")

@@ -20,8 +20,9 @@ from ..core.files import sha256_file
 from ..core.graph import Graph
 from ..errors import CheckpointError, SurgeryError, first_line
 from . import recipe as recipes
-from .pinned import read_one_version
+from .json_safe import read_json
 from .lock import holds_output
+from .pinned import read_one_version
 from .outdir import EXTRA_FILES, check_replaceable, clean_stale_staging, describe_os_error, hybrid_leftovers, staging_prefix
 
 DEFAULT_SHARD_BYTES = 2 * 1024**3
@@ -98,7 +99,7 @@ def write_hybrid(graph: Graph, folder: Path, shard_bytes: int = DEFAULT_SHARD_BY
     state, aliases = unique_state(graph.gm)
     files = write_weights(state, folder, shard_bytes)
     weights = {"files": files, "aliases": aliases, "tensors": len(state)}
-    (folder / "recipe.json").write_text(json.dumps(recipes.build(graph, weights), indent=1))
+    (folder / "recipe.json").write_text(json.dumps(recipes.build(graph, weights), indent=1, allow_nan=False))
     if graph.tokenizer is not None:
         graph.tokenizer.save_pretrained(folder / "tokenizer")
 
@@ -165,12 +166,7 @@ def read_recipe(path: str | Path, folder: Path | None = None) -> dict:
     file, shown = Path(folder or path) / "recipe.json", path / "recipe.json"
     if not file.exists():
         raise CheckpointError(f"'{path}' has no recipe.json.", "Point at a directory written by `surgery apply --out`.")
-    try:
-        recipe = json.loads(file.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as exc:
-        raise CheckpointError(f"'{shown}' is not valid JSON ({exc.msg} at line {exc.lineno}).", "The checkpoint is corrupt; write it again.") from exc
-    except UnicodeDecodeError as exc:
-        raise CheckpointError(f"'{shown}' is not text (byte {exc.start} is not UTF-8).", "The checkpoint is corrupt; write it again.") from exc
+    recipe = read_json(file, CheckpointError, "The checkpoint is corrupt; write it again.", name=shown)
     recipes.check(recipe, str(path))
     return recipe
 

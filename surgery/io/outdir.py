@@ -7,7 +7,6 @@ naming the files. The checks run before any work, so a bad --out costs seconds, 
 from __future__ import annotations
 
 import errno
-import json
 import os
 import re
 import shutil
@@ -15,7 +14,8 @@ import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, SurgeryError
+from .json_safe import read_json
 
 KINDS = ("hybrid", "run")
 EXTRA_FILES = "extra_files"  # the recipe.json key listing what save's `extra` added
@@ -58,8 +58,8 @@ def is_temporary(name: str, *kinds: re.Pattern) -> bool:
 def recorded_extra_files(folder: Path) -> set[str]:
     """The names save's `extra` wrote into this hybrid, as its recipe.json lists them."""
     try:
-        listed = json.loads((folder / "recipe.json").read_text(encoding="utf-8")).get(EXTRA_FILES, [])
-    except (OSError, ValueError, AttributeError):
+        listed = read_json(folder / "recipe.json").get(EXTRA_FILES, [])
+    except (SurgeryError, AttributeError):
         return set()
     return {name for name in listed if isinstance(name, str) and "/" not in name} if isinstance(listed, list) else set()
 
@@ -108,14 +108,14 @@ def foreign_entries(out: Path, kinds: Iterable[str] = KINDS) -> list[str]:
 def inputs_inside(out: Path, inputs: Iterable) -> list[str]:
     """The inputs that are `out` or lie inside it (paths compared resolved; non-paths ignored)."""
     root = out.resolve()
-    found = []
+    found = {}
     for item in inputs:
         if item is None or not isinstance(item, (str, os.PathLike)) or not Path(item).expanduser().exists():
             continue
         path = Path(item).expanduser().resolve()
         if path == root or root in path.parents:
-            found.append(str(item))
-    return found
+            found.setdefault(path, str(item))  # one input given twice (a name and its resolved path) is named once
+    return list(found.values())
 
 
 def check_replaceable(out: str | Path, *, force: bool, inputs: Iterable = (), kinds: Iterable[str] = KINDS) -> None:
@@ -139,7 +139,10 @@ def check_replaceable(out: str | Path, *, force: bool, inputs: Iterable = (), ki
                               "Write the output to another directory; --force never replaces a command's own inputs.")
     if not force:
         raise CheckpointError(f"'{out}' already exists.", "Choose another --out, or pass --force to replace it.")
-    if not out.is_dir() or out.is_symlink():
+    if out.is_symlink():
+        raise CheckpointError(f"--out '{out}' is a symbolic link (to '{os.readlink(out)}'); --force does not replace what a link points at.",
+                              f"Pass the directory itself as --out, or remove the link yourself ({REPLACE_HINT})")
+    if not out.is_dir():
         raise CheckpointError(f"--out '{out}' is a file, not a directory surgery wrote.", f"Remove it yourself or choose another --out ({REPLACE_HINT})")
     foreign = foreign_entries(out, tuple(kinds))
     if foreign:
@@ -158,11 +161,31 @@ def check_writable(out: str | Path) -> None:
         base = base.parent
     if not base.is_dir():
         raise CheckpointError(f"--out '{out}' cannot be created: '{base}' is a file, not a directory.", "Choose an --out whose parent is a directory.")
+    check_name_lengths(out, base)
     try:
         with tempfile.TemporaryFile(dir=base):
             pass
     except OSError as exc:
         raise CheckpointError(f"--out '{out}' cannot be written: {describe_os_error(exc, base)}.", "Choose a writable --out.") from exc
+
+
+STAGING_BYTES = 32  # what the writers' temporary names add to --out's name (.NAME.PID.XXXXXXXX, .NAME.old-PID-XXXXXXXX)
+
+
+def check_name_lengths(out: Path, base: Path) -> None:
+    """Each name to be created under `base` fits the file system's NAME_MAX, --out's own with room
+    for the staging names beside it: a name too long would fail only at the final save."""
+    try:
+        limit = os.pathconf(base, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        limit = 255
+    parts = out.relative_to(base).parts
+    for i, name in enumerate(parts):
+        room = limit - (STAGING_BYTES if i == len(parts) - 1 else 0)
+        if len(os.fsencode(name)) > room:
+            raise CheckpointError(f"--out '{out}': the name '{name[:40]}...' is {len(os.fsencode(name))} bytes long; this file system takes "
+                                  f"{limit} bytes at most{f', and surgery needs {STAGING_BYTES} of them for its staging names' if room < limit else ''}.",
+                                  f"Choose an --out whose names are at most {room} bytes.")
 
 
 def describe_os_error(exc: OSError, path) -> str:

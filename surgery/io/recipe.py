@@ -3,6 +3,7 @@ the config, the passes with their configs, the decisions they took, and a per-la
 from __future__ import annotations
 
 import importlib.metadata
+import math
 import platform
 
 from tcal.gdn import constructor_options
@@ -83,6 +84,17 @@ def check(recipe: dict, where: str) -> None:
         expect(site, dict, f"sites[{i}]", where)
         layer_index(site.get("layer"), f"sites[{i}].layer", len(recipe["sites"]), where)
     check_decisions(recipe["decisions"], len(recipe["sites"]), where)
+    check_teacher(recipe, where)
+
+
+def check_teacher(recipe: dict, where: str) -> None:
+    """The teacher config's numbers, and that the model they size fits in memory (config_check)."""
+    import torch
+
+    from .config_check import check_config
+
+    dtype = getattr(torch, recipe["capture"].get("dtype", "float32"))
+    check_config(recipe["config"], recipe["config"].get("model_type", recipe.get("model_type")), dtype, CheckpointError, f"{where}/recipe.json", RECIPE_FIX)
 
 
 def bad_field(where: str, field: str, value, problem: str) -> CheckpointError:
@@ -182,7 +194,7 @@ def _jsonable(value):
     if isinstance(value, (list, tuple)):
         return [_jsonable(v) for v in value]
     if isinstance(value, torch.Tensor):
-        return value.detach().cpu().tolist()
-    if isinstance(value, float) and value != value:
+        return _jsonable(value.detach().cpu().tolist())
+    if isinstance(value, float) and not math.isfinite(value):  # JSON has no NaN or Infinity
         return None
     return value

@@ -11,6 +11,10 @@ from ..errors import DistillError
 from tcal.schedule import SCHEDULES, lr_factor as schedule_factor
 
 STAGES = ("l2", "kl", "both")
+# The most optimizer steps a run may plan. At 1 ms a step (no step of this project has been faster)
+# 10^9 steps take 11.6 days; a budget past it is a typo (--tokens 1e30), not a run. Any budget below
+# is reachable from any data: the data loops in epochs, and a bigger batch takes more tokens a step.
+MAX_STEPS = 10**9
 # Fields that change how a run is executed or reported but not the numbers it trains on; --resume
 # accepts new values for these (micro_batch changes only the float summation order).
 OPERATIONAL = ("micro_batch", "save_every", "keep_checkpoints", "grad_checkpoint", "eval_every", "eval_text", "eval_tokens", "time_limit",
@@ -100,6 +104,10 @@ class DistillConfig(PassConfig):
                 bad(f"Stage {name} has a budget of {tokens:,} tokens, less than one optimizer step "
                     f"({self.global_batch} sequences x {self.seq_len} tokens = {self.tokens_per_step:,}).",
                     "Raise --tokens (or --l2-tokens), or lower --batch-size / --seq-len.")
+            if tokens // self.tokens_per_step > MAX_STEPS:
+                bad(f"Stage {name} has a budget of {tokens:,} tokens: {tokens // self.tokens_per_step:,} optimizer steps of {self.tokens_per_step:,} tokens, "
+                    f"more than the {MAX_STEPS:,} a run may take (11.6 days at 1 ms a step).",
+                    "Check --tokens (e.g. 50M), or raise --batch-size / --seq-len.")
             if not any(v > 0 for v in self.learning_rates(name).values()):
                 bad(f"Every learning rate of stage {name} is 0: nothing would train.", f"Give stage {name} a positive learning rate (e.g. --lr).")
 

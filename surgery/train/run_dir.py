@@ -13,7 +13,8 @@ from pathlib import Path
 
 from ..core.files import write_atomic, write_json_atomic
 from ..core.graph import Graph
-from ..errors import DistillError
+from ..errors import DistillError, SurgeryError
+from ..io.json_safe import loads, read_json
 from ..io.checkpoint import save
 from ..io.outdir import CHECKPOINT_PREFIX, LAST, LOG_FILE, RUN_FILE, check_replaceable
 from .config import DistillConfig
@@ -26,8 +27,8 @@ PREFIX = CHECKPOINT_PREFIX
 def logged_step(line: str) -> float:
     """The step of a log.jsonl record; a line a killed run left half-written counts as after every step."""
     try:
-        return json.loads(line).get("step", 0) if line.strip() else float("inf")
-    except ValueError:
+        return loads(line, LOG_FILE, finite=False).get("step", 0) if line.strip() else float("inf")
+    except (SurgeryError, AttributeError):
         return float("inf")
 
 
@@ -59,7 +60,7 @@ class RunDir:
         out, run_file = self.path, self.path / RUN_FILE
         if not run_file.exists():
             raise DistillError(f"--resume was given, but '{out}' holds no distillation run ({RUN_FILE} is missing).", "Drop --resume to start a new run (add --force to replace the directory).")
-        self.saved = json.loads(run_file.read_text())
+        self.saved = read_json(run_file, DistillError, f"Start a new run (another --out, or --force); '{run_file}' is damaged.")
         diffs = config.differences(self.saved["config"])
         if diffs:
             raise DistillError(f"--resume was given a config that differs from the run in '{out}': {'; '.join(diffs)}.",

@@ -15,6 +15,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from ..errors import DistillError
+from ..io.json_safe import read_json
 
 STATE_VERSION = 2
 STATE_JSON, STATE_TENSORS = "trainer_state.json", "trainer_state.safetensors"
@@ -90,9 +91,9 @@ def read_state(folder: Path) -> dict:
         raise DistillError(f"The checkpoint '{folder}' was written by an older version of surgery ({LEGACY_STATE}, a pickle); it cannot be resumed safely.",
                            "Start a new run (another --out, or --force); its weights still load with surgery.load.")
     try:
-        data = json.loads(file.read_text())
+        data = read_json(file, DistillError, "The checkpoint is corrupt; resume from an earlier one (delete this one) or start a new run.")
         tensors = load_file(folder / STATE_TENSORS)
-    except (json.JSONDecodeError, SafetensorError, OSError) as exc:
+    except (SafetensorError, OSError) as exc:
         raise DistillError(f"The trainer state in '{folder}' cannot be read ({exc}).", "The checkpoint is corrupt; resume from an earlier one (delete this one) or start a new run.") from exc
     if data.get("version") != STATE_VERSION:
         raise DistillError(f"The trainer state in '{folder}' has version {data.get('version')}, this surgery reads version {STATE_VERSION}.",
