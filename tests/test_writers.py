@@ -206,6 +206,7 @@ def test_a_reader_gets_one_version_while_a_save_replaces_the_directory(hybrid, t
         began = time.perf_counter()
         while "writers_version" not in read_hybrid(out)[0]["results"] and time.perf_counter() - began < 300:
             time.sleep(0.05)  # the writer is starting (importing torch)
+        assert "writers_version" in read_hybrid(out)[0]["results"], "the writer did not start in 300 s"
         seen, reads, deadline = set(), 0, time.perf_counter() + 4
         while time.perf_counter() < deadline or len(seen) < 2 and time.perf_counter() < deadline + 10:
             recipe, state, tokenizer = read_hybrid(out)
