@@ -180,7 +180,7 @@ VERSION_WRITER = textwrap.dedent("""
         source = (a, b)[n % 2]
         write_staged(out, lambda tmp: shutil.copytree(source, tmp, dirs_exist_ok=True))  # save's staging and swap
         n += 1
-        time.sleep(0.1)  # a pause between replaces (a real save computes first), so reads are not starved
+        time.sleep(0.5)  # a pause between replaces (a real save computes first), so reads are not starved
     print(n)
 """)
 
@@ -207,7 +207,7 @@ def test_a_reader_gets_one_version_while_a_save_replaces_the_directory(hybrid, t
         while "writers_version" not in read_hybrid(out)[0]["results"] and time.perf_counter() - began < 300:
             time.sleep(0.05)  # the writer is starting (importing torch)
         assert "writers_version" in read_hybrid(out)[0]["results"], "the writer did not start in 300 s"
-        seen, reads, deadline = set(), 0, time.perf_counter() + 4
+        seen, reads, deadline = set(), 0, time.perf_counter() + 6
         while time.perf_counter() < deadline or len(seen) < 2 and time.perf_counter() < deadline + 10:
             recipe, state, tokenizer = read_hybrid(out)
             name = recipe["results"]["writers_version"]
@@ -223,4 +223,4 @@ def test_a_reader_gets_one_version_while_a_save_replaces_the_directory(hybrid, t
         stop.touch()
         stdout, stderr = writer.communicate(timeout=300)
     assert writer.returncode == 0, stderr[-2000:]
-    assert seen == {"A", "B"} and reads >= 5 and int(stdout) >= 10, (seen, reads, stdout)  # the reads overlapped many replaces
+    assert seen == {"A", "B"} and reads >= 5 and int(stdout) >= 5, (seen, reads, stdout)  # the reads overlapped several replaces
