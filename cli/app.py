@@ -138,9 +138,10 @@ def apply(
     from surgery import PassManager, capture, diff as graph_diff, save
     from surgery.core.pipeline import parse_options
     from surgery.data.text import check_text_file
+    from surgery.io.lock import output_lock
     from surgery.io.outdir import check_replaceable
 
-    with guard(debug):
+    with guard(debug), output_lock(out_dir):  # one writer per --out, from before any check to the final rename
         calibration = more_files(calibration, more_calibration, "--calibration")
         names = pass_names(passes)
         configs = parse_options(options)

@@ -3,6 +3,7 @@ command; only rank 0 prints."""
 from __future__ import annotations
 
 import json
+import signal
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import List, Optional
@@ -10,6 +11,7 @@ from typing import List, Optional
 import typer
 
 from surgery.errors import SurgeryError
+from surgery.train.interrupt import Aborted, exit_code
 
 from .common import err, guard, out, parse_device, parse_dtype
 from .options import CompileOpt, DebugOpt
@@ -85,10 +87,25 @@ def distill(
             check_text_file(eval_text, "Evaluation text")
         if device is not None:
             parse_device(device)
-        result = run_distill(str(model), files, out_dir, config, teacher=teacher, resume=resume, force=force, device=device,
-                             dtype=weights_dtype, progress=not as_json)
+        result = interruptible(lambda: run_distill(str(model), files, out_dir, config, teacher=teacher, resume=resume, force=force,
+                                                   device=device, dtype=weights_dtype, progress=not as_json), out_dir)
         if result["rank"] == 0:
             render(result, as_json)
+        if (result.get("stopped") or "").startswith("SIG"):  # a checkpoint was written: exit as the signal says (130, 143)
+            raise typer.Exit(exit_code(signal.Signals[result["stopped"]]))
+
+
+def interruptible(run, out_dir) -> dict:
+    """run(); a second Ctrl-C (Aborted) or one before training began ends the command with a line
+    that says what was kept, and exit 130 (143 for SIGTERM)."""
+    try:
+        return run()
+    except Aborted as exc:  # a second signal: nothing more written
+        err.print(f"aborted by a second {exc}: no checkpoint written since the last one in {out_dir}; --resume continues from it")
+        raise typer.Exit(exit_code(exc.signum)) from None
+    except KeyboardInterrupt:  # before training began: there was nothing to keep
+        err.print(f"interrupted before training began: {out_dir} holds no new checkpoint")
+        raise typer.Exit(exit_code(signal.SIGINT)) from None
 
 
 def check_seq_len(seq_len: int, model, teacher) -> None:
@@ -125,7 +142,7 @@ def render(result: dict, as_json: bool) -> None:
     if as_json:
         print(json.dumps(result))
         return
-    if result.get("stopped"):
+    if result.get("stopped") == "time_limit":  # (a signal's stop was noted by the trainer as it happened)
         err.print(f"stopped by --time-limit after {result['tokens']:,} tokens; run the same command with --resume to continue")
     rate = f"{result['tokens_per_s']:,.0f} tokens/s, {result['flops_per_s'] / 1e12:.3g} model TFLOP/s" if result["tokens_per_s"] else "nothing left to train"
     ppl = f", eval perplexity {result['eval_ppl']:.4g}" if result.get("eval_ppl") is not None else ""

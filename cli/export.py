@@ -25,8 +25,9 @@ def export(
 ):
     """Export a hybrid: --format hf writes config.json, model.safetensors, the tokenizer and a modeling file that needs no surgery."""
     from surgery.io.export import export as export_model
+    from surgery.io.lock import output_lock
 
-    with guard(debug):
+    with guard(debug), output_lock(out):  # one writer per --out, before the model loads
         model_inputs(model)
         written = export_model(model, out, format=format, dtype=parse_dtype(dtype) if dtype else None, force=force)
         err.print(f"exported {model} as {format} to {written}")

@@ -49,6 +49,10 @@ class CheckpointError(SurgeryError):
     """A saved hybrid is missing, corrupt, or does not match its recipe."""
 
 
+class OutputBusyError(SurgeryError):
+    """Another live process is writing the same output directory (it holds the directory's lock)."""
+
+
 class CalibrationError(SurgeryError):
     """Calibration data or statistics are unusable (empty text, NaN statistics)."""
 

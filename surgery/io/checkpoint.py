@@ -21,6 +21,8 @@ from ..core.graph import Graph
 from ..errors import CheckpointError, SurgeryError, first_line
 from . import recipe as recipes
 from .json_safe import read_json
+from .lock import holds_output
+from .pinned import read_one_version
 from .outdir import EXTRA_FILES, check_replaceable, clean_stale_staging, describe_os_error, hybrid_leftovers, staging_prefix
 from .tokenizer_check import save_tokenizer
 
@@ -54,6 +56,7 @@ def _shards(state: dict, limit: int) -> list[dict]:
     return shards + [current] if current or not shards else shards
 
 
+@holds_output("out")  # one writer per output directory (surgery.io.lock), for the whole save
 def save(graph: Graph, out: str | Path, *, force: bool = False, shard_bytes: int = DEFAULT_SHARD_BYTES,
          extra: Callable[[Path], None] | None = None) -> Path:
     """extra(staging_dir) writes further files (e.g. a training state) that appear with the
@@ -158,28 +161,29 @@ def _swap_in(tmp: Path, out: Path) -> None:
             old.unlink(missing_ok=True)
 
 
-def read_recipe(path: str | Path) -> dict:
+def read_recipe(path: str | Path, folder: Path | None = None) -> dict:
+    """path/recipe.json, checked; read from `folder` when given (surgery.io.pinned's handle on path)."""
     path = Path(path)
-    file = path / "recipe.json"
+    file, shown = Path(folder or path) / "recipe.json", path / "recipe.json"
     if not file.exists():
         raise CheckpointError(f"'{path}' has no recipe.json.", "Point at a directory written by `surgery apply --out`.")
-    recipe = read_json(file, CheckpointError, "The checkpoint is corrupt; write it again.")
+    recipe = read_json(file, CheckpointError, "The checkpoint is corrupt; write it again.", name=shown)
     recipes.check(recipe, str(path))
     return recipe
 
 
-def _load_weights(path: Path, recipe: dict, verify: bool) -> dict:
+def _load_weights(path: Path, recipe: dict, verify: bool, folder: Path | None = None) -> dict:
     state = {}
     for name, digest in recipe["weights"]["files"].items():
-        file = path / name
+        file, shown = Path(folder or path) / name, path / name
         if not file.exists():
-            raise CheckpointError(f"Weights file '{file}' is missing.", "The checkpoint is incomplete; write it again.")
+            raise CheckpointError(f"Weights file '{shown}' is missing.", "The checkpoint is incomplete; write it again.")
         if verify and sha256_file(file) != digest:
-            raise CheckpointError(f"Weights file '{file}' does not match the sha256 in recipe.json (truncated or modified).", "Write the checkpoint again.")
+            raise CheckpointError(f"Weights file '{shown}' does not match the sha256 in recipe.json (truncated or modified).", "Write the checkpoint again.")
         try:
             state.update(load_file(file))
         except (SafetensorError, OSError, ValueError) as exc:
-            raise CheckpointError(f"Weights file '{file}' cannot be read: {exc}.", "The file is corrupt; write the checkpoint again.") from exc
+            raise CheckpointError(f"Weights file '{shown}' cannot be read: {exc}.", "The file is corrupt; write the checkpoint again.") from exc
     for alias, name in recipe["weights"].get("aliases", {}).items():
         if name not in state:
             raise CheckpointError(f"{path}/recipe.json: weights.aliases[{alias!r}] = {name!r} names no stored tensor.", recipes.RECIPE_FIX)
@@ -205,8 +209,7 @@ def load(path: str | Path, *, device=None, dtype: torch.dtype | None = None, ver
     from ..sites import find_sites
 
     path = Path(path)
-    recipe = read_recipe(path)
-    state = _load_weights(path, recipe, verify)
+    recipe, state, tokenizer = read_hybrid(path, verify)
     config = teacher_config(recipe)
     saved_dtype = getattr(torch, recipe["capture"].get("dtype", "float32"))  # one of recipes.DTYPES (checked)
     dtype = dtype or saved_dtype
@@ -228,11 +231,7 @@ def load(path: str | Path, *, device=None, dtype: torch.dtype | None = None, ver
     check_shapes(graph.gm, state, recipe, path)
     with torch.no_grad():
         graph.gm.load_state_dict({k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}, strict=True)
-    tok = path / "tokenizer"
-    if tok.exists():
-        from transformers import AutoTokenizer
-
-        graph.tokenizer = AutoTokenizer.from_pretrained(tok)
+    graph.tokenizer = tokenizer
     graph.teacher = None  # the teacher's weights are not in a checkpoint
     return graph
 
@@ -257,6 +256,26 @@ def transformers_version() -> str:
     import transformers
 
     return transformers.__version__
+
+
+def read_hybrid(path: str | Path, verify: bool = True) -> tuple:
+    """(recipe, weights, tokenizer or None) of the hybrid at `path`, all of one version of it
+    (surgery.io.pinned): a save that replaces `path` meanwhile is never mixed in."""
+    path = Path(path)
+    return read_one_version(path, lambda folder: read_files(path, folder, verify))
+
+
+def read_files(path: Path, folder: Path, verify: bool) -> tuple:
+    """read_hybrid's files, read from `folder` (a handle on one version of `path`, which messages name)."""
+    recipe = read_recipe(path, folder)
+    state = _load_weights(path, recipe, verify, folder)
+    tokenizer = None
+    if (Path(folder) / "tokenizer").exists():
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(Path(folder) / "tokenizer")
+        tokenizer.name_or_path = str(path / "tokenizer")
+    return recipe, state, tokenizer
 
 
 def _compare_keys(gm, state: dict) -> tuple[list, list]:

@@ -16,6 +16,7 @@ from ..errors import CheckpointError, ExportError
 from . import hf_export, qwen3_5_export
 from .export_manifest import MANIFEST, write_manifest
 from .checkpoint import DEFAULT_SHARD_BYTES, source_paths, write_staged
+from .lock import holds_output
 from .open import open_model
 from .outdir import REPLACE_HINT, check_replaceable, check_writable, inputs_inside
 
@@ -24,6 +25,7 @@ PLANS = {"hf": hf_export.plan, "qwen3_5": qwen3_5_export.plan}  # each refuses b
 FILES = "files"  # the surgery_hybrid field listing what the export wrote
 
 
+@holds_output("out")  # one writer per output directory (surgery.io.lock), from before the model loads
 def export(model, out: str | Path, *, format: str = "hf", dtype: torch.dtype | None = None, force: bool = False,
            shard_bytes: int = DEFAULT_SHARD_BYTES) -> Path:
     """Write `model` (a hybrid Graph, or the path of a saved hybrid) to `out` in `format`; returns out.

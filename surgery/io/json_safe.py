@@ -59,13 +59,16 @@ def loads(text: str, name: str, error: type[SurgeryError] = SurgeryError, fix: s
     return data
 
 
-def read_json(path: str | Path, error: type[SurgeryError] = SurgeryError, fix: str = "The file is damaged; write it again."):
-    """The parsed JSON file at `path` (UTF-8), checked as loads() checks it."""
+def read_json(path: str | Path, error: type[SurgeryError] = SurgeryError, fix: str = "The file is damaged; write it again.",
+              name: str | Path | None = None):
+    """The parsed JSON file at `path` (UTF-8), checked as loads() checks it; messages call it
+    `name` (default: path; a reader of a pinned directory reads /proc/self/fd/N/..., names the file)."""
     path = Path(path)
+    name = str(name or path)
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as exc:
-        raise error(f"'{path}' is not text (byte {exc.start} is not UTF-8).", fix) from exc
+        raise error(f"'{name}' is not text (byte {exc.start} is not UTF-8).", fix) from exc
     except OSError as exc:
-        raise error(f"'{path}' cannot be read: {exc.strerror or exc}.", fix) from exc
-    return loads(text, str(path), error, fix)
+        raise error(f"'{name}' cannot be read: {exc.strerror or exc}.", fix) from exc
+    return loads(text, name, error, fix)

@@ -37,11 +37,20 @@ def staging_prefix(out: Path) -> str:
     return f".{out.name}.{os.getpid()}."
 
 
-TEMPORARY = re.compile(r"\.(?P<base>.+?)\.(?:old-\d+|\d+|(?:\d+\.)?[a-z0-9_]{8})")  # .NAME.PID, .NAME.old-PID, staging
+LOCK_SUFFIX = "lock"  # surgery.io.lock's file beside an output: .NAME.lock (what the project wrote, never foreign)
+
+
+def lock_name(name: str) -> str:
+    """The name of the writers' lock file of an output called `name` (it sits beside the output)."""
+    return f".{name}.{LOCK_SUFFIX}"
+
+
+TEMPORARY = re.compile(r"\.(?P<base>.+?)\.(?:old-\d+|\d+|lock|(?:\d+\.)?[a-z0-9_]{8})")  # .NAME.PID, .NAME.old-PID, .NAME.lock, staging
 
 
 def is_temporary(name: str, *kinds: re.Pattern) -> bool:
-    """An atomic writer's leftover (.NAME.PID, .NAME.old-PID, a staging dir) of a NAME the kind owns."""
+    """An atomic writer's leftover (.NAME.PID, .NAME.old-PID, a staging dir) or the writers' lock
+    (.NAME.lock) of a NAME the kind owns."""
     match = TEMPORARY.fullmatch(name)
     return bool(match) and any(kind.fullmatch(match["base"]) for kind in kinds)
 

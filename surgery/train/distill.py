@@ -5,11 +5,13 @@ The pieces, in the order a run meets them: config, placement, job (run_dir, stat
 trainer."""
 from __future__ import annotations
 
+import contextlib
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 
+from ..io.lock import output_lock
 from .config import DistillConfig
 from .job import open_job
 from .placement import placement
@@ -34,6 +36,8 @@ def distill(model, data, out, config: DistillConfig, *, teacher=None, resume: bo
               autocast and a teacher captured here (a source, or the recipe's) is held in bf16;
               a Graph or in-memory teacher keeps the dtype it has
     on_step   called with each step's log record after its checkpoint (if any) is written
+    The run holds out's writer lock (surgery.io.lock; rank 0 under torchrun): a second writer of
+    `out` gets OutputBusyError at once.
     Under torchrun (WORLD_SIZE > 1) each process runs this with the same arguments; it joins or starts
     the process group (nccl on CUDA, gloo on CPU) and trains with DDP.
     Returns a summary: final checkpoint, steps, tokens, loss, eval_ppl, tokens_per_s, flops_per_s.
@@ -44,8 +48,9 @@ def distill(model, data, out, config: DistillConfig, *, teacher=None, resume: bo
     config.validate()
     place = placement(device)
     try:
-        job = open_job(place, model, data, out, config, teacher=teacher, resume=resume, force=force, dtype=dtype)
-        return Trainer(job, progress, on_step).run()
+        with output_lock(out) if place.main else contextlib.nullcontext():  # one writer per run directory
+            job = open_job(place, model, data, out, config, teacher=teacher, resume=resume, force=force, dtype=dtype)
+            return Trainer(job, progress, on_step).run()
     finally:
         if place.owns_group:
             dist.destroy_process_group()

@@ -57,6 +57,14 @@ class Placement:
         dist.broadcast(value, 0)
         return bool(value.item())
 
+    def largest(self, number: int) -> int:
+        """The largest of every rank's `number` (an all-reduce), so all processes take the same branch."""
+        if self.world == 1:
+            return number
+        value = torch.tensor(float(number), device=self.device)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+        return int(value.item())
+
     def mean(self, total: torch.Tensor) -> torch.Tensor:
         """The average of `total` over processes, in place."""
         if self.world > 1:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import math
+import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +28,7 @@ from ..core.compiled import resolve_compile
 from ..decode.causal_flags import CausalFlags
 from ..errors import DistillError, first_line
 from .config import lr_factor
+from .interrupt import Interrupts
 from .job import Job
 from .progress import Reporter
 from .stages import Stage, gradient_checkpointing, param_groups, stage_kl, stage_l2
@@ -41,7 +43,7 @@ class Tally:
     tokens: int = 0
     seconds: float = 0.0
     flops: float = 0.0
-    stopped: bool = False
+    stopped: str | None = None  # why the run stopped early: "time_limit" or the signal's name ("SIGINT")
     last_path: Path | None = None
 
 
@@ -108,6 +110,15 @@ def finished_result(job: Job) -> dict:
             "flops_per_s": None, "seconds": 0.0, "complete": True, "stopped": None}
 
 
+def stop_reason(place, interrupts: Interrupts, time_limit: float | None, started: float) -> str | None:
+    """"time_limit" once it has passed (every rank takes rank 0's answer), else the name of a signal
+    any rank caught (an all-reduce), else None: every rank stops at the same step."""
+    if time_limit and place.agree(time.perf_counter() - started >= time_limit):
+        return "time_limit"
+    signum = place.largest(interrupts.signum or 0)  # a rank other than this one may have caught it
+    return signal.Signals(signum).name if signum else None
+
+
 class Trainer:
     """Trains a Job's stages from where its state left off; on_step(record) runs after each step's
     checkpoint (if any) is written."""
@@ -122,8 +133,15 @@ class Trainer:
     def run(self) -> dict:
         if self.job.complete:
             return finished_result(self.job)
-        self.begin()
         params_before = {p: p.requires_grad for p in self.job.student.gm.parameters()}
+        with Interrupts(self.place.main) as self.interrupts:
+            self.train_all(params_before)
+        self.place.barrier()
+        return self.result()
+
+    def train_all(self, params_before: dict) -> None:
+        """Every stage from where the state left off, until done or stopped (time limit, signal)."""
+        self.begin()
         try:
             first = 0
             for index, (stage, steps) in enumerate(self.stages):
@@ -136,8 +154,6 @@ class Trainer:
             self.reporter.close()
             for p, flag in params_before.items():
                 p.requires_grad_(flag)
-        self.place.barrier()
-        return self.result()
 
     def begin(self) -> None:
         """Clocks, RNG, the progress bar and the summary; a new run scores teacher and student first."""
@@ -204,15 +220,16 @@ class Trainer:
             self.job.run_dir.log(record)
         self.reporter.update(record, tokens)
         saving = c.save_every and before // c.save_every < tokens // c.save_every or final
-        stopped = not final and self.out_of_time()
+        stopped = None if final else stop_reason(self.place, self.interrupts, c.time_limit, self.started)
         if saving or stopped:
             self.tally.last_path = self.save(done, index, stage_step + 1, optimizer, scheduler) or self.tally.last_path
         if self.on_step is not None:
             self.on_step(record)
         if stopped:
-            self.reporter.note(f"time limit ({c.time_limit:g} s) reached after {tokens:,} tokens: checkpoint written; --resume continues")
+            why = f"time limit ({c.time_limit:g} s) reached" if stopped == "time_limit" else f"{stopped}: stopped"
+            self.reporter.note(f"{why} after {tokens:,} tokens (step {done}): checkpoint {self.tally.last_path} written; --resume continues")
         self.tally.stopped = stopped
-        return stopped
+        return stopped is not None
 
     def evaluate(self, graph) -> float | None:
         if self.job.eval_ids is None or not self.place.main:
@@ -240,12 +257,6 @@ class Trainer:
     def elapsed(self) -> float:
         return self.elapsed_before + (time.perf_counter() - self.started)
 
-    def out_of_time(self) -> bool:
-        """Whether time_limit has passed; every rank takes rank 0's answer, so all stop at one step."""
-        if not self.config.time_limit:
-            return False
-        return self.place.agree(time.perf_counter() - self.started >= self.config.time_limit)
-
     def result(self) -> dict:
         c, t = self.config, self.tally
         return {
@@ -255,5 +266,5 @@ class Trainer:
             "tokens_per_s": t.tokens / t.seconds if t.seconds else None,
             "flops_per_s": t.flops / t.seconds if t.seconds else None,
             "seconds": round(time.perf_counter() - self.started, 3),
-            "complete": t.done == self.total_steps, "stopped": "time_limit" if t.stopped else None,
+            "complete": t.done == self.total_steps, "stopped": t.stopped,
         }
