@@ -132,12 +132,16 @@ def legacy_names(graph: Graph, names) -> dict:
 
     with torch.device("meta"):
         teacher = AutoModelForCausalLM.from_config(graph.config)
-    meta = torch.empty(0, device="meta")
-    renamed = {name: list(revert_weight_conversion(teacher, {name: meta})) for name in names}
+    renamed = {}
+    for name, tensor in names.items():
+        try:  # each tensor at its own shape: a converter that splits fused experts reads the dims
+            renamed[name] = list(revert_weight_conversion(teacher, {name: torch.empty_like(tensor, device="meta")}))
+        except (IndexError, ValueError, RuntimeError, KeyError):
+            continue  # a conversion that needs its sibling tensors: no one-to-one 4.x name to record
     return {name: new[0] for name, new in renamed.items() if len(new) == 1 and new[0] != name}
 
 
-def hf_config(graph: Graph, layers: dict, dtype: torch.dtype, names=()) -> dict:
+def hf_config(graph: Graph, layers: dict, dtype: torch.dtype, names: dict | None = None) -> dict:
     """The teacher's config.json plus the hybrid: which modules are GDN and how they are built."""
     config = {k: v for k, v in graph.config.to_dict().items() if k not in DROPPED_CONFIG}
     config.update({k: v for k, v in legacy_rope_keys(graph.config).items() if k not in config})
@@ -150,7 +154,7 @@ def hf_config(graph: Graph, layers: dict, dtype: torch.dtype, names=()) -> dict:
         "gdn_layers": {path: {"layer": e["layer"], "gdn_config": e["gdn_config"]} for path, e in layers.items()},
         "layer_kinds": graph.layer_kinds,
         "passes": [entry["pass"] for entry in graph.history],
-        "legacy_names": legacy_names(graph, names),
+        "legacy_names": legacy_names(graph, names or {}),
     }
     return config
 
