@@ -27,7 +27,7 @@ import tcal.token_step
 from ..core.graph import Graph
 from ..errors import ExportError
 from .checkpoint import unique_state, write_weights
-from .legacy_rope import legacy_rope_keys
+from .legacy_rope import keeps_rope, legacy_rope_keys
 from .tokenizer_check import check_saved
 
 MODELING_FILE = Path(__file__).parent / "hf_modeling" / "modeling_surgery_hybrid.py"
@@ -144,7 +144,9 @@ def legacy_names(graph: Graph, names) -> dict:
 def hf_config(graph: Graph, layers: dict, dtype: torch.dtype, names: dict | None = None) -> dict:
     """The teacher's config.json plus the hybrid: which modules are GDN and how they are built."""
     config = {k: v for k, v in graph.config.to_dict().items() if k not in DROPPED_CONFIG}
-    config.update({k: v for k, v in legacy_rope_keys(graph.config).items() if k not in config})
+    legacy = {k: v for k, v in legacy_rope_keys(graph.config).items() if k not in config}
+    if legacy and keeps_rope(type(graph.config), config, legacy, config.get("rope_parameters")):
+        config.update(legacy)
     if (config.get("quantization_config") or {}).get("quant_method") == "gguf":
         config.pop("quantization_config")  # the weights are written dequantized
     config["dtype"] = str(dtype).removeprefix("torch.")

@@ -69,3 +69,16 @@ def legacy_rope_keys(config) -> dict:
             scaling = {k: v for k, v in entry.items() if k not in ("rope_theta", "partial_rotary_factor")}
             keys["rope_scaling"] = {**scaling, "type": scaling["rope_type"]}
     return keys
+
+
+def keeps_rope(config_class, config: dict, legacy: dict, rope: dict | None) -> bool:
+    """Whether the installed transformers, reading `config` with `legacy` added, still builds the
+    teacher's rope_parameters (for some classes a legacy rope_scaling would override them: YaRN's
+    own max_position_embeddings, say). Where it does not, the export leaves the legacy keys out."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            read = config_class.from_dict(copy.deepcopy({**config, **legacy}))
+        except Exception:  # noqa: BLE001 - a class that refuses the mixed keys: leave them out
+            return False
+    return read.to_dict().get("rope_parameters") == rope
