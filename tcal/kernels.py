@@ -192,6 +192,10 @@ def fla_available() -> bool:
         import fla.ops.gated_delta_rule  # noqa: F401
     except Exception:  # triton missing or broken raises more than ImportError
         return False
+    try:  # shipped autotune winners (tcal/kernel_configs.py); an export's copy of this file has none
+        importlib.import_module(f"{__package__}.kernel_configs").pin_tuned_configs()
+    except ModuleNotFoundError:
+        pass
     return True
 
 

@@ -1,0 +1,125 @@
+"""Tuned launch configs for fla's Triton kernels, shipped per GPU, so a fresh machine does not autotune.
+
+fla decorates most of its kernels with Triton's autotuner: the first call of each kernel for a new
+key (head counts, head sizes, chunk size, dtypes; not the sequence length) compiles and times every
+candidate config. On a fresh H200 that is most of the first `surgery apply`'s time (bench/RESULTS.md,
+fifteenth session). The winners depend on the GPU, Triton and fla, not on the weights: recorded once
+on a GPU (`python -m tcal.kernel_configs record OUT.json -m surgery.cli.app apply ...`) and shipped in
+kernel_configs/<GPU>.json, they are put into each autotuner's cache when fla is first imported, so a
+kernel whose key was recorded compiles one config and runs it. Anything else (another GPU, another
+Triton or fla, a key not recorded) autotunes as before. SURGERY_KERNEL_CONFIGS=off turns this off.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import runpy
+import sys
+from pathlib import Path
+
+import torch
+
+DIRECTORY = Path(__file__).with_name("kernel_configs")
+SWITCH = "SURGERY_KERNEL_CONFIGS"  # "off": let every kernel autotune
+PREFIX = "fla."
+
+
+def gpu_label() -> str:
+    """The GPU's name as a file name (fla's own sanitising: 'NVIDIA H200' -> 'NVIDIA_H200')."""
+    return re.sub(r"[^0-9A-Za-z]+", "_", torch.cuda.get_device_name(0)).strip("_") or "unknown_gpu"
+
+
+def versions() -> dict:
+    import importlib.metadata as metadata
+
+    return {name: metadata.version(dist) for name, dist in (("triton", "triton"), ("fla", "fla-core"))}
+
+
+def autotuners():
+    """(qualified kernel name, Autotuner) for every autotuned kernel in the loaded fla modules."""
+    from triton.runtime.autotuner import Autotuner
+
+    seen = set()
+    for module_name, module in list(sys.modules.items()):
+        if not module_name.startswith(PREFIX) or module is None:
+            continue
+        for value in list(vars(module).values()):
+            if isinstance(value, Autotuner) and id(value) not in seen:
+                seen.add(id(value))
+                fn = value.fn
+                while hasattr(fn, "fn"):
+                    fn = fn.fn
+                yield f"{fn.__module__}.{fn.__name__}", value
+
+
+def config_record(config) -> dict:
+    return {"kwargs": dict(config.kwargs), "num_warps": config.num_warps, "num_stages": config.num_stages,
+            "num_ctas": getattr(config, "num_ctas", 1), "maxnreg": getattr(config, "maxnreg", None)}
+
+
+def recorded() -> dict:
+    """What this process's autotuners chose, keyed by kernel: [{key, config}]."""
+    kernels = {}
+    for name, tuner in autotuners():
+        entries = [{"key": list(key), "config": config_record(config)} for key, config in tuner.cache.items()]
+        if entries:
+            kernels[name] = entries
+    return kernels
+
+
+def write(path: Path) -> int:
+    """Write this process's choices for this GPU; returns how many (kernel, key) pairs."""
+    kernels = recorded()
+    table = {"gpu": gpu_label(), **versions(), "kernels": kernels}
+    Path(path).write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
+    return sum(len(entries) for entries in kernels.values())
+
+
+def shipped_table() -> dict | None:
+    """The shipped table for this GPU, Triton and fla, or None."""
+    if os.environ.get(SWITCH, "on").lower() in ("off", "0", "false") or not torch.cuda.is_available():
+        return None
+    path = DIRECTORY / f"{gpu_label()}.json"
+    if not path.exists():
+        return None
+    table = json.loads(path.read_text())
+    return table if all(table.get(k) == v for k, v in versions().items()) else None
+
+
+def pin_tuned_configs() -> int:
+    """Put the shipped winners into fla's autotuner caches (idempotent). Returns how many were pinned."""
+    table = shipped_table()
+    if table is None:
+        return 0
+    import triton
+
+    pinned = 0
+    for name, tuner in autotuners():
+        for entry in table["kernels"].get(name, []):
+            c = entry["config"]
+            extra = {"maxnreg": c["maxnreg"]} if c.get("maxnreg") is not None else {}
+            config = triton.Config(c["kwargs"], num_warps=c["num_warps"], num_stages=c["num_stages"],
+                                   num_ctas=c.get("num_ctas", 1), **extra)
+            if tuner.cache.setdefault(tuple(entry["key"]), config) is config:
+                pinned += 1
+    return pinned
+
+
+def main(argv: list[str]) -> None:
+    """record OUT.json -m MODULE ARGS...: run MODULE as a script in this process, then write its choices."""
+    if len(argv) < 4 or argv[0] != "record" or argv[2] != "-m":
+        raise SystemExit("usage: python -m tcal.kernel_configs record OUT.json -m MODULE [ARGS...]")
+    out, module = Path(argv[1]), argv[3]
+    os.environ[SWITCH] = "off"  # record what Triton's autotuner chooses, not what was shipped
+    sys.argv = [module, *argv[4:]]
+    try:
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+    except SystemExit as exc:
+        if exc.code not in (None, 0):
+            raise
+    print(f"recorded {write(out)} tuned kernel configs for {gpu_label()} in {out}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,80 @@
+"""Shipped autotune winners (tcal/kernel_configs.py): pinned only where GPU, Triton and fla match."""
+import json
+import sys
+import types
+
+import pytest
+
+from tcal import kernel_configs
+
+
+class FakeConfig:
+    def __init__(self, kwargs, num_warps, num_stages, num_ctas=1, maxnreg=None):
+        self.kwargs, self.num_warps, self.num_stages, self.num_ctas, self.maxnreg = kwargs, num_warps, num_stages, num_ctas, maxnreg
+
+
+class FakeTuner:
+    def __init__(self):
+        self.cache = {}
+
+
+@pytest.fixture
+def shipped(tmp_path, monkeypatch):
+    """A table for a fake GPU, two kernels loaded in fake fla modules, CUDA pretended."""
+    tuners = {"fla.ops.x.kernel_a": FakeTuner(), "fla.ops.y.kernel_b": FakeTuner()}
+    table = {"gpu": "Fake_GPU", "triton": "3.7.1", "fla": "0.6.0", "kernels": {
+        "fla.ops.x.kernel_a": [{"key": [9, 64, True, "torch.bfloat16"], "config": {"kwargs": {"BT": 64}, "num_warps": 4, "num_stages": 2}}],
+        "fla.ops.z.not_loaded": [{"key": [1], "config": {"kwargs": {}, "num_warps": 1, "num_stages": 1}}]}}
+    (tmp_path / "Fake_GPU.json").write_text(json.dumps(table))
+    monkeypatch.setattr(kernel_configs, "DIRECTORY", tmp_path)
+    monkeypatch.setattr(kernel_configs, "gpu_label", lambda: "Fake_GPU")
+    monkeypatch.setattr(kernel_configs, "versions", lambda: {"triton": "3.7.1", "fla": "0.6.0"})
+    monkeypatch.setattr(kernel_configs, "autotuners", lambda: iter(tuners.items()))
+    monkeypatch.setattr(kernel_configs.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setitem(sys.modules, "triton", types.SimpleNamespace(Config=FakeConfig))
+    monkeypatch.delenv(kernel_configs.SWITCH, raising=False)
+    return tuners
+
+
+def test_pins_recorded_keys_only(shipped):
+    assert kernel_configs.pin_tuned_configs() == 1
+    config = shipped["fla.ops.x.kernel_a"].cache[(9, 64, True, "torch.bfloat16")]
+    assert (config.kwargs, config.num_warps, config.num_stages) == ({"BT": 64}, 4, 2)
+    assert shipped["fla.ops.y.kernel_b"].cache == {}
+    assert kernel_configs.pin_tuned_configs() == 0  # idempotent: what is in a cache stays
+
+
+def test_an_autotuned_choice_is_never_replaced(shipped):
+    mine = FakeConfig({"BT": 32}, 8, 3)
+    shipped["fla.ops.x.kernel_a"].cache[(9, 64, True, "torch.bfloat16")] = mine
+    assert kernel_configs.pin_tuned_configs() == 0
+    assert shipped["fla.ops.x.kernel_a"].cache[(9, 64, True, "torch.bfloat16")] is mine
+
+
+@pytest.mark.parametrize("change", ["triton", "fla", "gpu", "switch", "no_cuda"])
+def test_nothing_pinned_when_anything_differs(shipped, monkeypatch, change):
+    if change in ("triton", "fla"):
+        monkeypatch.setattr(kernel_configs, "versions", lambda: {"triton": "3.7.1", "fla": "0.6.0", change: "9.9.9"})
+    elif change == "gpu":
+        monkeypatch.setattr(kernel_configs, "gpu_label", lambda: "Other_GPU")
+    elif change == "switch":
+        monkeypatch.setenv(kernel_configs.SWITCH, "off")
+    else:
+        monkeypatch.setattr(kernel_configs.torch.cuda, "is_available", lambda: False)
+    assert kernel_configs.pin_tuned_configs() == 0
+    assert all(t.cache == {} for t in shipped.values())
+
+
+def test_record_round_trips_through_pin(shipped, tmp_path, monkeypatch):
+    shipped["fla.ops.y.kernel_b"].cache[(4, "torch.float32")] = FakeConfig({"BK": 32}, 2, 1, 1, None)
+    out = tmp_path / "Fake_GPU.json"
+    assert kernel_configs.write(out) == 1
+    shipped["fla.ops.y.kernel_b"].cache.clear()
+    assert kernel_configs.pin_tuned_configs() == 1
+    assert shipped["fla.ops.y.kernel_b"].cache[(4, "torch.float32")].kwargs == {"BK": 32}
+
+
+def test_shipped_tables_name_their_versions():
+    for path in kernel_configs.DIRECTORY.glob("*.json"):
+        table = json.loads(path.read_text())
+        assert table["gpu"] == path.stem and table["triton"] and table["fla"] and table["kernels"], path
