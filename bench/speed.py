@@ -66,14 +66,12 @@ def arguments(argv=None) -> argparse.Namespace:
     ap.add_argument("--distill-modes", default="eager,compiled")
     ap.add_argument("--apply-args", default="", help="more `surgery apply` options, e.g. '--set align.steps=60'")
     ap.add_argument("--repeats", type=int, default=5)
-    args = ap.parse_args(argv)
-    if args.smoke:
+    if ap.parse_known_args(argv)[0].smoke:  # tiny defaults; options given still apply
         import surgery.core.compiled
 
         surgery.core.compiled.BACKEND = "aot_eager"  # as the tests compile: inductor's C++ builds take minutes on the CPU
-        args.model = args.model or str(STORIES)
-        for key, value in SMOKE.items():
-            setattr(args, key, value)
+        ap.set_defaults(model=str(STORIES), **SMOKE)
+    args = ap.parse_args(argv)
     if not args.model and not args.random:
         ap.error("name a teacher with --model, or pass --random (SmolLM2-135M's shapes, random weights)")
     unknown = set(args.sections.split(",")) - set(SECTIONS)
