@@ -100,6 +100,20 @@ def common_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--smoke", action="store_true", help="the CPU, stories260K, tiny sizes: checks the bench runs")
 
 
+def parse(ap: argparse.ArgumentParser, argv, smoke: dict) -> argparse.Namespace:
+    """The arguments, with `smoke`'s tiny settings as defaults under --smoke (options given still apply)."""
+    if ap.parse_known_args(argv)[0].smoke:
+        ap.set_defaults(**smoke)
+    return ap.parse_args(argv)
+
+
+def check_names(ap: argparse.ArgumentParser, text: str, known, what: str) -> None:
+    """A usage error naming every unknown item of the comma-separated `text`, and the known ones."""
+    unknown = set(text.split(",")) - set(known)
+    if unknown:
+        ap.error(f"unknown {what} {', '.join(sorted(unknown))}; known: {', '.join(known)}")
+
+
 def placement(args) -> tuple[torch.device, torch.dtype]:
     """The device and the dtype the benches use there (bf16 on CUDA, float32 on the CPU)."""
     name = args.device or ("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")

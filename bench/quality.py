@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from bench.harness import SAMPLE, STORIES, Rows, common_args, placement, surgery_cli, timed_s  # noqa: E402
+from bench.harness import SAMPLE, STORIES, Rows, check_names, common_args, parse, placement, surgery_cli, timed_s  # noqa: E402
 from surgery import PassManager, capture, save  # noqa: E402
 from surgery.core.pipeline import parse_options  # noqa: E402
 from surgery.data.cache import text_ids  # noqa: E402
@@ -68,14 +68,10 @@ def arguments(argv=None) -> argparse.Namespace:
     ap.add_argument("--cli-apply", action="store_true", help="also `surgery apply` (README's defaults, --set) -> `surgery eval`")
     ap.add_argument("--chunk", type=int, default=2048)
     ap.add_argument("--batch-size", type=int, default=1)
-    if ap.parse_known_args(argv)[0].smoke:  # tiny defaults; options given still apply
-        ap.set_defaults(model=str(STORIES), eval=str(SAMPLE), **SMOKE)
-    args = ap.parse_args(argv)
+    args = parse(ap, argv, {"model": str(STORIES), "eval": str(SAMPLE), **SMOKE})
     if not args.model or not args.eval:
         ap.error("pass --model (the teacher) and --eval (the text to score), or --smoke")
-    unknown = set(args.rows.split(",")) - set(ROWS)
-    if unknown:
-        ap.error(f"unknown row(s) {', '.join(sorted(unknown))}; known: {', '.join(ROWS)}")
+    check_names(ap, args.rows, ROWS, "row(s)")
     if args.held_out and os.path.abspath(args.held_out) in {os.path.abspath(p) for p in args.calibration or []}:
         ap.error("--held-out must not be one of the --calibration files")
     return args

@@ -35,8 +35,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from bench.harness import (STORIES, SAMPLE, Rows, common_args, median_ms, placement, random_smollm2,  # noqa: E402
-                           surgery_cli, sync, timed_s, transformers_teacher)
+from bench.harness import (STORIES, SAMPLE, Rows, check_names, common_args, median_ms, parse, placement,  # noqa: E402
+                           random_smollm2, surgery_cli, sync, transformers_teacher)
 from surgery import Decoder, DistillConfig, PassManager, capture, distill, export, generate, load, save  # noqa: E402
 from surgery.errors import SurgeryError  # noqa: E402
 
@@ -66,17 +66,14 @@ def arguments(argv=None) -> argparse.Namespace:
     ap.add_argument("--distill-modes", default="eager,compiled")
     ap.add_argument("--apply-args", default="", help="more `surgery apply` options, e.g. '--set align.steps=60'")
     ap.add_argument("--repeats", type=int, default=5)
-    if ap.parse_known_args(argv)[0].smoke:  # tiny defaults; options given still apply
+    args = parse(ap, argv, {"model": str(STORIES), **SMOKE})
+    if args.smoke:
         import surgery.core.compiled
 
         surgery.core.compiled.BACKEND = "aot_eager"  # as the tests compile: inductor's C++ builds take minutes on the CPU
-        ap.set_defaults(model=str(STORIES), **SMOKE)
-    args = ap.parse_args(argv)
     if not args.model and not args.random:
         ap.error("name a teacher with --model, or pass --random (SmolLM2-135M's shapes, random weights)")
-    unknown = set(args.sections.split(",")) - set(SECTIONS)
-    if unknown:
-        ap.error(f"unknown section(s) {', '.join(sorted(unknown))}; known: {', '.join(SECTIONS)}")
+    check_names(ap, args.sections, SECTIONS, "section(s)")
     return args
 
 
