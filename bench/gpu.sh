@@ -59,7 +59,8 @@ pack() {
 setup() {
   echo "$(cat "$root/b/sha256")  $root/b/all.tar.xz" | sha256sum -c -
   rm -rf "$root/x" && mkdir -p "$root/x" "$root/m" "$root/d"
-  tar xJf "$root/b/all.tar.xz" -C "$root/x" && (cd "$root/x" && sha256sum -c --quiet SHA256SUMS)
+  tar xJf "$root/b/all.tar.xz" -C "$root/x"
+  if [ -s "$root/x/SHA256SUMS" ]; then (cd "$root/x" && sha256sum -c --quiet SHA256SUMS); fi
   mv "$root/x/m/"* "$root/m/" 2>/dev/null || true
   mv "$root/x/d/"* "$root/d/" 2>/dev/null || true
   if ls "$root/x/whl/"*.whl > /dev/null 2>&1; then
