@@ -65,7 +65,8 @@ def arguments(argv=None) -> argparse.Namespace:
     ap.add_argument("--keep-ratios", default="0.5")
     ap.add_argument("--policies", default="uniform", help="select policies: uniform, ar, greedy")
     ap.add_argument("--set", nargs="*", default=[], help="pass.key=value for every row that runs the pass")
-    ap.add_argument("--cli-apply", action="store_true", help="also `surgery apply` (README's defaults, --set) -> `surgery eval`")
+    ap.add_argument("--cli-apply", action="store_true", help="also `surgery apply` (default passes at the first keep ratio, --set) "
+                    "-> `surgery eval`, anchored to the phase1+2 row built in memory")
     ap.add_argument("--chunk", type=int, default=2048)
     ap.add_argument("--batch-size", type=int, default=1)
     args = parse(ap, argv, {"model": str(STORIES), "eval": str(SAMPLE), **SMOKE})
@@ -180,11 +181,11 @@ def main(argv=None) -> Rows:
         if args.cli_apply:
             sets = [x for option in args.set for x in ("--set", option)]
             calibration = ["--calibration", *args.calibration] if args.calibration else []
-            applied = work / "applied"
-            surgery_cli("apply", "--model", args.model, "--out", str(applied), "--force", "--dtype", scorer.dtype, *sets, *calibration,
-                        *(["--device", args.device] if args.device else []))
-            reference = full.get(f"keep {float(args.keep_ratios.split(',')[0]):.2f}, uniform") or {}
-            scorer.through_cli(str(applied), "README defaults", "surgery apply", reference, "surgery apply -> surgery eval")
+            applied, ratio = work / "applied", float(args.keep_ratios.split(",")[0])
+            surgery_cli("apply", "--model", args.model, "--out", str(applied), "--force", "--dtype", scorer.dtype, "--keep-ratio", str(ratio),
+                        *sets, *calibration, *(["--device", args.device] if args.device else []))
+            reference = full.get(f"keep {ratio:.2f}, uniform") or {}  # its anchor: the phase1+2 row built in memory
+            scorer.through_cli(str(applied), "phase1+2", f"keep {ratio:.2f}, uniform", reference, "surgery apply -> surgery eval")
     return rows
 
 

@@ -42,6 +42,8 @@ from surgery.errors import SurgeryError  # noqa: E402
 
 SECTIONS = ("prefill", "generate", "decode", "export", "distill", "apply")
 LOGITS_BUDGET = 4 << 30  # bytes of logits one Decoder.prefill call may return (a 64k x 16 prompt is prefilled in pieces)
+# the caches a cold `surgery apply` starts without: Triton's kernels (fla's autotuning too), Inductor's, surgery's tokens
+COLD_CACHES = ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "SURGERY_CACHE")
 SMOKE = {"shapes": "48x1,48x2", "generate_lengths": "48", "decode_context": 40, "decode_batches": "1,2", "decode_steps": 3,
          "export_contexts": "32", "new_tokens": 4, "distill_shape": "2x64", "distill_steps": 4, "repeats": 2,
          "apply_args": "--set align.steps=2 --set calibrate.samples=2 --set align.samples=2"}
@@ -300,9 +302,7 @@ def apply_wall(args, work: Path, rows: Rows) -> None:
     if not args.model:
         rows.note("apply: skipped (it needs --model: a teacher file the CLI reads)")
         return
-    caches = work / "caches"
-    env = {"TRITON_CACHE_DIR": str(caches / "triton"), "TORCHINDUCTOR_CACHE_DIR": str(caches / "inductor"),
-           "SURGERY_CACHE": str(caches / "surgery"), "XDG_CACHE_HOME": str(caches / "xdg")}
+    env = {variable: str(work / "caches" / variable.lower()) for variable in COLD_CACHES}
     command = ["apply", "--model", args.model, "--out", str(work / "applied"), "--force", *shlex.split(args.apply_args)]
     if args.device:
         command += ["--device", args.device]
