@@ -15,9 +15,13 @@
 Only public API (surgery.capture/save/load/export/generate/distill, Decoder, graph.logits, the CLI),
 so it measures whatever the library's default paths are. Rows: bench.harness.Rows.
 
-    python bench/speed.py --random --sections prefill,generate,decode,export,distill --json speed.jsonl   # one H200
-    python bench/speed.py --model /root/m/smol.gguf --sections apply --json speed.jsonl
-    python bench/speed.py --smoke                   # CPU, stories260K, tiny sizes (every section)
+    python bench/speed.py --random --sections prefill --json speed.jsonl     # one H200; one section per run fits a call
+    python bench/speed.py --model /root/m/SmolLM2-135M-Instruct.Q4_1.gguf --sections apply --json speed.jsonl
+    python bench/speed.py --smoke --sections prefill,generate,decode,export,distill,apply   # CPU, stories260K, tiny sizes
+
+A section that outlives one device call goes in the background: bench/gpu.sh start / wait. The distill
+section needs Triton >= 3.7.1 on Hopper for fla's backward (bench/gpu.sh pack --triton); with Triton
+3.6 the library trains through its PyTorch backward, slower.
 """
 from __future__ import annotations
 
@@ -130,10 +134,18 @@ def free(device) -> None:
         torch.cuda.empty_cache()
 
 
-def prefill(s: Setup, rows: Rows) -> None:
-    from surgery.core.compiled import graph_runner
+def compiled_runner(graph):
+    """The graph compiled (CUDA graphs replayed on CUDA) as the library compiles it, or None where
+    this version has no graph_runner."""
+    try:
+        from surgery.core.compiled import graph_runner
+    except ImportError:
+        return None
+    return graph_runner(graph, True)
 
-    a, compiled_teacher = s.args, graph_runner(s.teacher, True)
+
+def prefill(s: Setup, rows: Rows) -> None:
+    a, compiled_teacher = s.args, compiled_runner(s.teacher)
     for length, batch in pairs(a.shapes):
         ids, config = s.ids(batch, length), f"{length} x {batch}"
         with torch.no_grad():
@@ -142,11 +154,12 @@ def prefill(s: Setup, rows: Rows) -> None:
             rows.add("transformers forward (teacher)", config, "prefill", hf, "ms")
             anchor = ("transformers", hf)
             rows.add("teacher graph.logits", config, "prefill", time_of(lambda: s.teacher.logits(ids)), "ms", anchor)
-            teacher_c = time_of(lambda: compiled_teacher(ids))
-            rows.add("teacher graph, compiled", config, "prefill", teacher_c, "ms", anchor)
             hybrid = time_of(lambda: s.hybrid.logits(ids))
             rows.add(f"{s.label()}: surgery.load -> graph.logits", config, "prefill", hybrid, "ms", anchor)
-            rows.add(f"{s.label()}: surgery.load -> graph.logits", config, "prefill", hybrid, "ms", ("compiled teacher", teacher_c))
+            if compiled_teacher is not None:
+                teacher_c = time_of(lambda: compiled_teacher(ids))
+                rows.add("teacher graph, compiled", config, "prefill", teacher_c, "ms", anchor)
+                rows.add(f"{s.label()}: surgery.load -> graph.logits", config, "prefill", hybrid, "ms", ("compiled teacher", teacher_c))
         del ids
         free(s.device)
 
