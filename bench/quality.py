@@ -75,6 +75,8 @@ def arguments(argv=None) -> argparse.Namespace:
     check_names(ap, args.rows, ROWS, "row(s)")
     if args.held_out and os.path.abspath(args.held_out) in {os.path.abspath(p) for p in args.calibration or []}:
         ap.error("--held-out must not be one of the --calibration files")
+    if args.held_out and Path(args.held_out).name == Path(args.eval).name:
+        ap.error("--held-out and --eval have the same file name; rows name each text by it: rename one")
     return args
 
 
@@ -168,9 +170,9 @@ def main(argv=None) -> Rows:
     rows = Rows(args.json)
     with tempfile.TemporaryDirectory(prefix="bench_quality.") as folder:
         work = Path(folder)
-        texts = {"wikitext2": cut(args.eval, args.max_chars, work)}
+        texts = {Path(args.eval).name: cut(args.eval, args.max_chars, work)}  # rows name each text by its file
         if args.held_out:
-            texts["held_out"] = cut(args.held_out, args.held_out_chars, work)
+            texts[Path(args.held_out).name] = cut(args.held_out, args.held_out_chars, work)
         scorer = Scorer(args, texts, dtype, work, rows)
         start = time.perf_counter()
         teacher = capture(args.model, device=device, dtype=dtype)

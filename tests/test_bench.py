@@ -83,8 +83,8 @@ def test_quality_smoke(tmp_path, monkeypatch):
     rows = quality.main(["--smoke", "--rows", "baseline,phase1", "--json", str(out)])
     check_rows(rows, out)
     by = {(r["name"], r["metric"]): r for r in rows.rows}
-    assert by[("teacher", "wikitext2 ppl, surgery eval")]["ratio"] == pytest.approx(1.0, rel=1e-4)
-    saved = by[("phase1", "wikitext2 ppl, surgery.save -> surgery eval")]
+    assert by[("teacher", "calibration_sample.txt ppl, surgery eval")]["ratio"] == pytest.approx(1.0, rel=1e-4)
+    saved = by[("phase1", "calibration_sample.txt ppl, surgery.save -> surgery eval")]
     assert saved["anchor"] == "in memory" and saved["ratio"] == pytest.approx(1.0, rel=5e-3)
-    phase1 = by[("phase1", "wikitext2 ppl, in memory")]
+    phase1 = by[("phase1", "calibration_sample.txt ppl, in memory")]
     assert phase1["anchor"] == "baseline" and phase1["ratio"] > 1  # Phase 1 beats the copy-only baseline
