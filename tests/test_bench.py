@@ -60,14 +60,15 @@ def test_rows_format(tmp_path, capsys):
 def test_speed_smoke(tmp_path, capsys):
     out = tmp_path / "speed.jsonl"
     rows = speed.main(["--smoke", "--sections", "prefill,generate,decode", "--shapes", "24x1", "--decode-batches", "1",
-                       "--decode-compile", "off", "--repeats", "1", "--json", str(out)])
+                       "--decode-compile", "off", "--decode-context", "16", "--generate-lengths", "16", "--repeats", "1",
+                       "--json", str(out)])
     check_rows(rows, out)
     names = {(r["name"], r["metric"]) for r in rows.rows}
     assert ("transformers forward (teacher)", "prefill") in names
     assert ("hybrid 75% GDN: surgery.load -> graph.logits", "prefill") in names
     assert ("hybrid 75% GDN: surgery.generate (surgery.load)", "time to first token") in names
     assert ("hybrid 75% GDN: Decoder (surgery.load)", "decode step") in names
-    assert "| hybrid 75% GDN: Decoder (surgery.load) | context 40 x 1, compile off | decode step |" in capsys.readouterr().out
+    assert "| hybrid 75% GDN: Decoder (surgery.load) | context 16 x 1, compile off | decode step |" in capsys.readouterr().out
 
 
 def in_process_cli(*args: str, env=None) -> dict:
