@@ -1,89 +1,347 @@
-"""Forward throughput and peak memory: teacher vs hybrids (select + replace) at long contexts.
+"""Speed of the paths users run, each section in one run with its anchor beside it (issue 29):
 
-Models: a teacher file (e.g. SmolLM2-135M's GGUF) and a random-weight model shaped like
-Qwen2.5-1.5B (28 layers, hidden 1536, 12 heads, 2 KV heads, head_dim 128). Weights do not matter
-for speed. Each point: median of --repeats timed forwards (batch 1) after a warm-up, bf16, CUDA.
+  prefill   ms of one forward: transformers' teacher forward (anchor), the captured teacher's
+            graph.logits, the teacher graph compiled (surgery.core.compiled.graph_runner), and the
+            saved hybrid loaded with surgery.load, through graph.logits (the public default path)
+  generate  time to first token: surgery.generate with the Decoder `surgery generate` builds, on the
+            loaded hybrid, against transformers' generate of the teacher (max_new_tokens=1)
+  decode    ms a step at --decode-context: the hybrid's Decoder against the teacher graph's Decoder
+            (the same runtime) and transformers' generate of the teacher
+  export    the hybrid's `surgery export --format hf` loaded by transformers (trust_remote_code) in
+            its own generate against the teacher there: prefill ms and decode tokens/s
+  distill   surgery.distill tokens/s of the 50% hybrid at --distill-shape, compiled against eager
+  apply     `surgery apply` wall seconds with empty kernel caches (cold) against the same again (warm)
 
-    python bench/speed.py --model /root/m/smol.gguf --lengths 2048,8192,32768 --json out.json
+Only public API (surgery.capture/save/load/export/generate/distill, Decoder, graph.logits, the CLI),
+so it measures whatever the library's default paths are. Rows: bench.harness.Rows.
+
+    python bench/speed.py --random --sections prefill --json speed.jsonl     # one H200; one section per run fits a call
+    python bench/speed.py --model /root/m/SmolLM2-135M-Instruct.Q4_1.gguf --sections apply --json speed.jsonl
+    python bench/speed.py --smoke --sections prefill,generate,decode,export,distill,apply   # CPU, stories260K, tiny sizes
+
+A section that outlives one device call goes in the background: bench/gpu.sh start / wait. The distill
+section needs Triton >= 3.7.1 on Hopper for fla's backward (bench/gpu.sh pack --triton); with Triton
+3.6 the library trains through its PyTorch backward, slower.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import shlex
 import statistics
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from bench._models import qwen15b_shaped  # noqa: E402
-from surgery import PassManager, capture  # noqa: E402
+from bench.harness import (STORIES, SAMPLE, Rows, check_names, common_args, median_ms, parse, placement,  # noqa: E402
+                           random_smollm2, surgery_cli, sync, transformers_teacher)
+from surgery import Decoder, DistillConfig, PassManager, capture, distill, export, generate, load, save  # noqa: E402
+from surgery.errors import SurgeryError  # noqa: E402
+
+SECTIONS = ("prefill", "generate", "decode", "export", "distill", "apply")
+LOGITS_BUDGET = 4 << 30  # bytes of logits one Decoder.prefill call may return (a 64k x 16 prompt is prefilled in pieces)
+# the caches a cold `surgery apply` starts without: Triton's kernels (fla's autotuning too), Inductor's, surgery's tokens
+COLD_CACHES = ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "SURGERY_CACHE")
+SMOKE = {"shapes": "48x1,48x2", "generate_lengths": "48", "decode_context": 40, "decode_batches": "1,2", "decode_steps": 3,
+         "export_contexts": "32", "new_tokens": 4, "distill_shape": "2x64", "distill_steps": 4, "repeats": 2,
+         "apply_args": "--set align.steps=2 --set calibrate.samples=2 --set align.samples=2"}
 
 
-def timed(graph, length: int, repeats: int, vocab: int) -> tuple[float, float]:
-    ids = torch.randint(0, vocab, (1, length), device="cuda")
-    with torch.no_grad():
-        graph(ids)
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        times = []
-        for _ in range(repeats):
-            torch.cuda.synchronize()
-            t = time.perf_counter()
-            graph(ids)
-            torch.cuda.synchronize()
-            times.append(time.perf_counter() - t)
-    return statistics.median(times), (torch.cuda.max_memory_allocated() - base) / 2**30
-
-
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default=None, help="teacher file; omitted: only the Qwen-shaped model")
-    ap.add_argument("--lengths", default="2048,8192,32768")
-    ap.add_argument("--keep-ratios", default="0.5,0.25")
+def arguments(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    common_args(ap)
+    ap.add_argument("--random", action="store_true", help="SmolLM2-135M's shapes, random weights (speed does not depend on them)")
+    ap.add_argument("--sections", default="prefill,generate,decode,export,distill", help=f"comma-separated, of: {','.join(SECTIONS)}")
+    ap.add_argument("--keep-ratio", type=float, default=0.25, help="attention layers the hybrid keeps (0.25: 75%% GDN)")
+    ap.add_argument("--shapes", default="2048x1,2048x8,8192x1,32768x1", help="prefill: LENGTHxBATCH,...")
+    ap.add_argument("--generate-lengths", default="32768", help="generate: prompt lengths")
+    ap.add_argument("--decode-context", type=int, default=65536)
+    ap.add_argument("--decode-batches", default="1,16")
+    ap.add_argument("--decode-steps", type=int, default=32, help="timed steps (and transformers' new tokens)")
+    ap.add_argument("--decode-compile", default="on", choices=("on", "off", "default"), help="the Decoders' compile flag")
+    ap.add_argument("--export-contexts", default="4096,32768")
+    ap.add_argument("--new-tokens", type=int, default=32, help="export: tokens generated after the prompt")
+    ap.add_argument("--distill-shape", default="128x512", help="BATCHxSEQ_LEN")
+    ap.add_argument("--distill-steps", type=int, default=20)
+    ap.add_argument("--distill-modes", default="eager,compiled")
+    ap.add_argument("--apply-args", default="", help="more `surgery apply` options, e.g. '--set align.steps=60'")
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--skip-qwen", action="store_true")
-    ap.add_argument("--json", default=None)
-    args = ap.parse_args()
-    lengths = [int(x) for x in args.lengths.split(",")]
-    longest = max(lengths)
-    sources = []
-    if args.model:
-        sources.append(("SmolLM2-135M", args.model))
-    if not args.skip_qwen:
-        sources.append(("Qwen2.5-1.5B-shaped (random)", qwen15b_shaped("cuda", torch.bfloat16, longest)))
-    rows = []
-    for name, source in sources:
-        teacher = capture(source, device="cuda", dtype=torch.bfloat16, max_length=longest)
-        vocab = teacher.config.vocab_size
-        variants = [("teacher", teacher)]
-        for ratio in [float(r) for r in args.keep_ratios.split(",")]:
-            hybrid = teacher.branch()
-            PassManager(["select", "replace"], {"select": {"keep_ratio": ratio}})(hybrid)
-            variants.append((f"hybrid {100 - ratio * 100:.0f}% GDN", hybrid))
-        for length in lengths:
-            base = None
-            for label, graph in variants:
-                seconds, peak = timed(graph, length, args.repeats, vocab)
-                base = base or seconds
-                row = {"model": name, "variant": label, "length": length, "ms": seconds * 1e3,
-                       "tokens_per_s": length / seconds, "peak_gib": peak, "speedup_vs_teacher": base / seconds}
-                rows.append(row)
-                print(json.dumps(row), flush=True)
-        del variants, teacher
+    args = parse(ap, argv, {"model": str(STORIES), **SMOKE})
+    if args.smoke:
+        import surgery.core.compiled
+
+        surgery.core.compiled.BACKEND = "aot_eager"  # as the tests compile: inductor's C++ builds take minutes on the CPU
+    if not args.model and not args.random:
+        ap.error("name a teacher with --model, or pass --random (SmolLM2-135M's shapes, random weights)")
+    check_names(ap, args.sections, SECTIONS, "section(s)")
+    return args
+
+
+def pairs(text: str) -> list[tuple[int, int]]:
+    return [tuple(int(x) for x in item.split("x")) for item in text.split(",") if item]
+
+
+class Setup:
+    """The teacher in transformers and as a captured graph, and the hybrid (select + replace at
+    --keep-ratio) saved and loaded back with surgery.load, as a user gets it. Built once, on first use."""
+
+    def __init__(self, args, work: Path):
+        self.args, self.work = args, work
+        self.device, self.dtype = placement(args)
+        self.limit = max([l for l, _ in pairs(args.shapes)] + [int(x) + 2 for x in args.generate_lengths.split(",")]
+                         + [args.decode_context + args.decode_steps + 8]
+                         + [int(x) + args.new_tokens + 2 for x in args.export_contexts.split(",")]
+                         + [pairs(args.distill_shape)[0][1]])
+        source = random_smollm2(self.limit) if args.random else args.model
+        self.model = transformers_teacher(source, self.device, self.dtype)
+        start = time.perf_counter()
+        self.teacher = capture(self.model if args.random else args.model, device=self.device, dtype=self.dtype, max_length=self.limit)
+        if args.random:  # random weights have no tokenizer; stories260K's reads the text (its ids fit the vocabulary)
+            from surgery.core.load import load_model
+            self.teacher.tokenizer = load_model(str(STORIES))[1]
+        print(f"# teacher captured in {time.perf_counter() - start:.1f} s (max_length {self.limit})", flush=True)
+        self._hybrid = None
+
+    @property
+    def vocab(self) -> int:
+        return self.teacher.config.vocab_size
+
+    @property
+    def hybrid(self):
+        if self._hybrid is None:
+            graph = self.teacher.branch()
+            PassManager(["select", "replace"], {"select": {"keep_ratio": self.args.keep_ratio}})(graph)
+            save(graph, self.work / "hybrid", force=True)
+            del graph
+            self._hybrid = load(self.work / "hybrid", device=self.device, dtype=self.dtype)
+        return self._hybrid
+
+    def ids(self, batch: int, length: int) -> torch.Tensor:
+        return torch.randint(0, self.vocab, (batch, length), generator=torch.Generator().manual_seed(length + batch)).to(self.device)
+
+    def label(self) -> str:
+        return f"hybrid {100 - 100 * self.args.keep_ratio:.0f}% GDN"
+
+
+def free(device) -> None:
+    if device.type == "cuda":
         torch.cuda.empty_cache()
-    print()
-    print("| model | variant | length | forward ms | tokens/s | peak GiB | speed-up vs teacher |")
-    print("|---|---|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['model']} | {r['variant']} | {r['length']} | {r['ms']:.1f} | {r['tokens_per_s']:,.0f} | {r['peak_gib']:.2f} | {r['speedup_vs_teacher']:.2f}x |")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+
+
+def compiled_runner(graph):
+    """The graph compiled (CUDA graphs replayed on CUDA) as the library compiles it, or None where
+    this version has no graph_runner."""
+    try:
+        from surgery.core.compiled import graph_runner
+    except ImportError:
+        return None
+    return graph_runner(graph, True)
+
+
+def prefill(s: Setup, rows: Rows) -> None:
+    a, compiled_teacher = s.args, compiled_runner(s.teacher)
+    for length, batch in pairs(a.shapes):
+        ids, config = s.ids(batch, length), f"{length} x {batch}"
+        with torch.no_grad():
+            time_of = lambda fn: median_ms(fn, s.device, a.repeats, warmup=3)  # noqa: E731
+            hf = time_of(lambda: s.model(input_ids=ids).logits)
+            rows.add("transformers forward (teacher)", config, "prefill", hf, "ms")
+            anchor = ("transformers", hf)
+            rows.add("teacher graph.logits", config, "prefill", time_of(lambda: s.teacher.logits(ids)), "ms", anchor)
+            hybrid = time_of(lambda: s.hybrid.logits(ids))
+            rows.add(f"{s.label()}: surgery.load -> graph.logits", config, "prefill", hybrid, "ms", anchor)
+            if compiled_teacher is not None:
+                teacher_c = time_of(lambda: compiled_teacher(ids))
+                rows.add("teacher graph, compiled", config, "prefill", teacher_c, "ms", anchor)
+                rows.add(f"{s.label()}: surgery.load -> graph.logits", config, "prefill", hybrid, "ms", ("compiled teacher", teacher_c))
+        del ids
+        free(s.device)
+
+
+def decoder_of(graph, compile_flag: str) -> Decoder:
+    """A Decoder as `surgery generate` builds one; if its self-check refuses (bf16 rounding of random
+    weights can exceed its tolerance), one without the check: speed does not depend on it."""
+    flag = {"on": True, "off": False, "default": None}[compile_flag]
+    try:
+        return Decoder(graph, compile=flag)
+    except SurgeryError as exc:
+        print(f"# Decoder self-check refused ({str(exc).splitlines()[0]}); timing without it", flush=True)
+        return Decoder(graph, verify=False, compile=flag)
+
+
+def time_to_first_token(s: Setup, rows: Rows) -> None:
+    a = s.args
+    decoder = decoder_of(s.hybrid, "default")
+    for length in (int(x) for x in a.generate_lengths.split(",")):
+        ids = s.ids(1, length)
+        prompt = ids[0].tolist()  # token ids as `surgery generate` hands them over
+        with torch.no_grad():
+            hf = median_ms(lambda: s.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=1, do_sample=False,
+                                                    pad_token_id=0), s.device, a.repeats, warmup=1)
+            rows.add("transformers generate (teacher)", f"prompt {length}", "time to first token", hf, "ms")
+            ours = median_ms(lambda: generate(decoder, [prompt], 1, eos_token_id=None), s.device, a.repeats, warmup=1)
+            rows.add(f"{s.label()}: surgery.generate (surgery.load)", f"prompt {length}", "time to first token", ours, "ms",
+                     ("transformers", hf))
+        del ids
+        free(s.device)
+
+
+class Stamps:
+    """A transformers logits processor that records when each generation step reaches it (synchronised)."""
+
+    def __init__(self, device):
+        self.device, self.times = device, []
+
+    def __call__(self, input_ids, scores):
+        sync(self.device)
+        self.times.append(time.perf_counter())
+        return scores
+
+
+def hf_generate(model, ids, new_tokens: int) -> tuple[float, float]:
+    """transformers' generate: (prefill ms = start to the first step's logits, ms per decode step after it)."""
+    from transformers import LogitsProcessorList
+
+    stamps = Stamps(ids.device)
+    with torch.no_grad():
+        sync(ids.device)
+        start = time.perf_counter()
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                       do_sample=False, pad_token_id=0, logits_processor=LogitsProcessorList([stamps]))
+        sync(ids.device)
+        end = time.perf_counter()
+    t = stamps.times
+    return 1000 * (t[0] - start), 1000 * (end - t[0]) / max(len(t) - 1, 1)
+
+
+def decoder_step_ms(s: Setup, graph, batch: int, ids: torch.Tensor) -> float:
+    """ms of one Decoder.step at the prompt's length (the prompt prefilled in pieces whose logits fit)."""
+    a = s.args
+    decoder = decoder_of(graph, a.decode_compile)
+    decoder.reset(batch, ids.shape[1] + a.decode_steps + 8)
+    chunk = max(256, LOGITS_BUDGET // (batch * s.vocab * 2))
+    with torch.no_grad():
+        for start in range(0, ids.shape[1], chunk):
+            decoder.prefill(ids[:, start:start + chunk])
+        token = ids[:, :1]
+        ms = median_ms(lambda: decoder.step(token), s.device, a.decode_steps, warmup=3)
+    decoder.reset()
+    return ms
+
+
+def decode(s: Setup, rows: Rows) -> None:
+    a = s.args
+    for batch in (int(x) for x in a.decode_batches.split(",")):
+        ids, config = s.ids(batch, a.decode_context), f"context {a.decode_context} x {batch}, compile {a.decode_compile}"
+        hf_generate(s.model, ids[:, :256], 4)  # warm-up: this batch's kernels chosen before the timed run
+        hf = hf_generate(s.model, ids, a.decode_steps)[1]
+        rows.add("transformers generate (teacher)", config, "decode step", hf, "ms")
+        free(s.device)
+        teacher = decoder_step_ms(s, s.teacher, batch, ids)
+        rows.add("teacher graph: Decoder", config, "decode step", teacher, "ms", ("transformers", hf))
+        free(s.device)
+        hybrid = decoder_step_ms(s, s.hybrid, batch, ids)
+        rows.add(f"{s.label()}: Decoder (surgery.load)", config, "decode step", hybrid, "ms", ("teacher Decoder", teacher))
+        rows.add(f"{s.label()}: Decoder (surgery.load)", config, "decode step", hybrid, "ms", ("transformers", hf))
+        del ids
+        free(s.device)
+
+
+def exported(s: Setup, rows: Rows) -> None:
+    """The hf export in transformers' own generate against the teacher there, at each context."""
+    from transformers import AutoModelForCausalLM
+
+    a = s.args
+    folder = export(s.hybrid, s.work / "export", format="hf", force=True)
+    model = AutoModelForCausalLM.from_pretrained(str(folder), trust_remote_code=True, dtype=s.dtype).to(s.device).eval()
+    model.generation_config.max_length = None
+    for context in (int(x) for x in a.export_contexts.split(",")):
+        ids, config = s.ids(1, context), f"prompt {context}, {a.new_tokens} new"
+        results = {}
+        for label, m in (("teacher", s.model), ("export", model)):
+            hf_generate(m, ids, 2)  # warm-up at this shape: kernels compile and autotune on first use
+            runs = [hf_generate(m, ids, a.new_tokens) for _ in range(max(1, a.repeats // 2))]
+            results[label] = (statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs))
+            free(s.device)
+        name = f"{s.label()}: hf export, transformers generate"
+        teacher_prefill, teacher_step = results["teacher"]
+        rows.add("teacher, transformers generate", config, "prefill", teacher_prefill, "ms")
+        rows.add(name, config, "prefill", results["export"][0], "ms", ("teacher", teacher_prefill))
+        rows.add("teacher, transformers generate", config, "decode", 1000 / teacher_step, "tokens/s")
+        rows.add(name, config, "decode", 1000 / results["export"][1], "tokens/s", ("teacher", 1000 / teacher_step))
+        del ids
+    del model
+    free(s.device)
+
+
+def steady_tokens_per_s(run_dir: Path, skip: int) -> float | None:
+    """Median tokens/s of the logged steps after the first `skip` (compiling and warm-up left out)."""
+    records = [json.loads(line) for line in (run_dir / "log.jsonl").read_text().splitlines() if line.strip()]
+    rates = [r["tokens_per_s"] for r in records if r.get("tokens_per_s")][skip:]
+    return statistics.median(rates) if rates else None
+
+
+def distillation(s: Setup, rows: Rows) -> None:
+    """surgery.distill (stage kl) of the 50% hybrid for --distill-steps steps, eager and compiled."""
+    a = s.args
+    batch, seq_len = pairs(a.distill_shape)[0]
+    config_text, eager = f"{batch} x {seq_len}, {a.distill_steps} steps", None
+    for mode in a.distill_modes.split(","):
+        student = s.teacher.branch()
+        PassManager(["select", "replace"], {"select": {"keep_ratio": 0.5}})(student)
+        student.gm.float()
+        config = DistillConfig(tokens=a.distill_steps * seq_len * batch, seq_len=seq_len, global_batch=batch, warmup=0.0,
+                               compile=mode == "compiled")
+        run = s.work / f"distill_{mode}"
+        distill(student, [str(SAMPLE)], run, config, teacher=s.teacher, device=s.device, progress=False)
+        rate = steady_tokens_per_s(run, skip=min(3, a.distill_steps - 2))
+        rows.add("hybrid 50% GDN: surgery.distill", f"{config_text}, {mode}", "training", rate, "tokens/s",
+                 ("eager", eager) if mode != "eager" and eager else None)
+        eager = rate if mode == "eager" else eager
+        del student
+        torch._dynamo.reset()
+        free(s.device)
+
+
+def apply_wall(args, work: Path, rows: Rows) -> None:
+    """`surgery apply` (README's defaults and --apply-args) with every kernel and token cache empty,
+    then the same command again with the caches the first run filled."""
+    if not args.model:
+        rows.note("apply: skipped (it needs --model: a teacher file the CLI reads)")
+        return
+    env = {variable: str(work / "caches" / variable.lower()) for variable in COLD_CACHES}
+    command = ["apply", "--model", args.model, "--out", str(work / "applied"), "--force", *shlex.split(args.apply_args)]
+    if args.device:
+        command += ["--device", args.device]
+    cold = surgery_cli(*command, env=env)["seconds"]
+    rows.add("surgery apply", "empty caches (cold)", "wall", cold, "s")
+    warm = surgery_cli(*command, env=env)["seconds"]
+    rows.add("surgery apply", "caches filled (warm)", "wall", warm, "s")
+    rows.add("surgery apply", "cold against warm", "wall", cold, "s", ("warm", warm))
+
+
+def main(argv=None) -> Rows:
+    args = arguments(argv)
+    rows = Rows(args.json)
+    sections = args.sections.split(",")
+    with tempfile.TemporaryDirectory(prefix="bench_speed.") as folder:
+        work = Path(folder)
+        runs = {"prefill": prefill, "generate": time_to_first_token, "decode": decode, "export": exported, "distill": distillation}
+        setup = Setup(args, work) if set(sections) & set(runs) else None
+        for section in sections:
+            start = time.perf_counter()
+            if section == "apply":
+                apply_wall(args, work, rows)
+            else:
+                runs[section](setup, rows)
+            print(f"# {section}: {time.perf_counter() - start:.1f} s", flush=True)
+    return rows
 
 
 if __name__ == "__main__":
