@@ -32,6 +32,7 @@ import contextlib
 import sys
 import time
 import warnings
+from dataclasses import dataclass
 
 import torch
 
@@ -45,7 +46,7 @@ from .run import run_graph
 # gap 0.030 against 0.046). Evaluation, alignment and decoding stay opt-in: a 30-50 s compile outweighs
 # what one typical call saves (a WikiText-2 pass, a few hundred align steps, a short generation).
 COMPILE_BY_DEFAULT: frozenset[tuple[str, str]] = frozenset({("cuda", "train")})
-USES = ("train", "align", "eval", "decode")
+USES = ("train", "align", "eval", "decode", "prefill")
 # ... and only for a run long enough to win its compile back. The first compile of the teacher and the
 # student took 108 s on the H200 (64 x 512), and compiling saves 3.5 us a token with PyTorch's GDN
 # backward (70.5k -> 93.6k tokens/s) or 6.4 us with fla's (69.5k -> 126.1k): 17-31M tokens to break
@@ -58,6 +59,53 @@ BACKEND = "inductor"  # torch.compile's backend for every CompiledGraph that nam
 # 2k tokens, batch 1, the compiled 75% GDN hybrid ran 37.6 ms as launched kernels (the GPU busy 27% of
 # the time: fla's Triton launches and Python) and 5.5 ms replayed (bench/compile_speed.py, RESULTS.md).
 REPLAY_MODE = "reduce-overhead"
+
+
+@dataclass(frozen=True)
+class Route:
+    """How inference runs a graph on one device for one use (surgery.decode.fast runs it).
+
+    causal_flags   SDPA masks proven plain causal become is_causal (surgery.decode.CausalFlags):
+                   flash attention instead of a materialised [L, L] mask; bit-identical on the CPU
+                   teachers checked (RESULTS, tenth session), so it costs no agreement
+    compile_after  eager seconds this runner spends before it compiles (0: at once; None: never).
+                   Compiling costs COMPILE_SECONDS once; spending that much eagerly first is the
+                   ski-rental rule: never more than twice the cost of the best choice in hindsight,
+                   whether the caller then runs one more call or a million."""
+
+    causal_flags: bool = False
+    compile_after: float | None = None
+
+
+# A compile of the 75% hybrid (SmolLM2-135M shapes) took 22-32 s on the H200, the teacher's 27-38 s, on a
+# cold inductor cache; 6-7 s from a warm one (bench/RESULTS.md, eighth to eleventh sessions).
+COMPILE_SECONDS = 30.0
+# THE table of inference routes, by (device type, use); a pair not here runs the captured graph as it is
+# (every CPU use: compiling stories260K took ~45 s for 4.6 ms saved a forward, see above, and the CPU
+# tests keep their numbers). Measured on the H200, bf16, batch 1 (ms per forward, RESULTS.md):
+#   prefill 2k: hybrid eager 78.66, compiled + CUDA graphs 5.53 (teacher 5.87, transformers 22.71)
+#   prefill 8k: hybrid eager 95.42, compiled + CUDA graphs with the flags 13.71 (transformers 40.39)
+#   prefill 32k: hybrid eager 164.5, compiled + CUDA graphs with the flags 59.4 (transformers 129.8);
+#     without the flags the kept layers' masked SDPA took 9.3 ms each
+# and compiled bf16 logits were nearer float32 than eager bf16's on real SmolLM2 (teacher: max relative
+# gap 0.030 vs 0.046; uncalibrated 75% hybrid: 0.817 vs 0.975; RESULTS, eleventh session). So on CUDA
+# the flags are always on and compiling pays once COMPILE_SECONDS of eager forwards were spent: at 2k
+# after ~380 forwards, at 32k after ~180. "eval": perplexity and passkey; "prefill": a Decoder's prompt.
+ROUTES: dict[tuple[str, str], Route] = {
+    ("cuda", "eval"): Route(causal_flags=True, compile_after=COMPILE_SECONDS),
+    ("cuda", "prefill"): Route(causal_flags=True, compile_after=COMPILE_SECONDS),
+}
+
+
+def inference_route(flag: bool | None, device, use: str) -> Route:
+    """The route for `use` on `device`: the table's (ROUTES), or the user's --compile / --no-compile:
+    compiled at once (always with the flags: the compiled paths were measured with them), or never."""
+    if use not in USES:
+        raise ValueError(f"unknown compile use {use!r}; one of {USES}")
+    route = ROUTES.get((torch.device(device).type, use), Route())
+    if flag is None:
+        return route
+    return Route(causal_flags=True, compile_after=0.0) if flag else Route(route.causal_flags, None)
 
 
 def compile_default(device, use: str, tokens: int | None = None) -> bool:

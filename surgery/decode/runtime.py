@@ -31,6 +31,7 @@ from .lengths import FIX_FULL
 from .masks import MASK_PROBE
 from .plan import DecodePlan, plan_decode
 from .positions import rewrite_positions
+from .prefill import Prefill
 from .regimes import History
 from .static_step import StaticStep
 
@@ -90,7 +91,9 @@ class Decoder:
     "cuda-graph": static steps captured once per reset and replayed (CUDA only). "auto": cuda-graph on
     CUDA, dynamic elsewhere (static when compiled). compile: static steps run through torch.compile
     (then, as cuda-graph, the compiled step is what is captured); None: where it pays
-    (surgery.core.compiled). Prefills and dynamic steps stay eager. fuse_projections: static steps
+    (surgery.core.compiled). A first prefill takes the fast route of the device (surgery.decode.
+    prefill: on CUDA the causal flags, compiled once it pays; compile=True: compiled at once); later
+    prefills and dynamic steps run the decode graph eagerly. fuse_projections: static steps
     run linears that share an input as one matmul over a copy of their weights (more memory, fewer
     kernels; surgery.decode.fused_linears), copied again at each reset if a weight changed."""
 
@@ -103,6 +106,7 @@ class Decoder:
         plan = plan_decode(graph, mask_probe=mask_probe)
         self.max_length = plan.max_length
         self.state = DecodeState()
+        self.fast_prefill = Prefill(self, plan, compile)  # before the decode graph rewrites plan.gm
         self.attention, self.gdn, self.regimes = build_decode_graph(plan, self.state, self.step_mode != "dynamic", graph.device)
         self.history = History(self.regimes)
         self.gm = plan.gm
@@ -185,7 +189,13 @@ class Decoder:
 
     def prefill(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The prompt [B, T] (the whole of it in one call; later calls continue it): logits [B, T, V]."""
-        return self.forward(input_ids)
+        ids = self._checked(input_ids)
+        if not self.fast_prefill.takes(ids):
+            return self._feed(ids)
+        logits = self.fast_prefill(ids)
+        self.state.offset += ids.shape[1]
+        self.history.add(ids)
+        return logits
 
     def step(self, next_ids: torch.Tensor) -> torch.Tensor:
         """One new token per row ([B, 1] or [B]): logits [B, 1, V]."""
@@ -209,6 +219,7 @@ class Decoder:
     def _self_check(self, vocab: int) -> None:
         """Prefill + steps against full recomputation on short random probes (agreement.probes)."""
         runner, self._static.runner = self._static.runner, None  # eager: compiling for the probe's shapes would not serve later ones
+        self.fast_prefill.eager_only = True  # the prefill taps checked, not compiled for the probe
         try:
             for n, first in probes(self.max_length, self.regimes.switches):
                 ids = torch.randint(0, vocab, (1, n), generator=torch.Generator().manual_seed(0)).to(self.graph.device)
@@ -218,4 +229,5 @@ class Decoder:
                 check_probe(torch.cat(got, dim=1), references(self.graph, ids, first))
         finally:
             self._static.runner = runner
+            self.fast_prefill.eager_only = False
             self.reset()
