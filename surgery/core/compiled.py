@@ -37,7 +37,6 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import first_line
-from .run import run_graph
 
 
 # (device type, use) where compiling is the default, each measured (bench/RESULTS.md, 2026-12-01): on the
@@ -55,7 +54,7 @@ USES = ("train", "align", "eval", "decode", "prefill")
 # Shorter runs train eagerly unless --compile says otherwise.
 TRAIN_COMPILE_PAYS_AFTER = 30_000_000  # tokens
 BACKEND = "inductor"  # torch.compile's backend for every CompiledGraph that names none (tests use "aot_eager")
-# Fixed-shape inference on CUDA (graph_runner): compiled, then replayed as CUDA graphs. On the H200 at
+# Fixed-shape inference on CUDA (surgery.decode.fast): compiled, then replayed as CUDA graphs. On the H200 at
 # 2k tokens, batch 1, the compiled 75% GDN hybrid ran 37.6 ms as launched kernels (the GPU busy 27% of
 # the time: fla's Triton launches and Python) and 5.5 ms replayed (bench/compile_speed.py, RESULTS.md).
 REPLAY_MODE = "reduce-overhead"
@@ -203,20 +202,3 @@ def maybe_compiled(module, flag: bool | None, device, *, use: str, label: str = 
     if not resolve_compile(flag, device, use):
         return module
     return CompiledGraph(module if prepare is None else prepare(module), label=label, **options)
-
-
-def graph_runner(graph, flag: bool | None = None, *, use: str = "eval", prepare=None, **options):
-    """ids -> logits of a Graph: graph.logits itself when compiling is off, else its gm (or
-    prepare(gm), a hashable rewrite for the compiled path such as surgery.decode.CausalFlags)
-    compiled once per gm and rewrite, kept in graph.cache so later calls reuse it, with the same
-    input checks. On CUDA the compiled graph is replayed as CUDA graphs (REPLAY_MODE): a caller reads
-    each call's logits before the next call, and its shapes repeat (evaluation chunks)."""
-    if not resolve_compile(flag, graph.device, use):
-        return graph.logits
-    if graph.device.type == "cuda":
-        options.setdefault("mode", REPLAY_MODE)
-    key = ("compiled", graph.gm, prepare)
-    if key not in graph.cache:
-        graph.cache[key] = CompiledGraph(graph.gm if prepare is None else prepare(graph.gm), **options)
-    compiled = graph.cache[key]
-    return lambda input_ids: run_graph(graph, input_ids, compiled)

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from ..core.bos import lead_ids, leading_token
+from ..core.graph import Graph
 from ..data.cache import token_stream
 from ..data.text import tokenize
 from ..decode.fast import fast_runner
@@ -93,7 +94,7 @@ def score(graph, trials: list[PasskeyTrial], batch_size: int = 8, compile: bool 
     if longest > graph.max_length:
         raise SurgeryError(f"A passkey prompt plus its key takes {longest} tokens, over this graph's limit of {graph.max_length}.",
                            "Use shorter --lengths.")
-    run = fast_runner(graph, compile, label="graph for passkey")
+    run = fast_runner(graph, compile, label="graph for passkey") if isinstance(graph, Graph) else graph  # else: ids -> logits
     correct = [False] * len(trials)
     groups: dict[int, list[int]] = {}
     for i, t in enumerate(trials):
