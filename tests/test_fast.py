@@ -17,6 +17,7 @@ from surgery.core.compiled import Route, inference_route
 from surgery.decode import Decoder
 from surgery.decode.causal_flags import CausalFlags
 from surgery.decode.fast import FastGraph, bucket, fast_graph, fast_logits, fast_runner
+from surgery.decode.precision import float32_gaps, float32_twin
 from surgery.eval.passkey import passkey
 
 TOLERANCE = 1e-5
@@ -174,3 +175,28 @@ def test_flags_bucket_refuses_nothing_it_serves(stories):
         key = fast.key(length)
         assert key >= length and isinstance(fast.graph(key), torch.fx.GraphModule)
     assert CausalFlags(graph.max_length) == CausalFlags(graph.max_length)  # hashable, one rewrite per bucket
+
+
+def test_float32_gaps_of_a_bf16_graph(stories_path, aot_eager):
+    """stories260K captured in bf16: its float32 twin rewrites the traced casts (it matches a float32
+    capture of the same weights far better than the bf16 graph does), and the report compares eager
+    and compiled bf16 with it."""
+    import surgery
+
+    low = surgery.capture(stories_path, dtype=torch.bfloat16, find=False)
+    high = surgery.capture(stories_path, dtype=torch.float32, find=False)
+    ids = ids_of(high, 1, 48)
+    with torch.no_grad():
+        for name, p in high.gm.named_parameters():  # the same (bf16-rounded) weights
+            p.copy_(low.gm.get_parameter(name).float())
+        twin = float32_twin(low.gm)
+        assert all(p.dtype == torch.float32 for p in twin.parameters())
+        exact = high.logits(ids)
+        twin_gap = (twin(input_ids=ids, **twin.meta["extra_inputs"]).logits - exact).abs().max().item()
+        assert twin_gap < 1e-3 * exact.abs().max().item() < (low.logits(ids).float() - exact).abs().max().item()
+    report = float32_gaps(low, ids, report=None)
+    assert report["compiled_vs_eager"]["max_rel"] < 1e-2 and report["eager"]["mean_rel"] > 0
+    assert report == {**report, "compiled_no_farther": report["compiled"]["max_rel"] <= report["eager"]["max_rel"]
+                      and report["compiled"]["mean_rel"] <= report["eager"]["mean_rel"]}
+    with_reference = float32_gaps(low, ids, reference=high, report=None)
+    assert abs(with_reference["eager"]["mean_rel"] - report["eager"]["mean_rel"]) < 1e-2

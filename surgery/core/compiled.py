@@ -13,11 +13,13 @@ Caches: inductor's FX graph cache and AOTAutograd's cache are on by default and 
 own cache directory (TORCHINDUCTOR_CACHE_DIR); a later run of the same graph loads its kernels from
 there instead of compiling them (the report says "cache hit").
 
-Policy ("on where it pays", compile_default): off until a device's figures say it pays and agrees.
-On the 2 CPU cores measured, stories260K (5 layers) took ~45 s to compile, then ran a 64-token
-forward in 2.5 ms against 7.1 ms eagerly; a CPU job would need some 10,000 forwards to win the
-compile time back. CUDA: bench/compile_speed.py's figures (bench/RESULTS.md) decide; until the
-compiled graph's bf16 logits are shown to agree with eager, --compile is asked for, not assumed.
+Policy ("on where it pays"): every default lives in this file. Training, alignment and decode
+steps: COMPILE_BY_DEFAULT (compile_default). Inference forwards (evaluation, passkey, a Decoder's
+prefill; surgery.decode.fast runs them): ROUTES, the causal flags and a compile once the eager calls
+have cost what a compile does. On the 2 CPU cores measured, stories260K (5 layers) took ~45 s to
+compile, then ran a 64-token forward in 2.5 ms against 7.1 ms eagerly; a CPU job would need some
+10,000 forwards to win the compile time back, so nothing compiles on the CPU unless asked.
+surgery.decode.precision.float32_gaps measures whether a compiled graph is as near float32 as eager.
 
 Precision (issue 17's 42.6 max-abs logits gap, compiled vs eager captured teacher in bf16): not
 reproduced on CPU. stories260K bf16, 2 x 500 tokens: max |diff| 0.80 (logits up to 19), 0.16 with
