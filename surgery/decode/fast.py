@@ -52,6 +52,7 @@ class FastGraph:
         self.graphs: dict = {}      # bucket (None without the flags) -> the graph eager calls run
         self.compiled: dict = {}    # bucket -> CompiledGraph
         self.eager_seconds = 0.0
+        self.shapes: set = set()    # input shapes run eagerly so far (a shape's first call is not counted)
         self.failed: str | None = None
         self.borrowed = False
 
@@ -110,8 +111,11 @@ class FastGraph:
         return reference
 
     def timed(self, ids: torch.Tensor):
-        """An eager call, its time counted towards compiling when the route compiles at all."""
-        if self.route.compile_after is None or self.failed is not None:
+        """An eager call, its time counted towards compiling when the route compiles at all. A shape's
+        first call is not: it includes one-off work (fla compiles and autotunes its kernels there, 46 s
+        for the hybrid's first forward on the H200, issue 29) that compiling would not save."""
+        if self.route.compile_after is None or self.failed is not None or ids.shape not in self.shapes:
+            self.shapes.add(ids.shape)
             return self.eager(ids)
         start = time.perf_counter()
         out = self.eager(ids)
