@@ -99,13 +99,18 @@ class GDNAttention(GatedDeltaNet):
         return AttentionOutput((self.forward_rows(hidden_states, keep, state), None))
 
     def cached_state(self, cache: Cache, hidden_states: torch.Tensor):
-        """This layer's GDN state in `cache` (created empty on the first call)."""
+        """This layer's GDN state in `cache` (created empty on the first call). The state is updated in
+        place, so a one-token call takes the fused token step (token_step.py: one Triton kernel on CUDA,
+        its PyTorch reference elsewhere) and carries the state without copying it; the prefill runs
+        the chunked kernel (fla's on CUDA)."""
         batch, length = hidden_states.shape[:2]
         empty = hidden_states.new_zeros(batch, 1, length, 0)
         cache.update(empty, empty, self.cache_index)
         layer = cache.layers[self.cache_index]
         if getattr(layer, STATE, None) is None:
-            setattr(layer, STATE, self.new_cache())
+            state = self.new_cache()
+            state.in_place = True
+            setattr(layer, STATE, state)
         return getattr(layer, STATE)
 
     def forward_rows(self, hidden_states: torch.Tensor, keep: torch.Tensor, state):
