@@ -202,3 +202,25 @@ def test_float32_gaps_of_a_bf16_graph(stories_path, aot_eager):
                       and report["compiled"]["mean_rel"] <= report["eager"]["mean_rel"]}
     with_reference = float32_gaps(low, ids, reference=high, report=None)
     assert abs(with_reference["eager"]["mean_rel"] - report["eager"]["mean_rel"]) < 1e-2
+
+
+def test_decoder_prefill_that_fails_to_compile_warns_once(tiny, monkeypatch):
+    """The Decoder's compiled prefill falls back as the runner does: one warning, then the eager
+    prefill graph, the same tokens."""
+    graph = hybrid(tiny("llama").graph.branch())
+    prompt = ids_of(graph, 1, 9)[0].tolist()
+    reference, _ = full_greedy(graph, prompt, 4)
+    cuda_routes_on_cpu(monkeypatch, compile_after=0.0)
+
+    def broken(gm, example_inputs):
+        raise RuntimeError("no compiler here")
+
+    monkeypatch.setattr(compiled_module, "BACKEND", broken)
+    decoder = Decoder(graph)
+    with pytest.warns(UserWarning, match="Compiling the prefill graph failed"):
+        tokens, _ = incremental_greedy(decoder, prompt, 4)
+    assert tokens == reference
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert incremental_greedy(decoder, prompt, 4)[0] == reference
+    assert decoder.fast_prefill.fast.failed
