@@ -150,15 +150,9 @@ class KVCacheAttention(nn.Module):
         return out.to(self.out_dtype)
 
     def fill(self, k, v) -> None:
-        """A first prefill's K and V (as they reach the attention call) written as forward at offset 0
-        writes them, without the attention: the prefill graph computed that (surgery.decode.prefill)."""
-        k, v = self.k_prep(k), self.v_prep(v)
-        if self.batch is not None and k.shape[0] != self.batch:
-            raise DecodeError(f"The decoder was reset for batch {self.batch} but got {k.shape[0]} rows.", "Call reset(batch_size) first.")
-        if self.window is None:
-            self._linear(k, v, 0)
-        else:
-            self._ring(k, v, 0)
+        """A first prefill's K and V (as they reach the attention call, batch checked by the Decoder)
+        written as forward writes them at offset 0, without the attention (surgery.decode.prefill)."""
+        (self._linear if self.window is None else self._ring)(self.k_prep(k), self.v_prep(v), 0)
 
     def _static_step(self, q, k, v, index):
         """One token per row written at its slot through a device index and attention over the whole

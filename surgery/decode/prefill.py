@@ -87,7 +87,8 @@ class Prefill:
         return self.on and self.decoder.state.offset == 0
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
-        """Logits [B, T, V] of a first prefill; the caches hold what the eager prefill would leave."""
+        """Logits [B, T, V] of a first prefill (checked ids); the caches and the offset are left as the
+        eager prefill leaves them."""
         dec = self.decoder
         with torch.no_grad():
             out = self.fast.eager(ids) if self.eager_only else self.fast(ids)
@@ -101,4 +102,8 @@ class Prefill:
                 state = [tensors.pop(0) for _ in range(1 + len(streams))]
                 module.load(state[0], dict(zip(streams, state[1:])))
             logits = out[0]
-            return logits.clone() if self.fast.borrowed and not self.eager_only else logits
+            if self.fast.borrowed and not self.eager_only:
+                logits = logits.clone()
+        dec.state.offset += ids.shape[1]
+        dec.history.add(ids)
+        return logits

@@ -91,9 +91,8 @@ class Decoder:
     "cuda-graph": static steps captured once per reset and replayed (CUDA only). "auto": cuda-graph on
     CUDA, dynamic elsewhere (static when compiled). compile: static steps run through torch.compile
     (then, as cuda-graph, the compiled step is what is captured); None: where it pays
-    (surgery.core.compiled). A first prefill takes the fast route of the device (surgery.decode.
-    prefill: on CUDA the causal flags, compiled once it pays; compile=True: compiled at once); later
-    prefills and dynamic steps run the decode graph eagerly. fuse_projections: static steps
+    (surgery.core.compiled). A first prefill takes the device's fast route (surgery.decode.prefill);
+    later prefills and dynamic steps run the decode graph eagerly. fuse_projections: static steps
     run linears that share an input as one matmul over a copy of their weights (more memory, fewer
     kernels; surgery.decode.fused_linears), copied again at each reset if a weight changed."""
 
@@ -190,12 +189,7 @@ class Decoder:
     def prefill(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The prompt [B, T] (the whole of it in one call; later calls continue it): logits [B, T, V]."""
         ids = self._checked(input_ids)
-        if not self.fast_prefill.takes(ids):
-            return self._feed(ids)
-        logits = self.fast_prefill(ids)
-        self.state.offset += ids.shape[1]
-        self.history.add(ids)
-        return logits
+        return self.fast_prefill(ids) if self.fast_prefill.takes(ids) else self._feed(ids)
 
     def step(self, next_ids: torch.Tensor) -> torch.Tensor:
         """One new token per row ([B, 1] or [B]): logits [B, 1, V]."""
@@ -219,7 +213,7 @@ class Decoder:
     def _self_check(self, vocab: int) -> None:
         """Prefill + steps against full recomputation on short random probes (agreement.probes)."""
         runner, self._static.runner = self._static.runner, None  # eager: compiling for the probe's shapes would not serve later ones
-        self.fast_prefill.eager_only = True  # the prefill taps checked, not compiled for the probe
+        self.fast_prefill.eager_only = True  # the prefill graph's taps are checked, not compiled
         try:
             for n, first in probes(self.max_length, self.regimes.switches):
                 ids = torch.randint(0, vocab, (1, n), generator=torch.Generator().manual_seed(0)).to(self.graph.device)
