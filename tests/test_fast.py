@@ -5,6 +5,7 @@ captured graph itself; a compile that fails or disagrees falls back to eager wit
 from __future__ import annotations
 
 import dataclasses
+import operator
 import warnings
 
 import pytest
@@ -14,7 +15,7 @@ from test_generate import full_greedy, hybrid, incremental_greedy
 import surgery.core.compiled as compiled_module
 import surgery.decode.agreement as agreement_module
 from surgery.core.compiled import Route, inference_route
-from surgery.decode import Decoder
+from surgery.decode import Decoder, generate
 from surgery.decode.causal_flags import CausalFlags
 from surgery.decode.fast import FastGraph, bucket, fast_graph, fast_logits, fast_runner
 from surgery.decode.precision import float32_gaps, float32_twin
@@ -150,7 +151,14 @@ def test_decoder_prefill_through_the_fast_route(tiny, aot_eager, monkeypatch, na
             assert_close(fast.gdn[layer].cache.recurrent, m.cache.recurrent, f"GDN {layer} state")
         for layer, m in eager.attention.items():
             assert_close(fast.attention[layer].k_cache, m.k_cache, f"K cache {layer}")
-    assert list(fast.fast_prefill.fast.compiled) and fast.fast_prefill.fast.failed is None
+    assert list(fast.fast_prefill.runs[False].compiled) and fast.fast_prefill.runs[False].failed is None
+    with torch.no_grad():  # generate's prefill: the head computes the last position only
+        last = fast.reset(1, 20).prefill(ids, last_only=True)
+        assert last.shape[1] == 1
+        assert_close(last, eager.reset(1, 20).prefill(ids)[:, -1:], "last position's logits")
+    run = fast.fast_prefill.runs[True]
+    head = next(n for n in reversed(run.graphs[run.key(11)].graph.nodes) if n.target == torch.ops.aten.linear.default)
+    assert head.args[0].target is operator.getitem  # sliced before the head, not after
     tokens, _ = incremental_greedy(fast, prompt, 6)
     assert tokens == reference
 
@@ -218,9 +226,8 @@ def test_decoder_prefill_that_fails_to_compile_warns_once(tiny, monkeypatch):
     monkeypatch.setattr(compiled_module, "BACKEND", broken)
     decoder = Decoder(graph)
     with pytest.warns(UserWarning, match="Compiling the prefill graph failed"):
-        tokens, _ = incremental_greedy(decoder, prompt, 4)
-    assert tokens == reference
+        assert generate(decoder, [prompt], 4, eos_token_id=None)[0] == reference
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert incremental_greedy(decoder, prompt, 4)[0] == reference
-    assert decoder.fast_prefill.fast.failed
+        assert generate(decoder, [prompt], 4, eos_token_id=None)[0] == reference
+    assert decoder.fast_prefill.runs[True].failed

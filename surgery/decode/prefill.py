@@ -21,6 +21,10 @@ from ..core.rewrite import fork, nodes_by_name, set_submodule
 from .fast import FastGraph
 
 CONV_STREAMS = ("q", "k", "v")  # the GatedDeltaNet's short-convolution streams, in output order
+aten = torch.ops.aten
+# Ops between the output head and the logits that act on each position alone (a softcap, a cast).
+POSITIONWISE = {aten.mul.Tensor, aten.div.Tensor, aten.tanh.default, aten.to.dtype, aten._to_copy.default}
+LAST = (slice(None), slice(-1, None))  # [B, T, ...] -> [B, 1, ...]
 
 
 class GDNTap(nn.Module):
@@ -43,8 +47,8 @@ class PrefillTaps:
     """The rewrite that turns a (flag-rewritten) fork of the plan's graph into the prefill graph:
     output (logits, K and V of each kept layer by layer order, each GDN's state tensors)."""
 
-    def __init__(self, kv_sources: dict[int, tuple[str, str]], gdn_targets: dict[str, int]):
-        self.kv_sources, self.gdn_targets = kv_sources, gdn_targets
+    def __init__(self, kv_sources: dict[int, tuple[str, str]], gdn_targets: dict[str, int], last_only: bool = False):
+        self.kv_sources, self.gdn_targets, self.last_only = kv_sources, gdn_targets, last_only
 
     def __call__(self, gm: GraphModule) -> GraphModule:
         gm = fork(gm)
@@ -63,6 +67,8 @@ class PrefillTaps:
         outputs += [part for layer in sorted(states) for part in states[layer]]
         output = next(n for n in gm.graph.nodes if n.op == "output")
         logits = pytree.tree_leaves(output.args[0])[0]
+        if self.last_only:
+            logits = last_position(gm, logits)
         output.args = ((logits, *outputs),)
         info = gm.graph._codegen.pytree_info
         gm.graph._codegen.pytree_info = info._replace(out_spec=pytree.tree_structure(tuple(range(1 + len(outputs)))))
@@ -71,27 +77,45 @@ class PrefillTaps:
         return gm
 
 
+def last_position(gm: GraphModule, logits):
+    """The logits of the last position only, computed from it alone where the graph allows: the output
+    head's input sliced when only position-wise ops follow the head (the head over a 32k prompt is a
+    1.9 TFLOP matmul for SmolLM2, and its logits 3.2 GB in bf16); else the logits sliced."""
+    head = logits
+    while head.op == "call_function" and head.target in POSITIONWISE and len(head.all_input_nodes) == 1:
+        head = head.all_input_nodes[0]
+    x = head.args[0] if head.op == "call_function" and head.target == aten.linear.default else None
+    value = x.meta.get("val") if isinstance(x, torch.fx.Node) else None
+    if value is not None and value.dim() == 3:
+        with gm.graph.inserting_before(head):
+            head.replace_input_with(x, gm.graph.call_function(operator.getitem, (x, LAST)))
+        return logits
+    with gm.graph.inserting_after(logits):
+        return gm.graph.call_function(operator.getitem, (logits, LAST))
+
+
 class Prefill:
     """The fast first prefill of a Decoder: `takes(ids)` says whether a call goes this way."""
 
     def __init__(self, decoder, plan, flag: bool | None):
         sources = {layer: (p.k_source.name, p.v_source.name) for layer, p in plan.attention.items()}
-        self.taps = PrefillTaps(sources, dict(plan.gdn))
-        self.decoder = decoder
-        self.fast = FastGraph(fork(plan.gm), decoder.graph.device, "prefill", flag, limit=plan.max_length,
-                              label="prefill graph", rewrite=self.taps)
-        self.on = self.fast.route.causal_flags or self.fast.route.compile_after is not None
+        self.decoder, self.gm = decoder, fork(plan.gm)
+        self.runs = {last: FastGraph(self.gm, decoder.graph.device, "prefill", flag, limit=plan.max_length,
+                                     label="prefill graph", rewrite=PrefillTaps(sources, dict(plan.gdn), last))
+                     for last in (False, True)}  # all logits, or the last position's (what generate reads)
+        route = self.runs[False].route
+        self.on = route.causal_flags or route.compile_after is not None
         self.eager_only = False  # the self-check's probes: the taps checked without compiling for their shapes
 
     def takes(self, ids: torch.Tensor) -> bool:
         return self.on and self.decoder.state.offset == 0
 
-    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
-        """Logits [B, T, V] of a first prefill (checked ids); the caches and the offset are left as the
-        eager prefill leaves them."""
-        dec = self.decoder
+    def __call__(self, ids: torch.Tensor, last_only: bool = False) -> torch.Tensor:
+        """Logits [B, T, V] ([B, 1, V] with last_only) of a first prefill (checked ids); the caches and
+        the offset are left as the eager prefill leaves them."""
+        dec, fast = self.decoder, self.runs[last_only]
         with torch.no_grad():
-            out = self.fast.eager(ids) if self.eager_only else self.fast(ids)
+            out = fast.eager(ids) if self.eager_only else fast(ids)
             tensors = list(out[1:])
             for layer in sorted(dec.attention):
                 k, v = tensors.pop(0), tensors.pop(0)
@@ -102,7 +126,7 @@ class Prefill:
                 state = [tensors.pop(0) for _ in range(1 + len(streams))]
                 module.load(state[0], dict(zip(streams, state[1:])))
             logits = out[0]
-            if self.fast.borrowed and not self.eager_only:
+            if fast.borrowed and not self.eager_only:
                 logits = logits.clone()
         dec.state.offset += ids.shape[1]
         dec.history.add(ids)

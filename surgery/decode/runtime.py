@@ -186,10 +186,11 @@ class Decoder:
                 self._warned = True
         return input_ids.to(self.graph.device)
 
-    def prefill(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """The prompt [B, T] (the whole of it in one call; later calls continue it): logits [B, T, V]."""
+    def prefill(self, input_ids: torch.Tensor, last_only: bool = False) -> torch.Tensor:
+        """The prompt [B, T] (in one call; later calls continue it): logits [B, T, V] ([B, 1, V]: last_only)."""
         ids = self._checked(input_ids)
-        return self.fast_prefill(ids) if self.fast_prefill.takes(ids) else self._feed(ids)
+        logits = self.fast_prefill(ids, last_only) if self.fast_prefill.takes(ids) else self._feed(ids)
+        return logits[:, -1:] if last_only else logits
 
     def step(self, next_ids: torch.Tensor) -> torch.Tensor:
         """One new token per row ([B, 1] or [B]): logits [B, 1, V]."""
@@ -212,8 +213,8 @@ class Decoder:
 
     def _self_check(self, vocab: int) -> None:
         """Prefill + steps against full recomputation on short random probes (agreement.probes)."""
-        runner, self._static.runner = self._static.runner, None  # eager: compiling for the probe's shapes would not serve later ones
-        self.fast_prefill.eager_only = True  # the prefill graph's taps are checked, not compiled
+        # eager: compiling for the probe's shapes would not serve later ones (the prefill graph's taps are checked, not compiled)
+        runner, self._static.runner, self.fast_prefill.eager_only = self._static.runner, None, True
         try:
             for n, first in probes(self.max_length, self.regimes.switches):
                 ids = torch.randint(0, vocab, (1, n), generator=torch.Generator().manual_seed(0)).to(self.graph.device)
@@ -222,6 +223,5 @@ class Decoder:
                 self.reset()
                 check_probe(torch.cat(got, dim=1), references(self.graph, ids, first))
         finally:
-            self._static.runner = runner
-            self.fast_prefill.eager_only = False
+            self._static.runner, self.fast_prefill.eager_only = runner, False
             self.reset()
