@@ -131,12 +131,14 @@ def test_compile_that_disagrees_warns_once_and_stays_eager(stories, monkeypatch)
     assert "disagree" in fast_graph(graph).failed
 
 
-@pytest.mark.parametrize("name, use_short_conv", [("llama", True), ("gemma2", False)])
+@pytest.mark.parametrize("name, use_short_conv", [("llama", True), ("gemma2", False), ("qwen2", None)])
 def test_decoder_prefill_through_the_fast_route(tiny, aot_eager, monkeypatch, name, use_short_conv):
     """The prefill graph's taps fill the caches as the eager prefill does: the prefill's logits and
     the greedy steps after it equal the eager Decoder's and full recomputation's. gemma2: sliding
-    windows (a ring cache) and softcap; llama with short convolutions (conv states)."""
-    graph = hybrid(tiny(name).graph.branch(), use_short_conv=use_short_conv)
+    windows (a ring cache) and softcap; llama with short convolutions (conv states); qwen2: the
+    teacher itself (no GDN)."""
+    graph = tiny(name).graph.branch()
+    graph = graph if use_short_conv is None else hybrid(graph, use_short_conv=use_short_conv)
     prompt = ids_of(graph, 1, 11)[0].tolist()
     reference, _ = full_greedy(graph, prompt, 6)
     eager = Decoder(graph)

@@ -70,8 +70,9 @@ class PrefillTaps:
         if self.last_only:
             logits = last_position(gm, logits)
         output.args = ((logits, *outputs),)
-        info = gm.graph._codegen.pytree_info
-        gm.graph._codegen.pytree_info = info._replace(out_spec=pytree.tree_structure(tuple(range(1 + len(outputs)))))
+        info = getattr(gm.graph._codegen, "pytree_info", None)  # export's codegen rebuilds the model's output type
+        if info is not None and info.out_spec is not None:
+            gm.graph._codegen.pytree_info = info._replace(out_spec=pytree.tree_structure(tuple(range(1 + len(outputs)))))
         gm.graph.lint()
         gm.recompile()
         return gm
