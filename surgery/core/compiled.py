@@ -44,8 +44,9 @@ from ..errors import first_line
 # (device type, use) where compiling is the default, each measured (bench/RESULTS.md, 2026-12-01): on the
 # H200, distillation ran 126.1k tokens/s compiled against 69.5k eager (32 x 512, fla's backward), and the
 # compiled bf16 SmolLM2 teacher's logits were nearer its float32 logits than eager bf16's (max relative
-# gap 0.030 against 0.046). Evaluation, alignment and decoding stay opt-in: a 30-50 s compile outweighs
-# what one typical call saves (a WikiText-2 pass, a few hundred align steps, a short generation).
+# gap 0.030 against 0.046). Alignment and decode steps stay opt-in: a 30-50 s compile outweighs what one
+# typical call saves (a few hundred align steps, a short generation). Inference forwards (evaluation,
+# a Decoder's prefill) follow ROUTES below, which compiles only once the eager calls have paid for it.
 COMPILE_BY_DEFAULT: frozenset[tuple[str, str]] = frozenset({("cuda", "train")})
 USES = ("train", "align", "eval", "decode", "prefill")
 # ... and only for a run long enough to win its compile back. The first compile of the teacher and the
