@@ -235,3 +235,17 @@ def test_decoder_prefill_that_fails_to_compile_warns_once(tiny, monkeypatch):
         warnings.simplefilter("error")
         assert generate(decoder, [prompt], 4, eos_token_id=None)[0] == reference
     assert decoder.fast_prefill.runs[True].failed
+
+
+def test_the_runtime_guard_measures_distributions():
+    """compiled_agrees: rounding-sized noise and a common offset pass; another model's logits, a
+    permuted vocabulary and NaN do not."""
+    g = torch.Generator().manual_seed(0)
+    eager = 4 * torch.randn(2, 50, 300, generator=g)
+    assert agreement_module.compiled_agrees(eager + 0.05 * torch.randn(eager.shape, generator=g), eager)[0]
+    assert agreement_module.compiled_agrees(eager + 7.0, eager)[0]  # softmax ignores a shift
+    assert not agreement_module.compiled_agrees(4 * torch.randn(eager.shape, generator=g), eager)[0]
+    assert not agreement_module.compiled_agrees(eager.flip(-1), eager)[0]
+    nan = eager.clone()
+    nan[0, 3, 7] = float("nan")
+    assert agreement_module.compiled_agrees(nan, eager) == (False, "non-finite logits")
