@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import sys
+import time
 from pathlib import Path
 from typing import List, Optional
 
@@ -87,6 +88,22 @@ def check_room(path, max_new_tokens: int) -> None:
                            f"Pass --max-new-tokens {limit - 1} or fewer (less the prompt's length).")
 
 
+class Clock:
+    """Time to first token (the prefill, through surgery.decode.fast's route) and the decode rate."""
+
+    def __init__(self):
+        self.start, self.times = time.perf_counter(), []
+
+    def tick(self) -> None:
+        self.times.append(time.perf_counter() - self.start)
+
+    def summary(self, index: int, prompt_tokens: int) -> str:
+        if not self.times:
+            return f"prompt {index}: {prompt_tokens} tokens, nothing generated"
+        rate = f", then {(len(self.times) - 1) / (self.times[-1] - self.times[0]):.1f} tokens/s" if len(self.times) > 1 else ""
+        return f"prompt {index}: {prompt_tokens} tokens, first token after {self.times[0]:.3f} s{rate}"
+
+
 def generate(
     model: str = ModelOpt,
     prompt: Optional[List[str]] = typer.Option(None, "--prompt", "-p", help="Prompt text: --prompt 'a' 'b' (or repeat the flag): one continuation per prompt."),
@@ -138,8 +155,11 @@ def generate(
             sys.stdout.write(text)
             sys.stdout.flush()
 
-        for ids in encoded:  # one prompt at a time, so each continuation streams whole
+        for i, ids in enumerate(encoded, 1):  # one prompt at a time, so each continuation streams whole
             text = TextStream(tokenizer, ids, write)
+            clock = Clock()
             decode_generate(decoder, [ids], max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                            stream=lambda _, token, text=text: text.push(token))
+                            stream=lambda _, token, text=text, clock=clock: (clock.tick(), text.push(token)))
             text.close()
+            err.print(clock.summary(i, len(ids)))
+

@@ -10,4 +10,4 @@ ModelOpt = typer.Option(DEFAULT_MODEL, "--model", "-m", help="Model directory, .
 DebugOpt = typer.Option(False, "--debug", help="Show full tracebacks.")
 DeviceOpt = typer.Option(None, "--device", help="cpu, cuda, cuda:1 ... (default: cuda when available).")
 DtypeOpt = typer.Option(None, "--dtype", help="float32, bfloat16, float16 (default: float32 on CPU, bfloat16 on CUDA).")
-CompileOpt = typer.Option(None, "--compile/--no-compile", help="Run the graph through torch.compile (default: on for distillation of >= 30M tokens on CUDA, off otherwise).")
+CompileOpt = typer.Option(None, "--compile/--no-compile", help="Run the graph through torch.compile (default: where it pays, surgery.core.compiled: on CUDA for distillation of >= 30M tokens, and for evaluation and prefill once eager calls have cost a compile; never on CPU).")

@@ -6,6 +6,7 @@ initialise them with Taylor-Calibrate.
     PassManager(["select", "replace", "calibrate", "align"])(graph)
     save(graph, "out/hybrid");  hybrid = load("out/hybrid")
     generate(hybrid, [prompt_ids], max_new_tokens=32)   # incremental decoding (Decoder)
+    fast_logits(hybrid, ids)                             # a forward on the device's fast route
     distill("out/hybrid", ["corpus.txt"], "out/distilled", DistillConfig(tokens=10_000_000))
 """
 from .core.versions import check_transformers
@@ -14,7 +15,7 @@ check_transformers()  # first: outside the tested transformers range, refuse bef
 
 from .core.graph import Graph  # noqa: E402
 from .core.pipeline import Pass, PassConfig, PassManager, PassResult, get_pass, known_passes, register
-from .decode import Decoder, generate
+from .decode import Decoder, fast_logits, generate
 from .errors import SurgeryError
 from .eval import diff
 from .io import capture, export, load, open_model, save
@@ -24,6 +25,6 @@ from . import passes  # noqa: E402,F401  (last: importing the passes registers t
 
 __all__ = [
     "capture", "load", "save", "open_model", "export", "diff", "SurgeryError", "Graph", "Pass", "PassConfig", "PassManager",
-    "PassResult", "get_pass", "known_passes", "register", "AttentionSite", "find_sites", "Decoder", "generate",
+    "PassResult", "get_pass", "known_passes", "register", "AttentionSite", "find_sites", "Decoder", "generate", "fast_logits",
     "DistillConfig", "distill",
 ]

@@ -9,9 +9,10 @@ import pytest
 import torch
 
 import surgery.core.compiled as compiled_module
-from surgery.core.compiled import graph_runner
 from surgery.core.run import graph_logits
-from surgery.decode.causal_flags import CausalFlags, causal_flags
+import surgery.decode.fast as fast_module
+from surgery.decode.causal_flags import causal_flags
+from surgery.decode.fast import fast_graph, fast_runner
 from surgery.sites.ops import SDPA_OPS, sdpa_arguments
 from surgery.errors import CaptureError
 
@@ -61,20 +62,23 @@ def test_a_window_wider_than_the_checked_length_is_causal_up_to_it(tiny):
 
 
 def test_compiled_runner_uses_the_flags(stories, monkeypatch):
-    """graph_runner's prepare: the compiled module has no mask left, one compiled graph per rewrite."""
+    """The fast runner compiled: the compiled module has no mask left, one compiled graph per length
+    bucket (surgery.decode.fast)."""
     monkeypatch.setattr(compiled_module, "BACKEND", "aot_eager")
+    monkeypatch.setattr(fast_module, "MIN_BUCKET", 64)
     graph = dataclasses.replace(stories(), cache={})  # its own cache: other tests compile the same teacher
-    run = graph_runner(graph, True, prepare=CausalFlags(64), report=None)
+    run = fast_runner(graph, True, report=None)
     ids = torch.randint(3, graph.config.vocab_size, (2, 64), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         eager, compiled = graph.logits(ids), run(ids)
-    assert (eager - compiled).abs().max() <= 1e-5 * eager.abs().max()
-    flagged = [k for k in graph.cache if k[0] == "compiled" and isinstance(k[-1], CausalFlags)]
-    assert flagged == [("compiled", graph.gm, CausalFlags(64))]
-    assert masked_calls(graph.cache[flagged[0]].module) == (0, graph.config.num_hidden_layers)
-    graph_runner(graph, True, prepare=CausalFlags(64), report=None)
-    graph_runner(graph, True, prepare=CausalFlags(128), report=None)
-    assert len([k for k in graph.cache if k[0] == "compiled" and isinstance(k[-1], CausalFlags)]) == 2
+        assert (eager - compiled).abs().max() <= 1e-5 * eager.abs().max()
+        fast = fast_graph(graph, True)
+        assert list(fast.compiled) == [64]
+        assert masked_calls(fast.compiled[64].module) == (0, graph.config.num_hidden_layers)
+        run(ids[:, :50])
+        assert list(fast.compiled) == [64]
+        run(torch.cat([ids, ids], dim=1))
+    assert list(fast.compiled) == [64, 128]
 
 
 def test_a_graph_without_a_length_to_prove_with_is_returned_unchanged(tiny):

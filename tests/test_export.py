@@ -179,3 +179,34 @@ def test_export_loads_without_surgery_installed(stories_export, tmp_path):
     error, tokens = run.stdout.strip().splitlines()[-1].split(" ", 1)
     assert float(error) <= 1e-4
     assert json.loads(tokens) == generate(loaded, [ids[0, :5].tolist()], max_new_tokens=4, eos_token_id=None)[0]
+
+
+def test_generate_carries_the_gdn_state(stories_export):
+    """transformers' generate on the export does not recompute the prefix: after the prompt each GDN
+    layer sees one token per call, and its recurrent state stays in one tensor updated in place (the
+    fused token step), while the tokens equal surgery's Decoder's greedy ones."""
+    hybrid, out = stories_export
+    loaded, model = surgery.load(hybrid), hf_load(out)
+    prompt = loaded.tokenizer("Once upon a time there was")["input_ids"]
+    lengths: dict = {}
+    states: dict = {}
+
+    def record(module, args, kwargs, output):
+        hidden = args[0] if args else kwargs["hidden_states"]
+        lengths.setdefault(module.cache_index, []).append(hidden.shape[1])
+        cache = next(kwargs[k] for k in ("past_key_values", "past_key_value", "cache", "layer_past") if k in kwargs)
+        tensor = getattr(cache.layers[module.cache_index], "surgery_gdn_state").recurrent
+        states.setdefault(module.cache_index, set()).add(tensor.data_ptr())
+
+    gdn = [m for m in model.modules() if type(m).__name__ == "GDNAttention"]
+    assert len(gdn) == 2
+    hooks = [m.register_forward_hook(record, with_kwargs=True) for m in gdn]
+    try:
+        tokens = model.generate(torch.tensor([prompt]), max_new_tokens=8, min_new_tokens=8, do_sample=False)
+    finally:
+        for h in hooks:
+            h.remove()
+    assert tokens[0, len(prompt):].tolist() == generate(loaded, [prompt], max_new_tokens=8, eos_token_id=None)[0]
+    for index in lengths:
+        assert lengths[index] == [len(prompt)] + [1] * 7, lengths[index]
+        assert len(states[index]) == 1  # one state tensor from the prefill on: written in place, never rebuilt

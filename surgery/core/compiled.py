@@ -13,11 +13,13 @@ Caches: inductor's FX graph cache and AOTAutograd's cache are on by default and 
 own cache directory (TORCHINDUCTOR_CACHE_DIR); a later run of the same graph loads its kernels from
 there instead of compiling them (the report says "cache hit").
 
-Policy ("on where it pays", compile_default): off until a device's figures say it pays and agrees.
-On the 2 CPU cores measured, stories260K (5 layers) took ~45 s to compile, then ran a 64-token
-forward in 2.5 ms against 7.1 ms eagerly; a CPU job would need some 10,000 forwards to win the
-compile time back. CUDA: bench/compile_speed.py's figures (bench/RESULTS.md) decide; until the
-compiled graph's bf16 logits are shown to agree with eager, --compile is asked for, not assumed.
+Policy ("on where it pays"): every default lives in this file. Training, alignment and decode
+steps: COMPILE_BY_DEFAULT (compile_default). Inference forwards (evaluation, passkey, a Decoder's
+prefill; surgery.decode.fast runs them): ROUTES, the causal flags and a compile once the eager calls
+have cost what a compile does. On the 2 CPU cores measured, stories260K (5 layers) took ~45 s to
+compile, then ran a 64-token forward in 2.5 ms against 7.1 ms eagerly; a CPU job would need some
+10,000 forwards to win the compile time back, so nothing compiles on the CPU unless asked.
+surgery.decode.precision.float32_gaps measures whether a compiled graph is as near float32 as eager.
 
 Precision (issue 17's 42.6 max-abs logits gap, compiled vs eager captured teacher in bf16): not
 reproduced on CPU. stories260K bf16, 2 x 500 tokens: max |diff| 0.80 (logits up to 19), 0.16 with
@@ -32,20 +34,21 @@ import contextlib
 import sys
 import time
 import warnings
+from dataclasses import dataclass
 
 import torch
 
 from ..errors import first_line
-from .run import run_graph
 
 
 # (device type, use) where compiling is the default, each measured (bench/RESULTS.md, 2026-12-01): on the
 # H200, distillation ran 126.1k tokens/s compiled against 69.5k eager (32 x 512, fla's backward), and the
 # compiled bf16 SmolLM2 teacher's logits were nearer its float32 logits than eager bf16's (max relative
-# gap 0.030 against 0.046). Evaluation, alignment and decoding stay opt-in: a 30-50 s compile outweighs
-# what one typical call saves (a WikiText-2 pass, a few hundred align steps, a short generation).
+# gap 0.030 against 0.046). Alignment and decode steps stay opt-in: a 30-50 s compile outweighs what one
+# typical call saves (a few hundred align steps, a short generation). Inference forwards (evaluation,
+# a Decoder's prefill) follow ROUTES below, which compiles only once the eager calls have paid for it.
 COMPILE_BY_DEFAULT: frozenset[tuple[str, str]] = frozenset({("cuda", "train")})
-USES = ("train", "align", "eval", "decode")
+USES = ("train", "align", "eval", "decode", "prefill")
 # ... and only for a run long enough to win its compile back. The first compile of the teacher and the
 # student took 108 s on the H200 (64 x 512), and compiling saves 3.5 us a token with PyTorch's GDN
 # backward (70.5k -> 93.6k tokens/s) or 6.4 us with fla's (69.5k -> 126.1k): 17-31M tokens to break
@@ -54,10 +57,57 @@ USES = ("train", "align", "eval", "decode")
 # Shorter runs train eagerly unless --compile says otherwise.
 TRAIN_COMPILE_PAYS_AFTER = 30_000_000  # tokens
 BACKEND = "inductor"  # torch.compile's backend for every CompiledGraph that names none (tests use "aot_eager")
-# Fixed-shape inference on CUDA (graph_runner): compiled, then replayed as CUDA graphs. On the H200 at
+# Fixed-shape inference on CUDA (surgery.decode.fast): compiled, then replayed as CUDA graphs. On the H200 at
 # 2k tokens, batch 1, the compiled 75% GDN hybrid ran 37.6 ms as launched kernels (the GPU busy 27% of
 # the time: fla's Triton launches and Python) and 5.5 ms replayed (bench/compile_speed.py, RESULTS.md).
 REPLAY_MODE = "reduce-overhead"
+
+
+@dataclass(frozen=True)
+class Route:
+    """How inference runs a graph on one device for one use (surgery.decode.fast runs it).
+
+    causal_flags   SDPA masks proven plain causal become is_causal (surgery.decode.CausalFlags):
+                   flash attention instead of a materialised [L, L] mask; bit-identical on the CPU
+                   teachers checked (RESULTS, tenth session), so it costs no agreement
+    compile_after  eager seconds this runner spends before it compiles (0: at once; None: never).
+                   Compiling costs COMPILE_SECONDS once; spending that much eagerly first is the
+                   ski-rental rule: never more than twice the cost of the best choice in hindsight,
+                   whether the caller then runs one more call or a million."""
+
+    causal_flags: bool = False
+    compile_after: float | None = None
+
+
+# A compile of the 75% hybrid (SmolLM2-135M shapes) took 22-32 s on the H200, the teacher's 27-38 s, on a
+# cold inductor cache; 6-7 s from a warm one (bench/RESULTS.md, eighth to eleventh sessions).
+COMPILE_SECONDS = 30.0
+# THE table of inference routes, by (device type, use); a pair not here runs the captured graph as it is
+# (every CPU use: compiling stories260K took ~45 s for 4.6 ms saved a forward, see above, and the CPU
+# tests keep their numbers). Measured on the H200, bf16, batch 1 (ms per forward, RESULTS.md):
+#   prefill 2k: hybrid eager 78.66, compiled + CUDA graphs 5.53 (teacher 5.87, transformers 22.71)
+#   prefill 8k: hybrid eager 95.42, compiled + CUDA graphs with the flags 13.71 (transformers 40.39)
+#   prefill 32k: hybrid eager 164.5, compiled + CUDA graphs with the flags 59.4 (transformers 129.8);
+#     without the flags the kept layers' masked SDPA took 9.3 ms each
+# and compiled bf16 logits were nearer float32 than eager bf16's on real SmolLM2 (teacher: max relative
+# gap 0.030 vs 0.046; uncalibrated 75% hybrid: 0.817 vs 0.975; RESULTS, eleventh session). So on CUDA
+# the flags are always on and compiling pays once COMPILE_SECONDS of eager forwards were spent: at 2k
+# after ~380 forwards, at 32k after ~180. "eval": perplexity and passkey; "prefill": a Decoder's prompt.
+ROUTES: dict[tuple[str, str], Route] = {
+    ("cuda", "eval"): Route(causal_flags=True, compile_after=COMPILE_SECONDS),
+    ("cuda", "prefill"): Route(causal_flags=True, compile_after=COMPILE_SECONDS),
+}
+
+
+def inference_route(flag: bool | None, device, use: str) -> Route:
+    """The route for `use` on `device`: the table's (ROUTES), or the user's --compile / --no-compile:
+    compiled at once (always with the flags: the compiled paths were measured with them), or never."""
+    if use not in USES:
+        raise ValueError(f"unknown compile use {use!r}; one of {USES}")
+    route = ROUTES.get((torch.device(device).type, use), Route())
+    if flag is None:
+        return route
+    return Route(causal_flags=True, compile_after=0.0) if flag else Route(route.causal_flags, None)
 
 
 def compile_default(device, use: str, tokens: int | None = None) -> bool:
@@ -155,20 +205,3 @@ def maybe_compiled(module, flag: bool | None, device, *, use: str, label: str = 
     if not resolve_compile(flag, device, use):
         return module
     return CompiledGraph(module if prepare is None else prepare(module), label=label, **options)
-
-
-def graph_runner(graph, flag: bool | None = None, *, use: str = "eval", prepare=None, **options):
-    """ids -> logits of a Graph: graph.logits itself when compiling is off, else its gm (or
-    prepare(gm), a hashable rewrite for the compiled path such as surgery.decode.CausalFlags)
-    compiled once per gm and rewrite, kept in graph.cache so later calls reuse it, with the same
-    input checks. On CUDA the compiled graph is replayed as CUDA graphs (REPLAY_MODE): a caller reads
-    each call's logits before the next call, and its shapes repeat (evaluation chunks)."""
-    if not resolve_compile(flag, graph.device, use):
-        return graph.logits
-    if graph.device.type == "cuda":
-        options.setdefault("mode", REPLAY_MODE)
-    key = ("compiled", graph.gm, prepare)
-    if key not in graph.cache:
-        graph.cache[key] = CompiledGraph(graph.gm if prepare is None else prepare(graph.gm), **options)
-    compiled = graph.cache[key]
-    return lambda input_ids: run_graph(graph, input_ids, compiled)

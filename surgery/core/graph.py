@@ -81,7 +81,8 @@ class Graph:
         return int(self.meta.get("capture", {}).get("max_length", 2048))
 
     def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Run the graph on token ids [B, T] and return logits [B, T, V]."""
+        """Run the graph on token ids [B, T] and return logits [B, T, V]: the captured graph eagerly, the
+        reference every check compares with (surgery.fast_logits takes the device's fast route)."""
         return run_graph(self, input_ids)
 
     __call__ = logits

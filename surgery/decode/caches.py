@@ -149,6 +149,11 @@ class KVCacheAttention(nn.Module):
                      k_map=self.k_map, v_map=self.v_map, causal=causal)
         return out.to(self.out_dtype)
 
+    def fill(self, k, v) -> None:
+        """A first prefill's K and V (as they reach the attention call, batch checked by the Decoder)
+        written as forward writes them at offset 0, without the attention (surgery.decode.prefill)."""
+        (self._linear if self.window is None else self._ring)(self.k_prep(k), self.v_prep(v), 0)
+
     def _static_step(self, q, k, v, index):
         """One token per row written at its slot through a device index and attention over the whole
         buffer under a position mask: the same kernels and shapes at every offset. The buffer was

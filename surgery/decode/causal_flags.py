@@ -103,7 +103,7 @@ def drop_unread(masks: list[Node]) -> None:
 
 @dataclass(frozen=True)
 class CausalFlags:
-    """A graph rewrite for the compiled paths (graph_runner's, maybe_compiled's `prepare`): hashable,
+    """A graph rewrite for the compiled paths (surgery.decode.fast's buckets, maybe_compiled's `prepare`): hashable,
     so a compiled graph is kept per longest length."""
 
     longest: int

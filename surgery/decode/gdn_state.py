@@ -2,6 +2,7 @@
 calls. The layer makes its own cache (new_cache), so decoding needs nothing from the method's code."""
 from __future__ import annotations
 
+import torch
 import torch.nn as nn
 
 from .fused_linears import FusedWeight
@@ -53,6 +54,13 @@ class GDNState(nn.Module):
         else:
             self.cache = work
         return out
+
+    def load(self, recurrent, conv: dict) -> None:
+        """The state a first prefill computed elsewhere (surgery.decode.prefill), copied: it may live
+        in a CUDA graph's memory pool, which the next replay overwrites."""
+        self.reset()
+        self.cache.recurrent = recurrent.clone(memory_format=torch.contiguous_format)
+        self.cache.conv = {name: t.clone(memory_format=torch.contiguous_format) for name, t in conv.items()}
 
     def snapshot(self) -> list:
         """Copies of the state tensors (restored by `restore` into the same tensors)."""

@@ -31,6 +31,7 @@ from .lengths import FIX_FULL
 from .masks import MASK_PROBE
 from .plan import DecodePlan, plan_decode
 from .positions import rewrite_positions
+from .prefill import Prefill
 from .regimes import History
 from .static_step import StaticStep
 
@@ -90,7 +91,8 @@ class Decoder:
     "cuda-graph": static steps captured once per reset and replayed (CUDA only). "auto": cuda-graph on
     CUDA, dynamic elsewhere (static when compiled). compile: static steps run through torch.compile
     (then, as cuda-graph, the compiled step is what is captured); None: where it pays
-    (surgery.core.compiled). Prefills and dynamic steps stay eager. fuse_projections: static steps
+    (surgery.core.compiled). A first prefill takes the device's fast route (surgery.decode.prefill);
+    later prefills and dynamic steps run the decode graph eagerly. fuse_projections: static steps
     run linears that share an input as one matmul over a copy of their weights (more memory, fewer
     kernels; surgery.decode.fused_linears), copied again at each reset if a weight changed."""
 
@@ -103,6 +105,7 @@ class Decoder:
         plan = plan_decode(graph, mask_probe=mask_probe)
         self.max_length = plan.max_length
         self.state = DecodeState()
+        self.fast_prefill = Prefill(self, plan, compile)  # before the decode graph rewrites plan.gm
         self.attention, self.gdn, self.regimes = build_decode_graph(plan, self.state, self.step_mode != "dynamic", graph.device)
         self.history = History(self.regimes)
         self.gm = plan.gm
@@ -183,9 +186,11 @@ class Decoder:
                 self._warned = True
         return input_ids.to(self.graph.device)
 
-    def prefill(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """The prompt [B, T] (the whole of it in one call; later calls continue it): logits [B, T, V]."""
-        return self.forward(input_ids)
+    def prefill(self, input_ids: torch.Tensor, last_only: bool = False) -> torch.Tensor:
+        """The prompt [B, T] (in one call; later calls continue it): logits [B, T, V] ([B, 1, V]: last_only)."""
+        ids = self._checked(input_ids)
+        logits = self.fast_prefill(ids, last_only) if self.fast_prefill.takes(ids) else self._feed(ids)
+        return logits[:, -1:] if last_only else logits
 
     def step(self, next_ids: torch.Tensor) -> torch.Tensor:
         """One new token per row ([B, 1] or [B]): logits [B, 1, V]."""
@@ -208,7 +213,8 @@ class Decoder:
 
     def _self_check(self, vocab: int) -> None:
         """Prefill + steps against full recomputation on short random probes (agreement.probes)."""
-        runner, self._static.runner = self._static.runner, None  # eager: compiling for the probe's shapes would not serve later ones
+        # eager: compiling for the probe's shapes would not serve later ones (the prefill graph's taps are checked, not compiled)
+        runner, self._static.runner, self.fast_prefill.eager_only = self._static.runner, None, True
         try:
             for n, first in probes(self.max_length, self.regimes.switches):
                 ids = torch.randint(0, vocab, (1, n), generator=torch.Generator().manual_seed(0)).to(self.graph.device)
@@ -217,5 +223,5 @@ class Decoder:
                 self.reset()
                 check_probe(torch.cat(got, dim=1), references(self.graph, ids, first))
         finally:
-            self._static.runner = runner
+            self._static.runner, self.fast_prefill.eager_only = runner, False
             self.reset()

@@ -99,7 +99,7 @@ def generate(model, prompts, max_new_tokens: int, *, temperature: float | None =
             continue
         decoder.reset(len(rows), length + max_new_tokens)
         ids = torch.tensor([prompts[i] for i in rows], dtype=torch.long, device=graph.device)
-        logits = decoder.prefill(ids)[:, -1]
+        logits = decoder.prefill(ids, last_only=True)[:, -1]
         done = torch.zeros(len(rows), dtype=torch.bool)
         for t in range(max_new_tokens):
             nxt = sample(logits, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)

@@ -20,8 +20,10 @@ from dataclasses import dataclass
 import torch
 
 from ..core.bos import lead_ids, leading_token
+from ..core.graph import Graph
 from ..data.cache import token_stream
 from ..data.text import tokenize
+from ..decode.fast import fast_runner
 from ..errors import SurgeryError
 
 TASK = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
@@ -85,12 +87,14 @@ def make_trials(tokenizer, filler_files, lengths, depths: int, trials_per_depth:
 
 
 @torch.no_grad()
-def score(graph, trials: list[PasskeyTrial], batch_size: int = 8) -> list[bool]:
-    """Teacher-forced greedy exact match of the key tokens, trials of equal length batched."""
+def score(graph, trials: list[PasskeyTrial], batch_size: int = 8, compile: bool | None = None) -> list[bool]:
+    """Teacher-forced greedy exact match of the key tokens, trials of equal length batched, through
+    the fast runner (surgery.decode.fast; compile: None is the device's route)."""
     longest = max(t.ids.numel() for t in trials)
     if longest > graph.max_length:
         raise SurgeryError(f"A passkey prompt plus its key takes {longest} tokens, over this graph's limit of {graph.max_length}.",
                            "Use shorter --lengths.")
+    run = fast_runner(graph, compile, label="graph for passkey") if isinstance(graph, Graph) else graph  # else: ids -> logits
     correct = [False] * len(trials)
     groups: dict[int, list[int]] = {}
     for i, t in enumerate(trials):
@@ -99,7 +103,7 @@ def score(graph, trials: list[PasskeyTrial], batch_size: int = 8) -> list[bool]:
         for s in range(0, len(indices), batch_size):
             chunk = indices[s:s + batch_size]
             ids = torch.stack([trials[i].ids for i in chunk]).to(graph.device)
-            logits = graph(ids)
+            logits = run(ids)
             for row, i in enumerate(chunk):
                 t = trials[i]
                 predicted = logits[row, t.answer_start - 1:-1].argmax(-1)
@@ -108,10 +112,10 @@ def score(graph, trials: list[PasskeyTrial], batch_size: int = 8) -> list[bool]:
 
 
 def passkey(graph, filler_files=None, lengths=(1024, 2048, 4096), depths: int = 5, trials_per_depth: int = 2,
-            seed: int = 0, batch_size: int = 8) -> dict:
+            seed: int = 0, batch_size: int = 8, compile: bool | None = None) -> dict:
     """Accuracy overall, per length and per (length, depth)."""
     trials = make_trials(graph.tokenizer, filler_files, list(lengths), depths, trials_per_depth, seed)
-    correct = score(graph, trials, batch_size)
+    correct = score(graph, trials, batch_size, compile)
     by_length: dict[int, list[bool]] = {}
     by_depth: dict[str, list[bool]] = {}
     for t, ok in zip(trials, correct):

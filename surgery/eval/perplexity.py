@@ -10,9 +10,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ..core.compiled import graph_runner
 from ..core.bos import lead_windows, leading_token, text_length
-from ..decode.causal_flags import CausalFlags
+from ..decode.fast import fast_runner
 from ..errors import CalibrationError
 
 DEFAULT_CHUNK = 2048
@@ -32,7 +31,7 @@ def chunk_tokens(ids: torch.Tensor, length: int) -> torch.Tensor:
 def score_windows(graph, windows: torch.Tensor, *, batch_size: int = 1, progress=None, compile: bool | None = None) -> dict:
     """Mean NLL of tokens 1..T-1 of each window [N, T], every window scored on its own (a window
     that starts with BOS has all its text tokens predicted)."""
-    run = graph_runner(graph, compile, label="graph for perplexity", prepare=CausalFlags(windows.shape[1]))
+    run = fast_runner(graph, compile, label="graph for perplexity")
     total, count = 0.0, 0
     device = graph.device
     for start in range(0, windows.shape[0], batch_size):
@@ -50,8 +49,8 @@ def score_windows(graph, windows: torch.Tensor, *, batch_size: int = 1, progress
 def perplexity(graph, ids: torch.Tensor, *, chunk: int = DEFAULT_CHUNK, batch_size: int = 1, progress=None,
                compile: bool | None = None) -> dict:
     """Mean NLL over predicted tokens of `ids` (1-D) in non-overlapping chunks, each led by the
-    tokenizer's BOS when it adds one (surgery.core.bos); compile: run the graph through
-    torch.compile (None: where it pays, surgery.core.compiled)."""
+    tokenizer's BOS when it adds one (surgery.core.bos), through the fast runner (surgery.decode.fast);
+    compile: True compiles at once, False never, None: the device's route (surgery.core.compiled.ROUTES)."""
     lead = leading_token(graph.tokenizer)
     length = text_length(min(chunk, graph.max_length), lead)
     chunks = lead_windows(chunk_tokens(ids, length), lead)

@@ -11,6 +11,7 @@ Triton (token_step.py). Loads in transformers 4.57 and later (tests/test_export_
 """
 from __future__ import annotations
 
+import functools
 import inspect
 import re
 
@@ -47,7 +48,20 @@ class PaddingMask:
     (the layers below only see the teacher's 4-D masks, which a recurrence cannot use)."""
 
     def __init__(self):
-        self.mask: torch.Tensor | None = None
+        self.set(None)
+
+    def set(self, mask: torch.Tensor | None) -> None:
+        self.mask, self.rows = mask, {}
+
+    def keep(self, length: int) -> torch.Tensor | None:
+        """The mask's last `length` columns as bool, None where every row keeps them all: read once per
+        forward call (a device sync), not once per GDN layer, which would stall a decode step."""
+        if self.mask is None:
+            return None
+        if length not in self.rows:
+            keep = self.mask[:, -length:].bool()
+            self.rows[length] = None if bool(keep.all()) else keep
+        return self.rows[length]
 
 
 def concat_rows(rows: list[dict]) -> dict:
@@ -92,20 +106,24 @@ class GDNAttention(GatedDeltaNet):
     def forward(self, hidden_states: torch.Tensor, *args, **kwargs):
         cache = next((kwargs[k] for k in CACHE_ARGUMENTS if isinstance(kwargs.get(k), Cache)), None)
         state = self.cached_state(cache, hidden_states) if cache is not None else None
-        mask = self.padding.mask
-        keep = None if mask is None else mask[:, -hidden_states.shape[1]:].bool()
-        if keep is None or bool(keep.all()):
+        keep = self.padding.keep(hidden_states.shape[1])
+        if keep is None:
             return AttentionOutput((super().forward(hidden_states, state), None))
         return AttentionOutput((self.forward_rows(hidden_states, keep, state), None))
 
     def cached_state(self, cache: Cache, hidden_states: torch.Tensor):
-        """This layer's GDN state in `cache` (created empty on the first call)."""
+        """This layer's GDN state in `cache` (created empty on the first call). The state is updated in
+        place, so a one-token call takes the fused token step (token_step.py: one Triton kernel on CUDA,
+        its PyTorch reference elsewhere) and carries the state without copying it; the prefill runs
+        the chunked kernel (fla's on CUDA)."""
         batch, length = hidden_states.shape[:2]
         empty = hidden_states.new_zeros(batch, 1, length, 0)
         cache.update(empty, empty, self.cache_index)
         layer = cache.layers[self.cache_index]
         if getattr(layer, STATE, None) is None:
-            setattr(layer, STATE, self.new_cache())
+            state = self.new_cache()
+            state.in_place = True
+            setattr(layer, STATE, state)
         return getattr(layer, STATE)
 
     def forward_rows(self, hidden_states: torch.Tensor, keep: torch.Tensor, state):
@@ -130,6 +148,12 @@ class GDNAttention(GatedDeltaNet):
             state.recurrent = concat_rows(recurrent).get("s")
             state.conv = concat_rows(conv)
         return out
+
+
+@functools.lru_cache(maxsize=None)
+def forward_signature(cls) -> inspect.Signature:
+    """cls.forward's signature, read once (each forward call binds its arguments to it)."""
+    return inspect.signature(cls.forward)
 
 
 def keep_flags(attention: torch.nn.Module, gdn: torch.nn.Module) -> None:
@@ -198,9 +222,9 @@ class SurgeryHybridForCausalLM(PreTrainedModel):
         self.register_forward_hook(self.forget_padding, with_kwargs=True)
 
     def record_padding(self, module, args, kwargs):
-        bound = inspect.signature(type(self).forward).bind_partial(self, *args, **kwargs).arguments
+        bound = forward_signature(type(self)).bind_partial(self, *args, **kwargs).arguments
         mask = bound.get("attention_mask")
-        self.gdn_padding.mask = mask if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None
+        self.gdn_padding.set(mask if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None)
 
     def forget_padding(self, module, args, kwargs, output):
-        self.gdn_padding.mask = None
+        self.gdn_padding.set(None)

@@ -1,0 +1,149 @@
+"""How a captured graph runs fast: the one runner that evaluation, passkey and a Decoder's prefill
+call, on the route surgery.core.compiled.ROUTES picks for the device and use.
+
+A route has two parts. The causal-flag rewrite (surgery.decode.causal_flags) is proven for a longest
+length, so the runner keeps one rewritten graph per length bucket (a power of two of at least
+MIN_BUCKET tokens, capped at the graph's limit): a longer input moves to a larger bucket, never past
+what its rewrite checked. Compiling (surgery.core.compiled.CompiledGraph, replayed as CUDA graphs on
+CUDA) starts once the eager calls have cost what a compile costs (Route.compile_after).
+
+The first compiled call of each bucket is also run eagerly and the two compared (agreement.
+compiled_agrees): a compile that fails or disagrees is said in ONE warning and the runner stays
+eager for good. Outputs of a CUDA-graph replay live in the graph's memory pool until the next call:
+`borrowed` says so, and a caller that keeps them copies them first."""
+from __future__ import annotations
+
+import sys
+import time
+import warnings
+
+import torch
+
+from ..core.compiled import REPLAY_MODE, CompiledGraph, inference_route
+from ..core.run import run_graph
+from .agreement import compiled_agrees
+from .causal_flags import CausalFlags
+
+MIN_BUCKET = 2048  # shorter inputs share one rewrite (and one compiled graph): a compile per short length would not pay
+
+
+def bucket(length: int, limit: int) -> int:
+    """The longest length of the rewrite that serves `length` tokens."""
+    return min(limit, max(MIN_BUCKET, 1 << max(0, length - 1).bit_length()))
+
+
+def first_output(out) -> torch.Tensor:
+    """The logits of a graph's output: a ModelOutput's, else its first entry."""
+    return out.logits if hasattr(out, "logits") else out[0]
+
+
+class FastGraph:
+    """ids [B, T] -> the output of `gm` (whatever structure it returns) on `route`.
+
+    rewrite: applied to each bucket's graph after the causal flags (a Decoder adds its cache taps).
+    `compiled` maps each bucket to its CompiledGraph once compiling started; `failed` is the one-line
+    reason the runner fell back to eager for good, if it did."""
+
+    def __init__(self, gm, device, use: str, flag: bool | None, *, limit: int, label: str = "graph", rewrite=None,
+                 report=sys.stderr):
+        self.gm, self.device, self.limit, self.label, self.report = gm, torch.device(device), limit, label, report
+        self.route = inference_route(flag, self.device, use)
+        self.rewrite = rewrite
+        self.graphs: dict = {}      # bucket (None without the flags) -> the graph eager calls run
+        self.compiled: dict = {}    # bucket -> CompiledGraph
+        self.eager_seconds = 0.0
+        self.shapes: set = set()    # input shapes run eagerly so far (a shape's first call is not counted)
+        self.failed: str | None = None
+        self.borrowed = False
+
+    def key(self, length: int):
+        return bucket(length, self.limit) if self.route.causal_flags else None
+
+    def graph(self, key):
+        """The eager graph of a bucket: the flags' rewrite (if the route has them), then `rewrite`."""
+        if key not in self.graphs:
+            gm = CausalFlags(key)(self.gm) if key is not None else self.gm
+            self.graphs[key] = self.rewrite(gm) if self.rewrite is not None else gm
+        return self.graphs[key]
+
+    def compiling(self) -> bool:
+        after = self.route.compile_after
+        return self.failed is None and after is not None and self.eager_seconds >= after
+
+    def eager(self, ids: torch.Tensor):
+        """The bucket's graph run eagerly (the reference the compiled graph is checked against)."""
+        gm = self.graph(self.key(ids.shape[-1]))
+        return gm(input_ids=ids, **gm.meta.get("extra_inputs", {}))
+
+    meta: dict = {}  # no extra inputs asked of a caller (graph_logits): each bucket's graph adds its own
+
+    def __call__(self, input_ids: torch.Tensor, **_):
+        ids = input_ids
+        key = self.key(ids.shape[-1])
+        if not self.compiling():
+            self.borrowed = False
+            return self.timed(ids)
+        first = key not in self.compiled
+        if first:
+            options = {"mode": REPLAY_MODE} if self.device.type == "cuda" else {}
+            self.compiled[key] = CompiledGraph(self.graph(key), label=self.label, report=self.report, **options)
+        runner = self.compiled[key]
+        gm = self.graph(key)
+        out = runner(input_ids=ids, **gm.meta.get("extra_inputs", {}))
+        if runner.failed is not None:  # CompiledGraph warned once and ran eagerly
+            self.failed, self.borrowed = runner.failed, False
+            return out
+        self.borrowed = self.device.type == "cuda"
+        if first:
+            out = self.checked(out, ids)
+        return out
+
+    def checked(self, out, ids: torch.Tensor):
+        """The first compiled call's output against the eager graph's on the same ids; eager from now
+        on (one warning) if they disagree."""
+        got = first_output(out).clone()
+        reference = self.eager(ids)
+        ok, why = compiled_agrees(got, first_output(reference))
+        if ok:
+            return out
+        self.failed, self.borrowed = f"its logits disagree with eager ({why})", False
+        warnings.warn(f"The compiled {self.label} disagrees with the eager one ({why}); running it eagerly.", stacklevel=3)
+        return reference
+
+    def timed(self, ids: torch.Tensor):
+        """An eager call, its time counted towards compiling when the route compiles at all. A shape's
+        first call is not: it includes one-off work (fla compiles and autotunes its kernels there, 46 s
+        for the hybrid's first forward on the H200, issue 29) that compiling would not save."""
+        if self.route.compile_after is None or self.failed is not None or ids.shape not in self.shapes:
+            self.shapes.add(ids.shape)
+            return self.eager(ids)
+        start = time.perf_counter()
+        out = self.eager(ids)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # the time the forward took, not the time to launch it
+        self.eager_seconds += time.perf_counter() - start
+        return out
+
+
+def fast_graph(graph, compile: bool | None = None, *, use: str = "eval", label: str = "graph", report=sys.stderr) -> FastGraph:
+    """The FastGraph of `graph` for `use` on its device's route, one per route, kept in graph.cache."""
+    route = inference_route(compile, graph.device, use)
+    key = ("fast", graph.gm, use, route)
+    if key not in graph.cache:
+        graph.cache[key] = FastGraph(graph.gm, graph.device, use, compile, limit=graph.max_length, label=label, report=report)
+    return graph.cache[key]
+
+
+def fast_runner(graph, compile: bool | None = None, *, use: str = "eval", label: str = "graph", report=sys.stderr):
+    """ids [B, T] -> logits [B, T, V] of `graph` on the fast route for its device and `use`
+    (fast_graph), with graph.logits's input checks. On the CPU by default this is graph.logits's own
+    computation. On CUDA a caller reads each call's logits before the next call (they may live in a
+    CUDA graph's pool)."""
+    fast = fast_graph(graph, compile, use=use, label=label, report=report)
+    return lambda input_ids: run_graph(graph, input_ids, fast)
+
+
+def fast_logits(graph, input_ids: torch.Tensor, compile: bool | None = None, *, use: str = "eval") -> torch.Tensor:
+    """graph's logits for input_ids [B, T] on the fast route (fast_runner): the public default path."""
+    with torch.no_grad():
+        return fast_runner(graph, compile, use=use)(input_ids)
