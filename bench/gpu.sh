@@ -64,9 +64,12 @@ setup() {
   mv "$root/x/m/"* "$root/m/" 2>/dev/null || true
   mv "$root/x/d/"* "$root/d/" 2>/dev/null || true
   if ls "$root/x/whl/"*.whl > /dev/null 2>&1; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$root"/x/whl/*.whl
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site "$root"/x/whl/*.whl  # byte-compiled, as a user's install is
   fi
-  if [ -d "$root/x/site2/triton" ]; then rm -rf /tmp/site2 && mv "$root/x/site2" /tmp/site2; fi
+  if [ -d "$root/x/site2/triton" ]; then
+    rm -rf /tmp/site2 && mv "$root/x/site2" /tmp/site2
+    chmod +x /tmp/site2/triton/backends/nvidia/bin/*  # zipfile -e at pack time drops the exec bits (ptxas: PermissionError)
+  fi
   for w in "$root"/x/tf/transformers-*.whl; do
     [ -f "$w" ] || continue
     python3 -m pip install -q --no-index --no-deps --no-compile --target "/tmp/tf$(basename "$w" | cut -d- -f2)" "$w"

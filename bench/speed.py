@@ -1,8 +1,8 @@
 """Speed of the paths users run, each section in one run with its anchor beside it (issue 29):
 
   prefill   ms of one forward: transformers' teacher forward (anchor), the captured teacher's
-            graph.logits, the teacher graph compiled (surgery.core.compiled.graph_runner), and the
-            saved hybrid loaded with surgery.load, through graph.logits (the public default path)
+            graph.logits, and the saved hybrid loaded with surgery.load: eager graph.logits, the public
+            default path surgery.fast_logits, and fast_logits(compile=True), for teacher and hybrid
   generate  time to first token: surgery.generate with the Decoder `surgery generate` builds, on the
             loaded hybrid, against transformers' generate of the teacher (max_new_tokens=1)
   decode    ms a step at --decode-context: the hybrid's Decoder against the teacher graph's Decoder
@@ -41,7 +41,7 @@ import torch  # noqa: E402
 
 from bench.harness import (STORIES, SAMPLE, Rows, check_names, common_args, median_ms, parse, placement,  # noqa: E402
                            random_smollm2, surgery_cli, sync, transformers_teacher)
-from surgery import Decoder, DistillConfig, PassManager, capture, distill, export, generate, load, save  # noqa: E402
+from surgery import Decoder, DistillConfig, PassManager, capture, distill, export, fast_logits, generate, load, save  # noqa: E402
 from surgery.errors import SurgeryError  # noqa: E402
 
 SECTIONS = ("prefill", "generate", "decode", "export", "distill", "apply")
@@ -134,18 +134,11 @@ def free(device) -> None:
         torch.cuda.empty_cache()
 
 
-def compiled_runner(graph):
-    """The graph compiled (CUDA graphs replayed on CUDA) as the library compiles it, or None where
-    this version has no graph_runner."""
-    try:
-        from surgery.core.compiled import graph_runner
-    except ImportError:
-        return None
-    return graph_runner(graph, True)
-
-
 def prefill(s: Setup, rows: Rows) -> None:
-    a, compiled_teacher = s.args, compiled_runner(s.teacher)
+    """transformers' forward (anchor); the eager graph.logits (the reference every check uses); the
+    public default path surgery.fast_logits (on CUDA: causal flags, compiling once eager calls paid
+    for it) and the same with compile=True (what the default becomes on a long run)."""
+    a = s.args
     for length, batch in pairs(a.shapes):
         ids, config = s.ids(batch, length), f"{length} x {batch}"
         with torch.no_grad():
@@ -153,13 +146,14 @@ def prefill(s: Setup, rows: Rows) -> None:
             hf = time_of(lambda: s.model(input_ids=ids).logits)
             rows.add("transformers forward (teacher)", config, "prefill", hf, "ms")
             anchor = ("transformers", hf)
-            rows.add("teacher graph.logits", config, "prefill", time_of(lambda: s.teacher.logits(ids)), "ms", anchor)
-            hybrid = time_of(lambda: s.hybrid.logits(ids))
-            rows.add(f"{s.label()}: surgery.load -> graph.logits", config, "prefill", hybrid, "ms", anchor)
-            if compiled_teacher is not None:
-                teacher_c = time_of(lambda: compiled_teacher(ids))
-                rows.add("teacher graph, compiled", config, "prefill", teacher_c, "ms", anchor)
-                rows.add(f"{s.label()}: surgery.load -> graph.logits", config, "prefill", hybrid, "ms", ("compiled teacher", teacher_c))
+            rows.add("teacher graph.logits (eager)", config, "prefill", time_of(lambda: s.teacher.logits(ids)), "ms", anchor)
+            teacher_c = time_of(lambda: fast_logits(s.teacher, ids, compile=True))
+            rows.add("teacher fast_logits, compiled", config, "prefill", teacher_c, "ms", anchor)
+            rows.add(f"{s.label()}: surgery.load -> graph.logits (eager)", config, "prefill", time_of(lambda: s.hybrid.logits(ids)), "ms", anchor)
+            rows.add(f"{s.label()}: fast_logits (default)", config, "prefill", time_of(lambda: fast_logits(s.hybrid, ids)), "ms", anchor)
+            hybrid_c = time_of(lambda: fast_logits(s.hybrid, ids, compile=True))
+            rows.add(f"{s.label()}: fast_logits, compiled", config, "prefill", hybrid_c, "ms", anchor)
+            rows.add(f"{s.label()}: fast_logits, compiled", config, "prefill", hybrid_c, "ms", ("compiled teacher", teacher_c))
         del ids
         free(s.device)
 
