@@ -5,7 +5,8 @@ key (head counts, head sizes, chunk size, dtypes; not the sequence length) compi
 candidate config. On a fresh H200 that is most of the first `surgery apply`'s time (bench/RESULTS.md,
 fifteenth session). The winners depend on the GPU, Triton and fla, not on the weights: recorded once
 on a GPU (`python -m tcal.kernel_configs record OUT.json -m surgery.cli.app apply ...`) and shipped in
-kernel_configs/<GPU>.json, they are put into each autotuner's cache when fla is first imported, so a
+kernel_configs/<GPU>.json (none is shipped yet: the fifteenth session's recording walked only
+undecorated autotuners and found 3 of them, see RESULTS.md), they are put into each autotuner's cache when fla is first imported, so a
 kernel whose key was recorded compiles one config and runs it. Anything else (another GPU, another
 Triton or fla, a key not recorded) autotunes as before. SURGERY_KERNEL_CONFIGS=off turns this off.
 """
@@ -45,12 +46,16 @@ def autotuners():
         if not module_name.startswith(PREFIX) or module is None:
             continue
         for value in list(vars(module).values()):
-            if isinstance(value, Autotuner) and id(value) not in seen:
-                seen.add(id(value))
-                fn = value.fn
-                while hasattr(fn, "fn"):
-                    fn = fn.fn
-                yield f"{fn.__module__}.{fn.__name__}", value
+            tuner = value
+            while tuner is not None and not isinstance(tuner, Autotuner):  # @triton.heuristics wraps the tuner
+                tuner = getattr(tuner, "fn", None)
+            if tuner is None or id(tuner) in seen:
+                continue
+            seen.add(id(tuner))
+            fn = tuner.fn
+            while hasattr(fn, "fn"):
+                fn = fn.fn
+            yield f"{fn.__module__}.{fn.__name__}", tuner
 
 
 def config_record(config) -> dict:
