@@ -1,7 +1,8 @@
 """`surgery generate`: continue prompts with incremental decoding (surgery.decode).
 
 stdout carries the continuations and nothing else (one per prompt, each ended by a newline, streamed
-token by token), so the command can be piped; loading messages and errors go to stderr."""
+token by token; with --json one JSON document once all are done), so the command can be piped;
+loading messages, progress and errors go to stderr."""
 from __future__ import annotations
 
 import math
@@ -13,7 +14,7 @@ import typer
 
 from surgery.errors import SurgeryError
 
-from .common import check_device_fits, err, guard, model_inputs, more_files, placement
+from .common import check_device_fits, emit_json, err, guard, model_inputs, more_files, placement
 from .options import CompileOpt, DebugOpt, DeviceOpt, DtypeOpt, ModelOpt
 
 CONTEXT_TOKENS = 8  # prompt tokens decoded with the continuation, so a leading space survives detokenisation
@@ -101,9 +102,10 @@ def generate(
     dtype: Optional[str] = DtypeOpt,
     compile: Optional[bool] = CompileOpt,
     debug: bool = DebugOpt,
+    as_json: bool = typer.Option(False, "--json", help="Print the continuations as one JSON document on stdout once done (no streaming)."),
 ):
     """Continue prompts with a teacher or a saved hybrid (KV cache for attention, recurrent state for GDN)."""
-    from surgery.decode import Decoder, check_sampling, generate as decode_generate
+    from surgery.decode import Decoder, check_sampling
     from surgery.io import open_model
 
     with guard(debug):
@@ -134,12 +136,25 @@ def generate(
         kinds = graph.layer_kinds
         err.print(f"decoding: {kinds.count('attention')} attention layers with a KV cache, {kinds.count('gdn')} GDN layers with a recurrent state")
 
-        def write(text: str) -> None:
-            sys.stdout.write(text)
-            sys.stdout.flush()
+        sampling = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "seed": seed}
+        continuations = [continuation(decoder, tokenizer, p, ids, max_new_tokens, sampling, stream=not as_json) for p, ids in zip(prompts, encoded)]
+        if as_json:
+            emit_json({"model": model, "temperature": temperature, "seed": seed, "continuations": continuations})
 
-        for ids in encoded:  # one prompt at a time, so each continuation streams whole
-            text = TextStream(tokenizer, ids, write)
-            decode_generate(decoder, [ids], max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                            stream=lambda _, token, text=text: text.push(token))
-            text.close()
+
+def continuation(decoder, tokenizer, prompt: str, ids: list, max_new_tokens: int, sampling: dict, stream: bool) -> dict:
+    """One prompt's continuation, streamed to stdout as it decodes (stream) or only collected."""
+    from surgery.decode import generate as decode_generate
+
+    pieces: list[str] = []
+    tokens: list[int] = []
+    text = TextStream(tokenizer, ids, write if stream else pieces.append)
+    decode_generate(decoder, [ids], max_new_tokens, **sampling, stream=lambda _, token: (tokens.append(token), text.push(token)))
+    text.close()
+    return {"prompt": prompt, "text": "".join(pieces).removesuffix("\n"), "prompt_tokens": len(ids), "new_tokens": len(tokens)}
+
+
+def write(text: str) -> None:
+    """A piece of a continuation on stdout at once (the command pipes)."""
+    sys.stdout.write(text)
+    sys.stdout.flush()
