@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import List, Optional
 
@@ -43,9 +44,10 @@ def show_version(value: bool) -> None:
 @app.callback()
 def start(version: bool = typer.Option(False, "--version", help="Print surgery's version and exit.", callback=show_version, is_eager=True),
           verbose: bool = typer.Option(False, "--verbose", help="Show torch's and transformers' warnings and messages too (hidden by default).")):
-    """Once per command: library noise filtered (unless --verbose), progress set up on stderr."""
+    """Once per command: library noise filtered (unless --verbose), progress set up on stderr (under
+    torchrun from rank 0 only, as everything distill prints)."""
     quiet_libraries(verbose)
-    progress.use(progress.auto(err))
+    progress.use(progress.auto(err) if int(os.environ.get("RANK", "0")) == 0 else progress.Reporter())
 
 
 @command(epilog=examples("surgery inspect -m smollm2", "surgery inspect -m out/hybrid --json"))

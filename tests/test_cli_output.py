@@ -302,3 +302,18 @@ def test_quiet_hides_library_warnings_not_ours():
         warnings.warn_explicit("Compiling the align failed; running it eagerly.", UserWarning, "compiled.py", 1, module="surgery.core.compiled")
         warnings.warn_explicit("use the new API", DeprecationWarning, "copyreg.py", 1, module="copyreg")
     assert [str(w.message) for w in caught] == ["Compiling the align failed; running it eagerly."]
+
+
+def test_a_real_run_off_a_terminal_is_quiet_and_its_json_parses(stories_path):
+    """The console script as a pipe sees it: stdout one JSON document, stderr without transformers'
+    GGUF tqdm bar (carriage returns in a log) or any library warning."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(sys.executable).parent / "surgery"
+    proc = subprocess.run([str(script), "inspect", "--model", str(stories_path), "--json"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["layers"] == 5
+    for noise in ("Warning", "de-quantizing", "\r"):
+        assert noise not in proc.stderr, proc.stderr
