@@ -30,7 +30,11 @@ app = typer.Typer(cls=Group, add_completion=False, no_args_is_help=True, context
                        "--json puts the result alone on stdout.",
                   epilog=examples("surgery inspect -m smollm2", "surgery apply -m smollm2 -o out/hybrid",
                                   "surgery eval -m out/hybrid --text wiki.test.raw", "surgery generate -m out/hybrid -p 'Once upon a time'"))
-command = lambda *names, **kw: app.command(*names, cls=Command, **kw)  # noqa: E731  (every command: -h, flags without <bool>)
+
+
+def command(*names, **settings):
+    """app.command with surgery's help (cli/help.py: -h, flags without <bool>)."""
+    return app.command(*names, cls=Command, **settings)
 
 
 def show_version(value: bool) -> None:
@@ -152,7 +156,7 @@ DEFAULT_PASSES = "select,replace,calibrate,align"
 
 @command(epilog=examples("surgery apply -m smollm2 -o out/hybrid",
                          "surgery apply -m smollm2 -o out/hybrid --keep-ratio 0.25 --calibration my_text.txt --set align.steps=300",
-                         "surgery apply -m out/hybrid -o out/hybrid2 --passes select,replace --layers 1,3 --json"))
+                         "surgery apply -m smollm2 -o out/copy-only --passes select,replace --layers 1,3 --json"))
 def apply(
     model: str = ModelOpt,
     passes: str = typer.Option(DEFAULT_PASSES, "--passes", "-p", help="Comma-separated pass names, in order (see `surgery passes`)."),
@@ -212,7 +216,7 @@ def apply(
         save(graph, out_dir, force=force)
         err.print(f"saved to {out_dir}")
         if as_json:
-            print(json.dumps({"model": model, "out": str(out_dir), "passes": results.info, "layer_kinds": graph.layer_kinds}, default=str))
+            emit_json({"model": model, "out": str(out_dir), "passes": results.info, "layer_kinds": graph.layer_kinds})
 
 
 EVAL_COUNTS = {"chunk": (2, 2048), "batch_size": (1, 1), "depths": (1, 5), "trials": (1, 2)}  # (least, example)
