@@ -317,3 +317,4 @@ def test_a_real_run_off_a_terminal_is_quiet_and_its_json_parses(stories_path):
     assert json.loads(proc.stdout)["layers"] == 5
     for noise in ("Warning", "de-quantizing", "\r"):
         assert noise not in proc.stderr, proc.stderr
+

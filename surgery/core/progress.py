@@ -181,7 +181,8 @@ class Bar(Reporter):
 
         if self.progress is None:
             self.progress = Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[count]}"),
-                                     TextColumn("{task.fields[info]}"), TimeElapsedColumn(), TextColumn("left"), TimeRemainingColumn(),
+                                     TextColumn("{task.fields[info]}"), TimeElapsedColumn(), TextColumn("elapsed,"),
+                                     TimeRemainingColumn(), TextColumn("left"),
                                      console=self.console, transient=True)
             self.progress.start()
         self.ids[id(task)] = self.progress.add_task(task.label, total=task.total, count="", info="")
