@@ -143,13 +143,21 @@ def generate(
 
 
 def continuation(decoder, tokenizer, prompt: str, ids: list, max_new_tokens: int, sampling: dict, stream: bool) -> dict:
-    """One prompt's continuation, streamed to stdout as it decodes (stream) or only collected."""
+    """One prompt's continuation, streamed to stdout as it decodes (stream), or collected with its
+    progress on stderr (--json: nothing reaches stdout until the end)."""
+    from surgery.core import progress
     from surgery.decode import generate as decode_generate
 
     pieces: list[str] = []
     tokens: list[int] = []
     text = TextStream(tokenizer, ids, write if stream else pieces.append)
-    decode_generate(decoder, [ids], max_new_tokens, **sampling, stream=lambda _, token: (tokens.append(token), text.push(token)))
+    with progress.task("generate", max_new_tokens, "tokens", enabled=not stream) as bar:
+        def push(_, token):
+            tokens.append(token)
+            text.push(token)
+            bar.update(len(tokens))
+
+        decode_generate(decoder, [ids], max_new_tokens, **sampling, stream=push)
     text.close()
     return {"prompt": prompt, "text": "".join(pieces).removesuffix("\n"), "prompt_tokens": len(ids), "new_tokens": len(tokens)}
 

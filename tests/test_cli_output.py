@@ -193,6 +193,7 @@ def test_generate_export_and_passes_print_json(runner, stories_path, tmp_path):
     data = json.loads(gen.stdout)
     assert [c["prompt"] for c in data["continuations"]] == ["Once upon a time", "Lily"]
     assert all(c["new_tokens"] == 6 and c["text"] for c in data["continuations"])
+    assert gen.stderr.count("generate: 6/6 tokens (100%)") == 2  # no stream on stdout with --json: progress on stderr
     streamed = invoke(runner, "generate", "--model", stories_path, "--prompt", "Once upon a time", "-n", "6")
     assert streamed.stdout == data["continuations"][0]["text"] + "\n"  # the same text, streamed
 
