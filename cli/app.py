@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import json
-import sys
+import os
 from pathlib import Path
 from typing import List, Optional
 
@@ -12,18 +12,50 @@ from rich.table import Table
 from surgery.errors import SurgeryError
 from surgery.io import open_model
 
-from .common import check_device_fits, err, guard, model_inputs, more_files, out, placement
+from surgery.core import progress
+
+from .common import check_device_fits, emit_json, err, guard, model_inputs, more_files, out, placement
 from .distill import distill as distill_command
 from .export import export as export_command
 from .generate import generate as generate_command
+from .help import HELP_OPTIONS, Command, Group, examples
+from .quiet import quiet_libraries
+from .results import render_pass_result, render_passes
 from .verify import describe as describe_export, render as render_export, verify_export as verify_command
-from .options import CompileOpt, DebugOpt, DeviceOpt, DtypeOpt, ModelOpt
+from .options import CompileOpt, DebugOpt, DeviceOpt, DtypeOpt, JsonOpt, ModelOpt
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help="Convert softmax attention to Gated DeltaNet, Taylor-Calibrated.")
+app = typer.Typer(cls=Group, add_completion=False, no_args_is_help=True, context_settings=HELP_OPTIONS,
+                  help="Convert softmax attention to Gated DeltaNet, Taylor-Calibrated.\n\n"
+                       "Progress of every long step goes to stderr (a bar on a terminal, a line every 10 s or 5% otherwise); "
+                       "--json puts the result alone on stdout.",
+                  epilog=examples("surgery inspect -m smollm2", "surgery apply -m smollm2 -o out/hybrid",
+                                  "surgery eval -m out/hybrid --text wiki.test.raw", "surgery generate -m out/hybrid -p 'Once upon a time'"))
 
 
-@app.command()
-def inspect(model: str = ModelOpt, as_json: bool = typer.Option(False, "--json", help="Print JSON."), debug: bool = DebugOpt,
+def command(*names, **settings):
+    """app.command with surgery's help (cli/help.py: -h, flags without <bool>)."""
+    return app.command(*names, cls=Command, **settings)
+
+
+def show_version(value: bool) -> None:
+    if value:
+        from importlib.metadata import version
+
+        print(f"surgery {version('surgery')}")
+        raise typer.Exit()
+
+
+@app.callback()
+def start(version: bool = typer.Option(False, "--version", help="Print surgery's version and exit.", callback=show_version, is_eager=True),
+          verbose: bool = typer.Option(False, "--verbose", help="Show torch's and transformers' warnings and messages too (hidden by default).")):
+    """Once per command: library noise filtered (unless --verbose), progress set up on stderr (under
+    torchrun from rank 0 only, as everything distill prints)."""
+    quiet_libraries(verbose)
+    progress.use(progress.auto(err) if int(os.environ.get("RANK", "0")) == 0 else progress.Reporter())
+
+
+@command(epilog=examples("surgery inspect -m smollm2", "surgery inspect -m out/hybrid --json"))
+def inspect(model: str = ModelOpt, as_json: bool = JsonOpt, debug: bool = DebugOpt,
             device: Optional[str] = DeviceOpt, dtype: Optional[str] = DtypeOpt):
     """Show the attention sites found in the model's graph (of an export: its verified manifest and layers)."""
     from surgery.io.export_manifest import is_export
@@ -47,9 +79,9 @@ def inspect(model: str = ModelOpt, as_json: bool = typer.Option(False, "--json",
         out.print(table)
 
 
-@app.command()
+@command(epilog=examples("surgery diff smollm2 out/hybrid", "surgery diff out/hybrid out/distilled --json"))
 def diff(a: str = typer.Argument(..., help="Model or saved hybrid (before)."), b: str = typer.Argument(..., help="Model or saved hybrid (after)."),
-         as_json: bool = typer.Option(False, "--json"), debug: bool = DebugOpt):
+         as_json: bool = JsonOpt, debug: bool = DebugOpt):
     """Per-layer differences between two models (e.g. a teacher and its saved hybrid)."""
     from surgery import diff as graph_diff
 
@@ -119,10 +151,15 @@ def select_options(sel: dict, layers, keep_ratio, select_policy, keep_count, cal
         sel["calibration"] = [str(p) for p in calibration]
 
 
-@app.command()
+DEFAULT_PASSES = "select,replace,calibrate,align"
+
+
+@command(epilog=examples("surgery apply -m smollm2 -o out/hybrid",
+                         "surgery apply -m smollm2 -o out/hybrid --keep-ratio 0.25 --calibration my_text.txt --set align.steps=300",
+                         "surgery apply -m smollm2 -o out/copy-only --passes select,replace --layers 1,3 --json"))
 def apply(
     model: str = ModelOpt,
-    passes: str = typer.Option("select,replace,calibrate,align", "--passes", "-p", help="Comma-separated pass names, in order."),
+    passes: str = typer.Option(DEFAULT_PASSES, "--passes", "-p", help="Comma-separated pass names, in order (see `surgery passes`)."),
     out_dir: Path = typer.Option(..., "--out", "-o", help="Directory for the hybrid (written atomically)."),
     force: bool = typer.Option(False, "--force", help="Replace an existing --out."),
     keep_ratio: Optional[float] = typer.Option(None, "--keep-ratio", help="Fraction of attention layers kept (uniform selection)."),
@@ -131,8 +168,9 @@ def apply(
     keep_count: Optional[int] = typer.Option(None, "--keep-count", help="Number of attention layers kept (overrides --keep-ratio)."),
     calibration: Optional[List[Path]] = typer.Option(None, "--calibration", help="Calibration text file(s): --calibration a.txt b.txt (or repeat the flag); default: the built-in sample."),
     more_calibration: Optional[List[Path]] = typer.Argument(None, help="More calibration files (after --calibration).", show_default=False),
-    options: Optional[List[str]] = typer.Option(None, "--set", help="Pass option pass.key=value (repeatable), e.g. align.steps=100."),
+    options: Optional[List[str]] = typer.Option(None, "--set", help="Pass option pass.key=value (repeatable), e.g. align.steps=100 (see `surgery passes`)."),
     device: Optional[str] = DeviceOpt, dtype: Optional[str] = DtypeOpt, debug: bool = DebugOpt, compile: Optional[bool] = CompileOpt,
+    as_json: bool = typer.Option(False, "--json", help="Print the result (the passes' results, where the hybrid was saved) as JSON on stdout."),
 ):
     """Run passes on a model and save the hybrid."""
     from surgery import PassManager, capture, diff as graph_diff, save
@@ -167,17 +205,18 @@ def apply(
             err.print("no --calibration given: using the built-in calibration sample")
 
         def report(name, result):
-            brief = {k: v for k, v in result.info.items() if k != "scores" and (isinstance(v, (int, float, str)) or (isinstance(v, list) and len(v) <= 32))}
-            err.print(f"[green]✓[/] {name}: {json.dumps(brief)[:300]}")
-            if name == "select" and result.info.get("scores"):
+            render_pass_result(name, result.info)
+            if name == "select" and result.info.get("scores") and not as_json:
                 render_scores(result.info)
 
         before = graph.branch() if any(p.structural for p in manager.passes) else None
-        manager(graph, progress=report)
-        if before is not None:
+        results = manager(graph, progress=report)
+        if before is not None and not as_json:
             render_diff(graph_diff(before, graph, compare_values=False), f"{model} -> hybrid")
         save(graph, out_dir, force=force)
         err.print(f"saved to {out_dir}")
+        if as_json:
+            emit_json({"model": model, "out": str(out_dir), "passes": results.info, "layer_kinds": graph.layer_kinds})
 
 
 EVAL_COUNTS = {"chunk": (2, 2048), "batch_size": (1, 1), "depths": (1, 5), "trials": (1, 2)}  # (least, example)
@@ -208,14 +247,19 @@ def check_eval_options(task: str, text, lengths: str, **counts: int) -> list[int
     return length_list
 
 
-@app.command("eval")
+@command("eval", epilog=examples("surgery eval -m out/hybrid --text wiki.test.raw", "surgery eval -m smollm2 --text wiki.test.raw --json",
+                                 "surgery eval -m out/hybrid --task passkey --lengths 1024,2048 --depths 3",
+                                 "surgery eval -m out/hybrid --task lm-eval --limit 100"))
 def evaluate(model: str = ModelOpt,
-             text: Optional[List[Path]] = typer.Option(None, "--text", "-t", help="perplexity: the text file to score; passkey: corpus text for the filler (default: built-in sample)."),
+             text: Optional[List[Path]] = typer.Option(None, "--text", "-t", metavar="FILE",
+                                                       help="perplexity: the one text file to score; passkey: corpus text for the filler, "
+                                                            "--text again for more files (default: the built-in sample)."),
              task: str = typer.Option("perplexity", "--task", help="perplexity, passkey or lm-eval."),
              tasks: str = typer.Option("surgery_next_sentence", "--tasks", help="lm-eval: shipped task name(s), comma-separated."),
              limit: Optional[int] = typer.Option(None, "--limit", help="lm-eval: score only the first N items of each task."),
-             as_json: bool = typer.Option(False, "--json"), chunk: int = typer.Option(2048, "--chunk"),
-             batch_size: int = typer.Option(1, "--batch-size"),
+             as_json: bool = JsonOpt,
+             chunk: int = typer.Option(2048, "--chunk", help="perplexity: tokens per scored window (the model's context if shorter)."),
+             batch_size: int = typer.Option(1, "--batch-size", help="Windows (perplexity), prompts (passkey) or items (lm-eval) per forward."),
              lengths: str = typer.Option("1024,2048,4096", "--lengths", help="passkey: prompt lengths in tokens."),
              depths: int = typer.Option(5, "--depths", help="passkey: evenly spaced needle depths per length."),
              trials: int = typer.Option(2, "--trials", help="passkey: keys per (length, depth)."),
@@ -223,8 +267,6 @@ def evaluate(model: str = ModelOpt,
              device: Optional[str] = DeviceOpt, dtype: Optional[str] = DtypeOpt, debug: bool = DebugOpt,
              compile: Optional[bool] = CompileOpt):
     """Perplexity on a text file (WikiText-2 protocol) or passkey retrieval, for a teacher or a saved hybrid."""
-    from rich.progress import Progress
-
     from surgery.data.cache import text_ids
     from surgery.eval.perplexity import perplexity
 
@@ -239,30 +281,33 @@ def evaluate(model: str = ModelOpt,
         if task == "passkey":
             from surgery.eval.passkey import passkey
 
-            result = passkey(graph, text, length_list, depths, trials, seed, batch_size=batch_size)
-            result |= {"model": model}
-            if as_json:
-                print(json.dumps(result))
-                return
-            table = Table(title="passkey retrieval")
-            table.add_column("length")
-            table.add_column("accuracy")
-            per_length = result["trials"] // len(result["by_length"])
-            for length, acc in result["by_length"].items():
-                table.add_row(length, f"{acc:.0%} of {per_length}")
-            table.add_row("all", f"{result['accuracy']:.0%} of {result['trials']}")
-            out.print(table)
-            return
+            result = passkey(graph, text, length_list, depths, trials, seed, batch_size=batch_size) | {"model": model}
+            return emit_json(result) if as_json else render_passkey(result)
         ids = text_ids(text[0], graph.tokenizer)  # the WikiText-2 protocol: the whole file in one call, cached
-        with Progress(console=err, transient=True, disable=as_json or not sys.stderr.isatty()) as bar:
-            bar_task = bar.add_task("evaluating", total=None)
-            result = perplexity(graph, ids, chunk=chunk, batch_size=batch_size, progress=lambda i, n: bar.update(bar_task, completed=i, total=n),
-                                compile=compile)
+        result = perplexity(graph, ids, chunk=chunk, batch_size=batch_size, compile=compile)  # progress: surgery.core.progress, on stderr
         result |= {"model": model, "text": str(text[0])}
         if as_json:
-            print(json.dumps(result))
+            emit_json(result)
         else:
             out.print(f"perplexity {result['perplexity']:.3f} over {result['tokens']:,} predicted tokens ({result['chunks']} chunks of {result['chunk_length']})")
+
+
+def render_passkey(result: dict) -> None:
+    """Accuracy per length, then each trial: the key and what greedy decoding answered."""
+    table = Table(title="passkey retrieval")
+    table.add_column("length")
+    table.add_column("accuracy")
+    per_length = result["trials"] // len(result["by_length"])
+    for length, acc in result["by_length"].items():
+        table.add_row(length, f"{acc:.0%} of {per_length}")
+    table.add_row("all", f"{result['accuracy']:.0%} of {result['trials']}")
+    out.print(table)
+    trials = Table(title="answers (greedy, up to the first wrong token)")
+    for col in ("length", "depth", "key", "answered", ""):
+        trials.add_column(col)
+    for a in result["answers"]:
+        trials.add_row(str(a["length"]), f"{a['depth']:.2f}", a["expected"], a["answered"], "✓" if a["correct"] else "✗")
+    out.print(trials)
 
 
 def lm_eval_task(model, tasks, limit, device, dtype, batch_size, as_json) -> None:
@@ -273,29 +318,32 @@ def lm_eval_task(model, tasks, limit, device, dtype, batch_size, as_json) -> Non
     dev, dt = placement(device, dtype)
     result = lm_evaluate(model, names, limit=limit, device=str(dev), dtype=str(dt).removeprefix("torch."), batch_size=batch_size)
     if as_json:
-        print(json.dumps(result | {"model": model}))
-        return
+        return emit_json(result | {"model": model})
     for name, r in result["tasks"].items():
         out.print(f"{name}: acc {r['acc']:.4f}, acc_norm {r['acc_norm']:.4f} over {r['items']} items (lm-eval)")
 
 
-@app.command("passes")
-def list_passes():
-    """List the registered passes and their options."""
-    import dataclasses
-
+@command("passes", epilog=examples("surgery passes", "surgery passes --json"))
+def list_passes(as_json: bool = JsonOpt):
+    """List the passes in pipeline order (select, replace, calibrate, align, then the others) with each option's type, default and meaning."""
+    from surgery.core.field_help import describe_fields
     from surgery.core.pipeline import REGISTRY, known_passes
 
-    for name in known_passes():
-        cls = REGISTRY[name]
-        fields = ", ".join(f"{f.name}={f.default!r}" for f in dataclasses.fields(cls.config_cls))
-        out.print(f"[bold]{name}[/] runs_after={list(cls.runs_after)} not_after={list(cls.not_after)}  {fields}")
+    pipeline = DEFAULT_PASSES.split(",")
+    names = sorted(known_passes(), key=lambda n: (pipeline.index(n) if n in pipeline else len(pipeline), n))
+    rows = [{"name": n, "runs_after": list(REGISTRY[n].runs_after), "not_after": list(REGISTRY[n].not_after),
+             "options": describe_fields(REGISTRY[n].config_cls)} for n in names]
+    if as_json:
+        return emit_json({"default_pipeline": pipeline, "passes": rows})
+    render_passes(rows)
 
 
-app.command("distill")(distill_command)
-app.command("generate")(generate_command)
-app.command("export")(export_command)
-app.command("verify-export")(verify_command)
+command("distill", epilog=examples("surgery distill -m out/hybrid -d corpus.txt -n 10M -o out/distilled --eval-text held_out.txt",
+                                   "surgery distill -m out/hybrid -d corpus.txt -n 10M -o out/distilled --resume"))(distill_command)
+command("generate", epilog=examples("surgery generate -m out/hybrid -p 'Once upon a time' -n 64",
+                                    "surgery generate -m smollm2 -p 'The capital of France is' --json"))(generate_command)
+command("export", epilog=examples("surgery export -m out/hybrid -o out/hf", "surgery export -m out/hybrid -o out/q35 --format qwen3_5 --json"))(export_command)
+command("verify-export", epilog=examples("surgery verify-export out/hf", "surgery verify-export out/hf --json"))(verify_command)
 
 
 def main() -> None:

@@ -12,7 +12,25 @@ from rich.markup import escape
 from surgery.errors import SurgeryError
 
 out = Console(width=None if sys.stdout.isatty() else 160)  # pipes and logs get the whole table
-err = Console(stderr=True)
+err = Console(stderr=True, soft_wrap=True)  # messages are never cut mid-word or mid-value; a terminal wraps them
+
+
+def emit_json(result) -> None:
+    """A command's result on stdout, alone: one JSON document (NaN and infinities become null, which
+    JSON has; anything else JSON lacks becomes its text)."""
+    import json
+    import math
+
+    def finite(value):
+        if isinstance(value, float) and not math.isfinite(value):
+            return None
+        if isinstance(value, dict):
+            return {str(k): finite(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [finite(v) for v in value]
+        return value
+
+    print(json.dumps(finite(result), default=str), flush=True)
 
 
 def fail(exc: SurgeryError) -> None:

@@ -2,7 +2,6 @@
 command; only rank 0 prints."""
 from __future__ import annotations
 
-import json
 import signal
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
@@ -13,7 +12,7 @@ import typer
 from surgery.errors import SurgeryError
 from surgery.train.interrupt import Aborted, exit_code
 
-from .common import err, guard, out, parse_device, parse_dtype
+from .common import emit_json, err, guard, out, parse_device, parse_dtype
 from .options import CompileOpt, DebugOpt
 
 _SUFFIXES = {"k": 10**3, "m": 10**6, "g": 10**9, "b": 10**9}
@@ -88,7 +87,7 @@ def distill(
         if device is not None:
             parse_device(device)
         result = interruptible(lambda: run_distill(str(model), files, out_dir, config, teacher=teacher, resume=resume, force=force,
-                                                   device=device, dtype=weights_dtype, progress=not as_json), out_dir)
+                                                   device=device, dtype=weights_dtype), out_dir)  # progress on stderr, --json or not
         if result["rank"] == 0:
             render(result, as_json)
         if (result.get("stopped") or "").startswith("SIG"):  # a checkpoint was written: exit as the signal says (130, 143)
@@ -140,8 +139,7 @@ def settings(given: dict, counts: dict, lr, lr_rest, options) -> dict:
 
 def render(result: dict, as_json: bool) -> None:
     if as_json:
-        print(json.dumps(result))
-        return
+        return emit_json(result)
     if result.get("stopped") == "time_limit":  # (a signal's stop was noted by the trainer as it happened)
         err.print(f"stopped by --time-limit after {result['tokens']:,} tokens; run the same command with --resume to continue")
     rate = f"{result['tokens_per_s']:,.0f} tokens/s, {result['flops_per_s'] / 1e12:.3g} model TFLOP/s" if result["tokens_per_s"] else "nothing left to train"

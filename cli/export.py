@@ -6,8 +6,8 @@ from typing import Optional
 
 import typer
 
-from .common import err, guard, model_inputs, parse_dtype
-from .options import DebugOpt
+from .common import emit_json, err, guard, model_inputs, parse_dtype
+from .options import DebugOpt, JsonOpt
 
 FormatOpt = typer.Option("hf", "--format", help="hf: a transformers directory (AutoModelForCausalLM, trust_remote_code=True). "
                         "qwen3_5: a native Qwen3.5 text model (Qwen3_5ForCausalLM, no remote code; vLLM, SGLang), "
@@ -22,6 +22,7 @@ def export(
     dtype: Optional[str] = ExportDtypeOpt,
     force: bool = typer.Option(False, "--force", help="Replace --out when it holds a hybrid or an export surgery wrote."),
     debug: bool = DebugOpt,
+    as_json: bool = JsonOpt,
 ):
     """Export a hybrid: --format hf writes config.json, model.safetensors, the tokenizer and a modeling file that needs no surgery."""
     from surgery.io.export import export as export_model
@@ -31,3 +32,5 @@ def export(
         model_inputs(model)
         written = export_model(model, out, format=format, dtype=parse_dtype(dtype) if dtype else None, force=force)
         err.print(f"exported {model} as {format} to {written}")
+        if as_json:
+            emit_json({"model": model, "format": format, "out": str(written), "files": sorted(p.name for p in Path(written).iterdir())})

@@ -1,7 +1,8 @@
 """`surgery generate`: continue prompts with incremental decoding (surgery.decode).
 
 stdout carries the continuations and nothing else (one per prompt, each ended by a newline, streamed
-token by token), so the command can be piped; loading messages and errors go to stderr."""
+token by token; with --json one JSON document once all are done), so the command can be piped;
+loading messages, progress and errors go to stderr."""
 from __future__ import annotations
 
 import math
@@ -14,7 +15,7 @@ import typer
 
 from surgery.errors import SurgeryError
 
-from .common import check_device_fits, err, guard, model_inputs, more_files, placement
+from .common import check_device_fits, emit_json, err, guard, model_inputs, more_files, placement
 from .options import CompileOpt, DebugOpt, DeviceOpt, DtypeOpt, ModelOpt
 
 CONTEXT_TOKENS = 8  # prompt tokens decoded with the continuation, so a leading space survives detokenisation
@@ -118,9 +119,10 @@ def generate(
     dtype: Optional[str] = DtypeOpt,
     compile: Optional[bool] = CompileOpt,
     debug: bool = DebugOpt,
+    as_json: bool = typer.Option(False, "--json", help="Print the continuations as one JSON document on stdout once done (no streaming)."),
 ):
     """Continue prompts with a teacher or a saved hybrid (KV cache for attention, recurrent state for GDN)."""
-    from surgery.decode import Decoder, check_sampling, generate as decode_generate
+    from surgery.decode import Decoder, check_sampling
     from surgery.io import open_model
 
     with guard(debug):
@@ -151,15 +153,39 @@ def generate(
         kinds = graph.layer_kinds
         err.print(f"decoding: {kinds.count('attention')} attention layers with a KV cache, {kinds.count('gdn')} GDN layers with a recurrent state")
 
-        def write(text: str) -> None:
-            sys.stdout.write(text)
-            sys.stdout.flush()
+        sampling = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "seed": seed}
+        continuations = [continuation(decoder, tokenizer, p, ids, max_new_tokens, sampling, stream=not as_json, index=i)
+                         for i, (p, ids) in enumerate(zip(prompts, encoded), 1)]
+        if as_json:
+            emit_json({"model": model, "temperature": temperature, "seed": seed, "continuations": continuations})
 
-        for i, ids in enumerate(encoded, 1):  # one prompt at a time, so each continuation streams whole
-            text = TextStream(tokenizer, ids, write)
-            clock = Clock()
-            decode_generate(decoder, [ids], max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                            stream=lambda _, token, text=text, clock=clock: (clock.tick(), text.push(token)))
-            text.close()
-            err.print(clock.summary(i, len(ids)))
 
+def continuation(decoder, tokenizer, prompt: str, ids: list, max_new_tokens: int, sampling: dict, stream: bool,
+                 index: int = 1) -> dict:
+    """One prompt's continuation, streamed to stdout as it decodes (stream), or collected with its
+    progress on stderr (--json: nothing reaches stdout until the end); its time to first token and
+    rate on stderr."""
+    from surgery.core import progress
+    from surgery.decode import generate as decode_generate
+
+    pieces: list[str] = []
+    tokens: list[int] = []
+    text = TextStream(tokenizer, ids, write if stream else pieces.append)
+    clock = Clock()
+    with progress.task("generate", max_new_tokens, "tokens", enabled=not stream) as bar:
+        def push(_, token):
+            clock.tick()
+            tokens.append(token)
+            text.push(token)
+            bar.update(len(tokens))
+
+        decode_generate(decoder, [ids], max_new_tokens, **sampling, stream=push)
+    text.close()
+    err.print(clock.summary(index, len(ids)))
+    return {"prompt": prompt, "text": "".join(pieces).removesuffix("\n"), "prompt_tokens": len(ids), "new_tokens": len(tokens)}
+
+
+def write(text: str) -> None:
+    """A piece of a continuation on stdout at once (the command pipes)."""
+    sys.stdout.write(text)
+    sys.stdout.flush()

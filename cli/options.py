@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import typer
 
-from surgery.core.load import DEFAULT_MODEL
+from surgery.core.load import DEFAULT_MODEL, SHORT_NAMES
 
-ModelOpt = typer.Option(DEFAULT_MODEL, "--model", "-m", help="Model directory, .gguf file, saved hybrid, or short name.")
+ModelOpt = typer.Option(DEFAULT_MODEL, "--model", "-m",
+                        help=f"Model directory, .gguf file, saved hybrid, distillation run, or short name: {', '.join(SHORT_NAMES)}.")
+JsonOpt = typer.Option(False, "--json", help="Print the result as JSON on stdout, alone (progress and messages stay on stderr).")
 DebugOpt = typer.Option(False, "--debug", help="Show full tracebacks.")
 DeviceOpt = typer.Option(None, "--device", help="cpu, cuda, cuda:1 ... (default: cuda when available).")
 DtypeOpt = typer.Option(None, "--dtype", help="float32, bfloat16, float16 (default: float32 on CPU, bfloat16 on CUDA).")

@@ -1,13 +1,11 @@
 """align (Phase 2): teacher-forced, layer-local MSE alignment of every GDN layer."""
 from __future__ import annotations
 
-import sys
 import time
 from dataclasses import dataclass
 
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-
 from surgery.errors import PassConfigError
+from surgery.core import progress
 from surgery.core.compiled import maybe_compiled
 from surgery.core.graph import Graph
 from surgery.core.pipeline import Pass, PassResult, register
@@ -20,8 +18,11 @@ from .teacher_data import TeacherDataConfig, check_text, teacher_data
 
 @dataclass
 class AlignConfig(TeacherDataConfig, AlignOptions):
-    """Phase 2 options (tcal.phase2.AlignOptions) plus the calibration data; compile: each GDN layer's
-    forward through torch.compile (None: where it pays, surgery.core.compiled)."""
+    """Phase 2 options (tcal.phase2.AlignOptions) plus the calibration data.
+
+    seed      seeds where the calibration windows are cut and torch's random state for the run
+    progress  report the steps (surgery.core.progress); False: silent
+    compile   each GDN layer's forward through torch.compile (None: where it pays, surgery.core.compiled)"""
 
     progress: bool = True
     compile: bool | None = None
@@ -53,20 +54,12 @@ class Align(Pass):
         data = teacher_data(graph, self.config)
         modules = graph.gdn_modules()
         pairs = {l: (data[l].x, data[l].target) for l in modules}
-        show = self.config.progress and sys.stderr.isatty()
-        with Progress(TextColumn("align"), BarColumn(), TextColumn("{task.completed}/{task.total} steps"),
-                      TextColumn("mean loss {task.fields[loss]:.3e}"), TimeElapsedColumn(), TextColumn("left"), TimeRemainingColumn(),
-                      disable=not show, transient=True) as bar:
-            task = bar.add_task("align", total=self.config.steps, loss=float("nan"))
-            def progress(step, losses):
-                mean = sum(losses.values()) / len(losses)
-                bar.update(task, completed=step + 1, loss=mean)
-                if self.config.progress and not show and (step + 1) % 50 == 0:  # logs get a line now and then
-                    left = (time.perf_counter() - start) / (step + 1) * (self.config.steps - step - 1)
-                    print(f"align step {step + 1}/{self.config.steps}: mean loss {mean:.4e}, at most {left:.0f} s left", file=sys.stderr, flush=True)
+        with progress.task("align", self.config.steps, "steps", enabled=self.config.progress) as bar:
+            def on_step(step, losses):
+                bar.update(step + 1, info=f"mean loss {sum(losses.values()) / len(losses):.3e}")
 
             forwards = {l: maybe_compiled(m, self.config.compile, graph.device, use="align", label=f"GDN layer {l}") for l, m in modules.items()}
-            report = align_layers(modules, pairs, self.config.project(AlignOptions), progress=progress, forwards=forwards)
+            report = align_layers(modules, pairs, self.config.project(AlignOptions), progress=on_step, forwards=forwards)
         seconds = time.perf_counter() - start
         graph.meta["align"] = report | {"seconds": seconds}
         layers = report["layers"].values()

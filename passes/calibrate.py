@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from surgery.errors import CalibrationError, PassConfigError
+from surgery.core import progress
 from surgery.core.graph import Graph
 from surgery.core.pipeline import Pass, PassResult, register
 from tcal.phase1 import CONCENTRATION, GATES, Phase1Options, calibrate_layer
@@ -48,12 +49,14 @@ class Calibrate(Pass):
         saved = {layer: {k: v.clone() for k, v in gdn.state_dict().items()} for layer, gdn in modules.items()}
         reports = {}
         try:
-            for layer, gdn in modules.items():
-                d = data[layer]
-                try:
-                    reports[layer] = calibrate_layer(gdn, d.x, d.ctx, d.target, d.stats, options)
-                except ValueError as exc:
-                    raise CalibrationError(f"Phase 1 failed at layer {layer}: {exc}", "Check the calibration text and options.") from exc
+            with progress.task("calibrate", len(modules), "layers") as bar:
+                for layer, gdn in modules.items():
+                    d = data[layer]
+                    try:
+                        reports[layer] = calibrate_layer(gdn, d.x, d.ctx, d.target, d.stats, options)
+                    except ValueError as exc:
+                        raise CalibrationError(f"Phase 1 failed at layer {layer}: {exc}", "Check the calibration text and options.") from exc
+                    bar.advance(info=f"layer {layer}: relative error {reports[layer]['rel_error_before']:.3g} -> {reports[layer]['rel_error_after']:.3g}")
         except BaseException:
             with torch.no_grad():
                 for layer, gdn in modules.items():

@@ -28,6 +28,8 @@ BACKENDS = ("auto", "torch", "fla")
 @dataclass
 class ReplaceConfig(PassConfig):
     """use_short_conv  add fla's depthwise causal convolutions (initialised to identity)
+    conv_size          kernel size of those convolutions
+    norm_eps           epsilon of the GDN output norm (o_norm)
     v_activation       "identity" (default) keeps the teacher's values linear, as in attention; "silu" is
                        what fla applies without convolutions. Measured: identity aligns to a lower
                        held-out error (bench/RESULTS.md)

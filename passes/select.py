@@ -56,11 +56,15 @@ class SelectConfig(TeacherDataConfig):
     """policy        uniform: keep k layers evenly spaced from 0;  keep: keep exactly `layers`;
                     convert: convert exactly `layers`;  ar, greedy: keep the k best-scoring layers
     k               `keep_count`, else one layer in `stride`, else round(keep_ratio * layers)
+    keep_ratio      fraction of attention layers kept
+    stride          keep one layer in `stride` (overrides keep_ratio)
+    keep_count      attention layers kept (overrides stride and keep_ratio)
+    layers          the layers that policy keep or convert names
     calibration, samples, length, seed, batch_size   the scoring text (ar, greedy), as for calibrate
     init            greedy: passes applied after replace in every probe (default: the pipeline's
                     calibrate/align, else calibrate,align); "calibrate" alone skips Phase 2 for speed
-    init_configs    greedy: {"replace"|"calibrate"|"align": options} for the probes, over the pipeline's
-    window          any | global-first | global-only | local-only: how sliding-window layers are treated (above)"""
+    init_configs    greedy: {"replace"|"calibrate"|"align": options} for the probes, over the pipeline's own
+    window          any | global-first | global-only | local-only: how sliding-window layers are treated (module docstring)"""
 
     policy: str = "uniform"
     keep_ratio: float | None = 0.5

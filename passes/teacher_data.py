@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from surgery.core import progress
 from surgery.core.pipeline import PassConfig
 from surgery.core.rewrite import nodes_by_name
 from surgery.core.run import interpret, placeholder_values
@@ -18,7 +19,11 @@ from tcal.stats import AttentionStats, StatsError
 
 @dataclass
 class TeacherDataConfig(PassConfig):
-    """calibration  text files (default: the built-in sample); samples x length tokens are used"""
+    """calibration  text files (default: the built-in sample); samples x length tokens are used
+    samples      calibration windows read
+    length       tokens per calibration window
+    seed         seeds where the windows are cut from the text
+    batch_size   windows per teacher forward"""
 
     calibration: list[str] | None = None
     samples: int = 16
@@ -115,8 +120,10 @@ def collect(graph, layers: list[int], ids: torch.Tensor, *, with_stats: bool, ba
                 seen.clear()
 
             add(s.attn_node, on_attn)
-    for start in range(0, ids.shape[0], batch_size):
-        run_with_taps(gm, ids[start:start + batch_size].to(graph.device), callbacks)
+    with progress.task("reading the teacher", ids.shape[0], "windows") as bar:
+        for start in range(0, ids.shape[0], batch_size):
+            run_with_taps(gm, ids[start:start + batch_size].to(graph.device), callbacks)
+            bar.update(min(start + batch_size, ids.shape[0]))
     out = {}
     for l in layers:
         data = LayerData(*(torch.cat(store[l][k]) for k in ("x", "target", "ctx")))

@@ -29,6 +29,20 @@ CONCENTRATION = ("minmax", "normalized")
 
 @dataclass
 class Phase1Options:
+    """decay                  set each head's decay from the teacher's attention distance
+    write_gate             set the write gate (b_proj) from the attention's concentration
+    value_scale            scale the values per head (off: o_norm cancels it, measured worse)
+    gate                   output gate: constant (one amplitude per head), tokenwise, reference, zero or keep
+    concentration          how concentration is measured: minmax or normalized
+    beta_low               lowest write-gate target (for the least concentrated head)
+    beta_span              write-gate targets span [beta_low, beta_low + beta_span]
+    a_proj_scale           a_proj's initial weights scaled by this (the decay varies little with the token)
+    b_proj_scale           b_proj's initial weights scaled by this around the target's mean logit
+    min_rate, max_rate     clamp of the decay rates derived from the attention distance
+    gate_ridge             ridge strength of the output gate's fit to the layer input
+    gate_floor             smallest gate amplitude fitted (silu's inverse needs a positive value)
+    reference_gate_factor  gate: reference's factor (the reference's 0.01)"""
+
     decay: bool = True
     write_gate: bool = True
     value_scale: bool = False

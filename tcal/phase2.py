@@ -25,6 +25,18 @@ from .schedule import lr_factor as schedule_factor
 
 @dataclass
 class AlignOptions:
+    """steps           optimizer steps (every layer trained at once, each on its own loss)
+    lr_qkv          learning rate of the q/k/v projections and convolutions
+    lr_gates        learning rate of the gates and the decay
+    weight_decay    AdamW weight decay
+    clip            gradient-norm clip per layer (0: none)
+    patience        stop after this many steps without a min_delta improvement
+    min_delta       relative loss improvement that counts
+    seed            seeds torch's random state for the run
+    schedule        learning-rate schedule: cosine or constant
+    warmup          warmup steps
+    final_lr_ratio  cosine's last learning rate, as a fraction of the first"""
+
     steps: int = 60
     lr_qkv: float = 1e-3
     lr_gates: float = 1e-2

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -54,9 +55,11 @@ def applied(runner, stories_path, tmp_path_factory):
 def test_passes_lists_the_four_passes(runner):
     result = invoke(runner, "passes")
     assert result.exit_code == 0
-    lines = [l for l in result.stdout.splitlines() if "runs_after=" in l]
-    assert [l.split()[0] for l in lines] == ["align", "calibrate", "replace", "select"]
-    assert "keep_ratio=0.5" in result.stdout and "steps=60" in result.stdout and "schedule='cosine'" in result.stdout
+    lines = [l for l in result.stdout.splitlines() if "(runs after:" in l]
+    assert [l.split()[0] for l in lines] == ["select", "replace", "calibrate", "align"]  # pipeline order
+    options = {c[0]: c[1:3] for c in (re.split(r"\s{2,}", l) for l in result.stdout.splitlines() if l.startswith(("select.", "align.")))}
+    assert options["select.keep_ratio"] == ["float | None", "0.5"] and options["align.steps"] == ["int", "60"]
+    assert options["align.schedule"] == ["str", "'cosine'"]
 
 
 def test_inspect_json_on_the_gguf(runner, stories_path):

@@ -9,6 +9,7 @@ import json
 import math
 import os
 import pickle
+import re
 import shutil
 import socket
 import subprocess
@@ -417,8 +418,9 @@ def test_cli_distills_with_the_teacher_named_in_the_recipe(runner, hybrid, files
             "--seq-len", L, "--batch-size", G, "--stage", "kl", "--out", out, "--json"]
     result = invoke(runner, *args)
     assert result.exit_code == 0, result.output
-    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    summary = json.loads(result.stdout)  # stdout: the JSON alone; progress stays on stderr (a line each 5% of 2 steps)
     assert summary["steps"] == 2 and summary["tokens"] == 256 and summary["checkpoint"].endswith("checkpoint-00000002")
+    assert re.search(r"^distill: 256/256 tokens \(100%\), step 2/2 \(kl\), loss [\d.]+", result.stderr, re.M), result.stderr
     run = json.loads((out / "distill.json").read_text())
     assert run["teacher"].endswith("stories260K.gguf") and len(run["data"]) == 2
     recipe = json.loads((out / "checkpoint-00000002" / "recipe.json").read_text())

@@ -9,6 +9,7 @@ import inspect
 import torch
 
 from ..errors import CaptureError, ModelLoadError, first_line
+from . import progress
 from .graph import Graph
 from .load import load_model
 from .rewrite import token_dependent
@@ -120,16 +121,19 @@ def capture_graph(source, *, tokenizer=None, max_length: int | None = None, dtyp
 
     The graph is captured on `device` in `dtype` because export bakes device constants into it:
     capture where the graph will run rather than moving it afterwards."""
-    model, loaded_tokenizer, info = load_model(source, dtype=dtype or torch.float32)
-    if device is not None or dtype is not None:
-        model = model.to(device=device, dtype=dtype)
-    dtype = next(model.parameters()).dtype
-    config = model.config
-    if getattr(config, "is_encoder_decoder", False):
-        raise ModelLoadError(f"{type(model).__name__} is an encoder-decoder model.", "surgery converts decoder-only causal LMs.")
-    limit = max_length or max_positions(config)  # an explicit length may exceed the config (RoPE extrapolates)
-    model.eval()
-    gm = export_model(model, limit, debug=debug)
+    with progress.task("capture") as bar:  # no count to show: a line each interval says it is still at work
+        bar.update(info="loading the weights")
+        model, loaded_tokenizer, info = load_model(source, dtype=dtype or torch.float32)
+        if device is not None or dtype is not None:
+            model = model.to(device=device, dtype=dtype)
+        dtype = next(model.parameters()).dtype
+        config = model.config
+        if getattr(config, "is_encoder_decoder", False):
+            raise ModelLoadError(f"{type(model).__name__} is an encoder-decoder model.", "surgery converts decoder-only causal LMs.")
+        limit = max_length or max_positions(config)  # an explicit length may exceed the config (RoPE extrapolates)
+        model.eval()
+        bar.update(info="tracing with torch.export")
+        gm = export_model(model, limit, debug=debug)
     graph = Graph(gm=gm, config=config, source=info, tokenizer=tokenizer or loaded_tokenizer)
     graph.meta["capture"] = {"max_length": limit, "dtype": str(dtype).removeprefix("torch.")}
     return graph

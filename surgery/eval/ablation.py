@@ -8,6 +8,7 @@ import math
 
 import torch
 
+from ..core import progress
 from ..core.graph import Graph
 from ..core.rewrite import fork, nodes_by_name, prune, splice_module
 from .perplexity import score_windows
@@ -49,7 +50,7 @@ def without_attention(graph: Graph, layer: int) -> Graph:
 def window_perplexity(graph: Graph, windows: torch.Tensor, batch_size: int = 4) -> float:
     """Perplexity over every predicted token of the windows [N, T] as given (each scored on its own;
     a BOS they carry is kept)."""
-    ppl = score_windows(graph, windows, batch_size=batch_size)["perplexity"]
+    ppl = score_windows(graph, windows, batch_size=batch_size, label=None)["perplexity"]  # the caller reports its layers
     return ppl if math.isfinite(ppl) else math.inf
 
 
@@ -57,9 +58,11 @@ def removal_scores(graph: Graph, windows: torch.Tensor, batch_size: int = 4) -> 
     """The teacher's perplexity and, per layer, the perplexity with that layer's attention removed."""
     baseline = window_perplexity(graph.branch(), windows, batch_size)
     rows = []
-    for layer in range(graph.num_layers):
-        ppl = window_perplexity(without_attention(graph, layer), windows, batch_size)
-        rows.append({"layer": layer, "perplexity": ppl, "increase": ppl - baseline})
+    with progress.task("select: attention removal", graph.num_layers, "layers") as bar:
+        for layer in range(graph.num_layers):
+            ppl = window_perplexity(without_attention(graph, layer), windows, batch_size)
+            rows.append({"layer": layer, "perplexity": ppl, "increase": ppl - baseline})
+            bar.advance()
     return baseline, rows
 
 
@@ -68,7 +71,9 @@ def keep_one_scores(graph: Graph, modules: dict[int, tuple[str, torch.nn.Module]
     """Per layer l, the perplexity of the hybrid that keeps only l as attention and swaps every other
     layer for its module in `modules` (which must cover every layer)."""
     rows = []
-    for layer in range(graph.num_layers):
-        probe = variant(graph, {l: m for l, m in modules.items() if l != layer})
-        rows.append({"layer": layer, "perplexity": window_perplexity(probe, windows, batch_size)})
+    with progress.task("select: keep-one probes", graph.num_layers, "layers") as bar:
+        for layer in range(graph.num_layers):
+            probe = variant(graph, {l: m for l, m in modules.items() if l != layer})
+            rows.append({"layer": layer, "perplexity": window_perplexity(probe, windows, batch_size)})
+            bar.advance()
     return rows

@@ -13,6 +13,7 @@ import os
 import tempfile
 from pathlib import Path
 
+from ..core import progress
 from ..core.graph import Graph
 from ..core.load import resolve
 from ..errors import EvalTaskError
@@ -97,7 +98,9 @@ def evaluate(model, tasks=(TASK,), *, limit: int | None = None, device: str = "c
         raise EvalTaskError(f"--limit must be at least 1, got {limit}.", "Pass e.g. --limit 100, or drop it to score every item.")
     with tempfile.TemporaryDirectory(prefix="surgery-lm-eval-") as tmp:
         model_args = {"pretrained": str(export(model, Path(tmp) / "hf"))} if needs_export(model) else teacher_args(model)
-        raw = run_tasks(model_args, names, limit=limit, device=device, dtype=dtype, batch_size=batch_size, log_samples=log_samples)
+        with progress.task("lm-eval") as bar:  # lm-eval counts its requests itself: a line each interval says it runs
+            bar.update(info=f"{', '.join(names)}" + (f", {limit} items each" if limit else ""))
+            raw = run_tasks(model_args, names, limit=limit, device=device, dtype=dtype, batch_size=batch_size, log_samples=log_samples)
     results = {name: {m: raw["results"][name][f"{m},none"] for m in METRICS} | {"items": raw["results"][name]["sample_len"]} for name in names}
     out = {"tasks": results, "exported": needs_export(model)}
     if log_samples:

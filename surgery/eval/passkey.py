@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..core import progress
 from ..core.bos import lead_ids, leading_token
 from ..core.graph import Graph
 from ..data.cache import token_stream
@@ -87,35 +88,49 @@ def make_trials(tokenizer, filler_files, lengths, depths: int, trials_per_depth:
 
 
 @torch.no_grad()
-def score(graph, trials: list[PasskeyTrial], batch_size: int = 8, compile: bool | None = None) -> list[bool]:
-    """Teacher-forced greedy exact match of the key tokens, trials of equal length batched, through
-    the fast runner (surgery.decode.fast; compile: None is the device's route)."""
+def greedy_answers(graph, trials: list[PasskeyTrial], batch_size: int = 8, compile: bool | None = None) -> list[list[int]]:
+    """Per trial, the argmax at each key position, teacher-forced, trials of equal length batched,
+    through the fast runner (surgery.decode.fast; compile: None is the device's route). Up to and
+    including its first token that differs from the key, this is exactly what greedy decoding would
+    write (see the module's docstring); after that, greedy would have gone elsewhere."""
     longest = max(t.ids.numel() for t in trials)
     if longest > graph.max_length:
         raise SurgeryError(f"A passkey prompt plus its key takes {longest} tokens, over this graph's limit of {graph.max_length}.",
                            "Use shorter --lengths.")
     run = fast_runner(graph, compile, label="graph for passkey") if isinstance(graph, Graph) else graph  # else: ids -> logits
-    correct = [False] * len(trials)
+    answers: list[list[int]] = [[] for _ in trials]
     groups: dict[int, list[int]] = {}
     for i, t in enumerate(trials):
         groups.setdefault(t.ids.numel(), []).append(i)
-    for indices in groups.values():
-        for s in range(0, len(indices), batch_size):
-            chunk = indices[s:s + batch_size]
-            ids = torch.stack([trials[i].ids for i in chunk]).to(graph.device)
-            logits = run(ids)
-            for row, i in enumerate(chunk):
-                t = trials[i]
-                predicted = logits[row, t.answer_start - 1:-1].argmax(-1)
-                correct[i] = bool((predicted == ids[row, t.answer_start:]).all())
-    return correct
+    with progress.task("passkey", len(trials), "trials") as bar:
+        for indices in groups.values():
+            for s in range(0, len(indices), batch_size):
+                chunk = indices[s:s + batch_size]
+                logits = run(torch.stack([trials[i].ids for i in chunk]).to(graph.device))
+                for row, i in enumerate(chunk):
+                    answers[i] = logits[row, trials[i].answer_start - 1:-1].argmax(-1).tolist()
+                bar.advance(len(chunk))
+    return answers
+
+
+def score(graph, trials: list[PasskeyTrial], batch_size: int = 8, compile: bool | None = None) -> list[bool]:
+    """Teacher-forced greedy exact match of the key tokens."""
+    return [answer == t.ids[t.answer_start:].tolist() for t, answer in zip(trials, greedy_answers(graph, trials, batch_size, compile))]
+
+
+def answered(tokenizer, trial: PasskeyTrial, answer: list[int]) -> str:
+    """What greedy decoding writes for the key's tokens: the answer up to its first wrong token."""
+    key = trial.ids[trial.answer_start:].tolist()
+    wrong = next((i for i, (a, k) in enumerate(zip(answer, key)) if a != k), None)
+    return tokenizer.decode(answer if wrong is None else answer[:wrong + 1]).strip()
 
 
 def passkey(graph, filler_files=None, lengths=(1024, 2048, 4096), depths: int = 5, trials_per_depth: int = 2,
             seed: int = 0, batch_size: int = 8, compile: bool | None = None) -> dict:
-    """Accuracy overall, per length and per (length, depth)."""
+    """Accuracy overall, per length and per (length, depth), and each trial's key and greedy answer."""
     trials = make_trials(graph.tokenizer, filler_files, list(lengths), depths, trials_per_depth, seed)
-    correct = score(graph, trials, batch_size, compile)
+    answers = greedy_answers(graph, trials, batch_size, compile)
+    correct = [a == t.ids[t.answer_start:].tolist() for t, a in zip(trials, answers)]
     by_length: dict[int, list[bool]] = {}
     by_depth: dict[str, list[bool]] = {}
     for t, ok in zip(trials, correct):
@@ -126,5 +141,7 @@ def passkey(graph, filler_files=None, lengths=(1024, 2048, 4096), depths: int = 
         "task": "passkey", "accuracy": mean(correct), "trials": len(trials),
         "by_length": {str(k): mean(v) for k, v in by_length.items()},
         "by_depth": {k: mean(v) for k, v in by_depth.items()},
+        "answers": [{"length": t.length, "depth": round(t.depth, 4), "expected": t.key, "answered": answered(graph.tokenizer, t, a), "correct": ok}
+                    for t, a, ok in zip(trials, answers, correct)],
         "seed": seed,
     }

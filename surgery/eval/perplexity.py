@@ -10,6 +10,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from ..core import progress as report
 from ..core.bos import lead_windows, leading_token, text_length
 from ..decode.fast import fast_runner
 from ..errors import CalibrationError
@@ -28,20 +29,26 @@ def chunk_tokens(ids: torch.Tensor, length: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def score_windows(graph, windows: torch.Tensor, *, batch_size: int = 1, progress=None, compile: bool | None = None) -> dict:
+def score_windows(graph, windows: torch.Tensor, *, batch_size: int = 1, progress=None, compile: bool | None = None,
+                  label: str | None = "perplexity") -> dict:
     """Mean NLL of tokens 1..T-1 of each window [N, T], every window scored on its own (a window
-    that starts with BOS has all its text tokens predicted)."""
+    that starts with BOS has all its text tokens predicted). Reported as task `label`
+    (surgery.core.progress; None: silent, for a caller that reports its own loop) and to
+    progress(done, total) when given."""
     run = fast_runner(graph, compile, label="graph for perplexity")
     total, count = 0.0, 0
     device = graph.device
-    for start in range(0, windows.shape[0], batch_size):
-        batch = windows[start:start + batch_size].to(device)
-        logits = run(batch)
-        nll = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), batch[:, 1:].flatten(), reduction="sum")
-        total += nll.item()
-        count += batch[:, 1:].numel()
-        if progress is not None:
-            progress(min(start + batch_size, windows.shape[0]), windows.shape[0])
+    with report.task(label or "", windows.shape[0], "windows", enabled=label is not None) as bar:
+        for start in range(0, windows.shape[0], batch_size):
+            batch = windows[start:start + batch_size].to(device)
+            logits = run(batch)
+            nll = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), batch[:, 1:].flatten(), reduction="sum")
+            total += nll.item()
+            count += batch[:, 1:].numel()
+            done = min(start + batch_size, windows.shape[0])
+            bar.update(done, info=f"perplexity so far {math.exp(total / count):.4g}")
+            if progress is not None:
+                progress(done, windows.shape[0])
     mean = total / count
     return {"perplexity": math.exp(mean), "nll": mean, "tokens": count, "chunks": int(windows.shape[0]), "chunk_length": int(windows.shape[1])}
 

@@ -16,6 +16,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from ..core import progress
 from ..core.files import sha256_file
 from ..core.graph import Graph
 from ..errors import CheckpointError, SurgeryError, first_line
@@ -71,7 +72,8 @@ def save(graph: Graph, out: str | Path, *, force: bool = False, shard_bytes: int
             extra(tmp)
             record_extra_files(tmp)
 
-    return write_staged(out, write)
+    with progress.task("save"):  # no count: a line each interval while a large model's weights are written
+        return write_staged(out, write)
 
 
 def write_staged(out: Path, write: Callable[[Path], None], what: str = "Saving the hybrid") -> Path:
@@ -205,11 +207,19 @@ def teacher_config(recipe: dict):
 def load(path: str | Path, *, device=None, dtype: torch.dtype | None = None, verify: bool = True) -> Graph:
     """Rebuild the hybrid: teacher architecture from its config (random weights), capture, replay the
     structural passes from the recipe's decisions, then load the saved weights (strictly)."""
+    path = Path(path)
+    with progress.task("load") as bar:  # no count: a line each interval says which stage runs
+        bar.update(info=f"reading {path}")
+        recipe, state, tokenizer = read_hybrid(path, verify)
+        bar.update(info="rebuilding the hybrid from its recipe")
+        return rebuild(path, recipe, state, tokenizer, device, dtype)
+
+
+def rebuild(path: Path, recipe: dict, state: dict, tokenizer, device, dtype) -> Graph:
+    """The hybrid `recipe` describes, with the weights in `state` (load's second half)."""
     from ..core.capture import capture_graph
     from ..sites import find_sites
 
-    path = Path(path)
-    recipe, state, tokenizer = read_hybrid(path, verify)
     config = teacher_config(recipe)
     saved_dtype = getattr(torch, recipe["capture"].get("dtype", "float32"))  # one of recipes.DTYPES (checked)
     dtype = dtype or saved_dtype

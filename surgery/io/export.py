@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from ..core import progress
 from ..core.graph import Graph
 from ..errors import CheckpointError, ExportError
 from . import hf_export, qwen3_5_export
@@ -37,19 +38,23 @@ def export(model, out: str | Path, *, format: str = "hf", dtype: torch.dtype | N
     out = Path(out)
     inputs = [] if isinstance(model, Graph) else [model]
     check_export_out(out, force=force, inputs=inputs)
-    graph = open_model(model)
-    inputs += source_paths(graph.source)
-    check_export_out(out, force=force, inputs=inputs)
-    PLANS[format](graph)  # refuse before staging anything
+    with progress.task("export") as bar:  # stages, no count: a line each interval says which one runs
+        bar.update(info="opening the hybrid")
+        graph = open_model(model)
+        inputs += source_paths(graph.source)
+        check_export_out(out, force=force, inputs=inputs)
+        PLANS[format](graph)  # refuse before staging anything
 
-    source = None if isinstance(model, Graph) else str(Path(model).resolve())
+        source = None if isinstance(model, Graph) else str(Path(model).resolve())
 
-    def write(folder: Path) -> None:
-        FORMATS[format](graph, folder, dtype=dtype, shard_bytes=shard_bytes)
-        record_files(folder)
-        write_manifest(folder, format=format, source=source, teacher_config=type(graph.config).__name__ if format == "hf" else None)
+        def write(folder: Path) -> None:
+            bar.update(info=f"writing the {format} weights and files")
+            FORMATS[format](graph, folder, dtype=dtype, shard_bytes=shard_bytes)
+            record_files(folder)
+            bar.update(info="writing the manifest (sha256 of every file)")
+            write_manifest(folder, format=format, source=source, teacher_config=type(graph.config).__name__ if format == "hf" else None)
 
-    return write_staged(out, write, what="Exporting the hybrid")
+        return write_staged(out, write, what="Exporting the hybrid")
 
 
 def record_files(folder: Path) -> None:
