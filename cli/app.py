@@ -50,13 +50,12 @@ def inspect(model: str = ModelOpt, as_json: bool = typer.Option(False, "--json",
 @app.command()
 def diff(a: str = typer.Argument(..., help="Model or saved hybrid (before)."), b: str = typer.Argument(..., help="Model or saved hybrid (after)."),
          as_json: bool = typer.Option(False, "--json"), debug: bool = DebugOpt):
-    """Per-layer differences between two models (e.g. a teacher and its saved hybrid)."""
+    """Per-layer differences between two models (e.g. a teacher and its saved hybrid); identical layers share a row."""
     from surgery import diff as graph_diff
 
     with guard(debug):
         model_inputs(a), model_inputs(b)  # both exist before either loads
-        ga, gb = open_model(a, debug=debug), open_model(b, debug=debug)
-        result = graph_diff(ga, gb)
+        result = graph_diff(open_model(a, debug=debug), open_model(b, debug=debug))
         if as_json:
             print(json.dumps(result, indent=1))
             return
@@ -64,14 +63,17 @@ def diff(a: str = typer.Argument(..., help="Model or saved hybrid (before)."), b
 
 
 def render_diff(result: dict, title: str) -> None:
-    table = Table(title=title)
-    for col in ("layer", "before", "after", "summary"):
+    """The diff as `surgery diff` and `surgery apply` print it: one row per group of identical layers."""
+    table = Table(title=title, caption=f"parameters compared by {result['compared']} (~: changed)")
+    for col in ("layers", "before", "after", "summary"):
         table.add_column(col, overflow="fold")
-    for e in result["layers"]:
-        table.add_row(str(e["layer"]), e["before"], e["after"], e["summary"])
+    for g in result["groups"]:
+        table.add_row(g["label"], g["before"], g["after"], g["summary"])
     out.print(table)
     if result["unchanged_layers"]:
-        out.print(f"unchanged: {', '.join(str(k) for k in result['unchanged_layers'])}")
+        from surgery.eval.diff import layer_ranges
+
+        out.print(f"unchanged: {layer_ranges(result['unchanged_layers'])}")
 
 
 def render_scores(info: dict) -> None:
@@ -175,7 +177,7 @@ def apply(
         before = graph.branch() if any(p.structural for p in manager.passes) else None
         manager(graph, progress=report)
         if before is not None:
-            render_diff(graph_diff(before, graph, compare_values=False), f"{model} -> hybrid")
+            render_diff(graph_diff(before, graph), f"{model} -> {out_dir}")  # what `surgery diff MODEL OUT` prints
         save(graph, out_dir, force=force)
         err.print(f"saved to {out_dir}")
 
