@@ -16,6 +16,7 @@ from .common import check_device_fits, err, guard, model_inputs, more_files, out
 from .distill import distill as distill_command
 from .export import export as export_command
 from .generate import generate as generate_command
+from .layer_table import layer_rows, title as layer_title
 from .verify import describe as describe_export, render as render_export, verify_export as verify_command
 from .options import CompileOpt, DebugOpt, DeviceOpt, DtypeOpt, ModelOpt
 
@@ -34,16 +35,28 @@ def inspect(model: str = ModelOpt, as_json: bool = typer.Option(False, "--json",
             return render_export(describe_export(Path(model)), as_json)
         dev, dt = placement(device or "cpu", dtype)
         graph = open_model(model, device=dev, dtype=dt, debug=debug)
-        rows = [s.summary() | {"now": k} for s, k in zip(graph.sites, graph.layer_kinds)]
+        rows = layer_rows(graph)
+        summary = {"model": model, "architecture": type(graph.config).__name__, "model_type": graph.config.model_type,
+                   "dtype": str(graph.dtype).removeprefix("torch."), "layers": len(rows),
+                   "softmax_layers": sum(r["now"] != "gdn" for r in rows), "gdn_layers": sum(r["now"] == "gdn" for r in rows),
+                   "kv_bytes_per_token": sum(r["kv_bytes_per_token"] for r in rows), "state_bytes": sum(r["state_bytes"] for r in rows)}
         if as_json:
-            print(json.dumps({"model": model, "architecture": type(graph.config).__name__, "layers": len(rows), "sites": rows}, indent=1))
+            print(json.dumps(summary | {"sites": rows}, indent=1))
             return
-        table = Table(title=f"{model}: {len(rows)} attention layers ({graph.config.model_type})")
-        cols = ("layer", "path", "now", "kind", "heads", "kv_heads", "head_dim", "fused_qkv", "qkv_bias", "rope", "qk_norm", "softcap", "scale")
+        table = Table(title=f"{model}: {layer_title(rows)} ({graph.config.model_type})",
+                      caption=f"KV cache {summary['kv_bytes_per_token']:,} bytes per token, GDN state {summary['state_bytes']:,} bytes "
+                              f"(batch 1, {summary['dtype']}); window: the sliding window, or full")
+        cols = ("layer", "path", "kind", "window", "kv_bytes/token", "state_bytes", "heads", "kv_heads", "head_dim", "fused_qkv", "qkv_bias",
+                "rope", "qk_norm", "softcap", "scale")
+        keys = {"kv_bytes/token": "kv_bytes_per_token"}
         for col in cols:
             table.add_column(col)
         for r in rows:
-            table.add_row(*[f"{r[c]:.4g}" if isinstance(r[c], float) else str(r[c]) for c in cols])
+            cells = [r[keys.get(c, c)] for c in cols]
+            cells[3] = "full" if r["window"] is None or r["now"] == "gdn" else r["window"]
+            if r["now"] == "gdn":
+                cells[3] = "-"
+            table.add_row(*[f"{v:.4g}" if isinstance(v, float) else str(v) for v in cells])
         out.print(table)
 
 

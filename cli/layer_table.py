@@ -1,0 +1,44 @@
+"""What `surgery inspect` says about each layer of a teacher or a hybrid: its kind as it runs now
+(gdn, or the attention op's form: sdpa / eager), its sliding window (read from the graph's masks, as
+decoding and select.window read it), and what decoding keeps for it: K and V bytes per token for a
+softmax layer, a fixed recurrent state for a GDN layer (measured from one decoded token)."""
+from __future__ import annotations
+
+import torch
+
+from surgery.passes.kv_budget import kv_cache_bytes, layer_windows
+
+
+def gdn_state_bytes(gdn: torch.nn.Module, hidden_size: int, dtype: torch.dtype, device) -> int:
+    """Bytes of the state a GDN layer carries between decoded tokens (batch 1), from the layer's own
+    cache after one token: it does not grow with the length."""
+    cache = gdn.new_cache()
+    with torch.no_grad():
+        gdn(torch.zeros(1, 1, hidden_size, dtype=dtype, device=device), cache=cache)
+    return cache.nbytes()
+
+
+def layer_rows(graph) -> list[dict]:
+    """One row per layer: the site's summary, `now` (attention / gdn), `kind` (gdn, or sdpa / eager
+    for softmax attention), `window` (None: full causal), `kv_bytes_per_token` (0 for GDN) and
+    `state_bytes` (GDN's fixed state; 0 for attention), in the graph's dtype at batch 1."""
+    windows = layer_windows(graph)
+    size = torch.empty((), dtype=graph.dtype).element_size()
+    gdns = graph.gdn_modules()
+    rows = []
+    for site, now, window in zip(graph.sites, graph.layer_kinds, windows):
+        row = site.summary() | {"now": now, "window": window, "kv_bytes_per_token": 0, "state_bytes": 0}
+        if now == "gdn":
+            row |= {"kind": "gdn", "window": None, "state_bytes": gdn_state_bytes(gdns[site.layer], site.hidden_size, graph.dtype, graph.device)}
+        else:
+            row["kv_bytes_per_token"] = kv_cache_bytes(site, None, 1, size)
+        rows.append(row)
+    return rows
+
+
+def title(rows: list[dict]) -> str:
+    """'30 layers: 15 softmax attention + 15 GDN', or '5 softmax attention layers' for a teacher."""
+    gdn = sum(r["now"] == "gdn" for r in rows)
+    if not gdn:
+        return f"{len(rows)} softmax attention layers"
+    return f"{len(rows)} layers: {len(rows) - gdn} softmax attention + {gdn} GDN"
