@@ -16,7 +16,7 @@ from .common import check_device_fits, err, guard, model_inputs, more_files, out
 from .distill import distill as distill_command
 from .export import export as export_command
 from .generate import generate as generate_command
-from .layer_table import layer_rows, title as layer_title
+from .layer_table import layer_info, layer_table
 from .verify import describe as describe_export, render as render_export, verify_export as verify_command
 from .options import CompileOpt, DebugOpt, DeviceOpt, DtypeOpt, ModelOpt
 
@@ -35,29 +35,11 @@ def inspect(model: str = ModelOpt, as_json: bool = typer.Option(False, "--json",
             return render_export(describe_export(Path(model)), as_json)
         dev, dt = placement(device or "cpu", dtype)
         graph = open_model(model, device=dev, dtype=dt, debug=debug)
-        rows = layer_rows(graph)
-        summary = {"model": model, "architecture": type(graph.config).__name__, "model_type": graph.config.model_type,
-                   "dtype": str(graph.dtype).removeprefix("torch."), "layers": len(rows),
-                   "softmax_layers": sum(r["now"] != "gdn" for r in rows), "gdn_layers": sum(r["now"] == "gdn" for r in rows),
-                   "kv_bytes_per_token": sum(r["kv_bytes_per_token"] for r in rows), "state_bytes": sum(r["state_bytes"] for r in rows)}
+        info = layer_info(graph, model)
         if as_json:
-            print(json.dumps(summary | {"sites": rows}, indent=1))
+            print(json.dumps(info, indent=1))
             return
-        table = Table(title=f"{model}: {layer_title(rows)} ({graph.config.model_type})",
-                      caption=f"KV cache {summary['kv_bytes_per_token']:,} bytes per token, GDN state {summary['state_bytes']:,} bytes "
-                              f"(batch 1, {summary['dtype']}); window: the sliding window, or full")
-        cols = ("layer", "path", "kind", "window", "kv_bytes/token", "state_bytes", "heads", "kv_heads", "head_dim", "fused_qkv", "qkv_bias",
-                "rope", "qk_norm", "softcap", "scale")
-        keys = {"kv_bytes/token": "kv_bytes_per_token"}
-        for col in cols:
-            table.add_column(col)
-        for r in rows:
-            cells = [r[keys.get(c, c)] for c in cols]
-            cells[3] = "full" if r["window"] is None or r["now"] == "gdn" else r["window"]
-            if r["now"] == "gdn":
-                cells[3] = "-"
-            table.add_row(*[f"{v:.4g}" if isinstance(v, float) else str(v) for v in cells])
-        out.print(table)
+        out.print(layer_table(info))
 
 
 @app.command()

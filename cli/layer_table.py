@@ -5,6 +5,7 @@ softmax layer, a fixed recurrent state for a GDN layer (measured from one decode
 from __future__ import annotations
 
 import torch
+from rich.table import Table
 
 from surgery.passes.kv_budget import kv_cache_bytes, layer_windows
 
@@ -42,3 +43,38 @@ def title(rows: list[dict]) -> str:
     if not gdn:
         return f"{len(rows)} softmax attention layers"
     return f"{len(rows)} layers: {len(rows) - gdn} softmax attention + {gdn} GDN"
+
+
+def layer_info(graph, model: str) -> dict:
+    """inspect's record (its --json): the model, its layer counts and cache sizes, and the rows."""
+    rows = layer_rows(graph)
+    return {"model": model, "architecture": type(graph.config).__name__, "model_type": graph.config.model_type,
+            "dtype": str(graph.dtype).removeprefix("torch."), "layers": len(rows),
+            "softmax_layers": sum(r["now"] != "gdn" for r in rows), "gdn_layers": sum(r["now"] == "gdn" for r in rows),
+            "kv_bytes_per_token": sum(r["kv_bytes_per_token"] for r in rows), "state_bytes": sum(r["state_bytes"] for r in rows),
+            "sites": rows}
+
+
+COLUMNS = {"layer": "layer", "path": "path", "kind": "kind", "window": "window", "KV B/tok": "kv_bytes_per_token", "state B": "state_bytes",
+           "heads": "heads", "kv_heads": "kv_heads", "head_dim": "head_dim", "fused": "fused_qkv", "bias": "qkv_bias", "rope": "rope",
+           "qk_norm": "qk_norm", "softcap": "softcap", "scale": "scale"}  # header -> row key
+
+
+def cell(row: dict, key: str) -> str:
+    value = row[key]
+    if key == "window":
+        return "-" if row["now"] == "gdn" else "full" if value is None else str(value)
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+def layer_table(info: dict) -> Table:
+    """inspect's table: a row per layer, the paths whole (the other columns shrink)."""
+    rows = info["sites"]
+    table = Table(title=f"{info['model']}: {title(rows)} ({info['model_type']})",
+                  caption=f"KV cache {info['kv_bytes_per_token']:,} B per token (KV B/tok), GDN state {info['state_bytes']:,} B "
+                          f"(state B), batch 1, {info['dtype']}; window: sliding window, or full")
+    for header in COLUMNS:
+        table.add_column(header, min_width=max(len(r["path"]) for r in rows) if header == "path" else None)
+    for r in rows:
+        table.add_row(*[cell(r, key) for key in COLUMNS.values()])
+    return table
