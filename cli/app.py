@@ -224,6 +224,7 @@ def evaluate(model: str = ModelOpt,
 
     from surgery.data.cache import text_ids
     from surgery.eval.perplexity import perplexity
+    from surgery.io.exported import open_runnable
 
     with guard(debug):
         length_list = check_eval_options(task, text, lengths, chunk=chunk, batch_size=batch_size, depths=depths, trials=trials)
@@ -232,7 +233,7 @@ def evaluate(model: str = ModelOpt,
             return lm_eval_task(model, tasks, limit, device, dtype, batch_size, as_json)
         dev, dt = placement(device, dtype)
         check_device_fits(paths[0], dev, dt)
-        graph = open_model(model, device=dev, dtype=dt, debug=debug)
+        graph = open_runnable(model, device=dev, dtype=dt, debug=debug, compile=compile)  # an export: verified, run by its own code
         if task == "passkey":
             from surgery.eval.passkey import passkey
 

@@ -104,7 +104,7 @@ def generate(
 ):
     """Continue prompts with a teacher or a saved hybrid (KV cache for attention, recurrent state for GDN)."""
     from surgery.decode import Decoder, check_sampling, generate as decode_generate
-    from surgery.io import open_model
+    from surgery.io.exported import ExportedModel, open_runnable
 
     with guard(debug):
         prompts = read_prompts(more_files(prompt, more_prompts, "--prompt"), prompt_file)
@@ -119,7 +119,7 @@ def generate(
         dev, dt = placement(device, dtype)
         check_device_fits(path, dev, dt)
         err.print(f"loading {model} on {dev} ({str(dt).removeprefix('torch.')})")
-        graph = open_model(model, device=dev, dtype=dt, debug=debug)
+        graph = open_runnable(model, device=dev, dtype=dt, debug=debug, compile=compile)  # an export: verified, run by its own code
         tokenizer = graph.tokenizer
         if tokenizer is None:
             raise SurgeryError(f"'{model}' has no tokenizer, so text prompts cannot be encoded.", "Use a model directory or GGUF that carries its tokenizer.")
@@ -130,7 +130,8 @@ def generate(
                     f"Prompt {i} has {len(ids)} tokens; with {max_new_tokens} new ones that exceeds the model's position limit of {graph.max_length}.",
                     "Shorten the prompt or lower --max-new-tokens.",
                 )
-        decoder = Decoder(graph, compile=compile)
+        exported = isinstance(graph, ExportedModel)  # decoded by transformers' generate, through the export's own cache
+        decoder = None if exported else Decoder(graph, compile=compile)
         kinds = graph.layer_kinds
         err.print(f"decoding: {kinds.count('attention')} attention layers with a KV cache, {kinds.count('gdn')} GDN layers with a recurrent state")
 
@@ -140,6 +141,9 @@ def generate(
 
         for ids in encoded:  # one prompt at a time, so each continuation streams whole
             text = TextStream(tokenizer, ids, write)
-            decode_generate(decoder, [ids], max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                            stream=lambda _, token, text=text: text.push(token))
+            if exported:
+                graph.generate(ids, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stream=text.push)
+            else:
+                decode_generate(decoder, [ids], max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                                stream=lambda _, token, text=text: text.push(token))
             text.close()
