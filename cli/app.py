@@ -16,7 +16,7 @@ from .common import check_device_fits, err, guard, model_inputs, more_files, out
 from .distill import distill as distill_command
 from .export import export as export_command
 from .generate import generate as generate_command
-from .layer_table import layer_info, layer_table
+from .layer_table import export_info, layer_info, layer_table
 from .verify import describe as describe_export, render as render_export, verify_export as verify_command
 from .options import CompileOpt, DebugOpt, DeviceOpt, DtypeOpt, ModelOpt
 
@@ -31,15 +31,18 @@ def inspect(model: str = ModelOpt, as_json: bool = typer.Option(False, "--json",
 
     with guard(debug):
         model_inputs(model)
-        if is_export(model):
-            return render_export(describe_export(Path(model)), as_json)
         dev, dt = placement(device or "cpu", dtype)
-        graph = open_model(model, device=dev, dtype=dt, debug=debug)
-        info = layer_info(graph, model)
-        if as_json:
-            print(json.dumps(info, indent=1))
-            return
-        out.print(layer_table(info))
+        if is_export(model):  # verified, then run by its own code: what its cache keeps per layer
+            from surgery.io.exported import open_export
+
+            info = export_info(open_export(model, device=dev, dtype=dt), describe_export(Path(model)))
+            render_export(info, as_json)
+        else:
+            info = layer_info(open_model(model, device=dev, dtype=dt, debug=debug), model)
+            if as_json:
+                print(json.dumps(info, indent=1))
+        if not as_json:
+            out.print(layer_table(info))
 
 
 @app.command()

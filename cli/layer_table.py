@@ -47,9 +47,19 @@ def title(rows: list[dict]) -> str:
 
 def layer_info(graph, model: str) -> dict:
     """inspect's record (its --json): the model, its layer counts and cache sizes, and the rows."""
-    rows = layer_rows(graph)
-    return {"model": model, "architecture": type(graph.config).__name__, "model_type": graph.config.model_type,
-            "dtype": str(graph.dtype).removeprefix("torch."), "layers": len(rows),
+    return {"model": model, "architecture": type(graph.config).__name__} | counts(layer_rows(graph), graph.config.model_type, graph.dtype)
+
+
+def export_info(exported, described: dict) -> dict:
+    """inspect's record of an export (verified, loaded with its own code): the manifest summary and
+    what its own cache keeps per layer."""
+    config = exported.model.config
+    described = {("gdn_paths" if k == "gdn_layers" else k): v for k, v in described.items()}  # gdn_layers: the count, as for a graph
+    return described | {"model": str(exported.path), "architecture": type(config).__name__} | counts(exported.layer_rows(), config.model_type, exported.model.dtype)
+
+
+def counts(rows: list[dict], model_type: str, dtype: torch.dtype) -> dict:
+    return {"model_type": model_type, "dtype": str(dtype).removeprefix("torch."), "layers": len(rows),
             "softmax_layers": sum(r["now"] != "gdn" for r in rows), "gdn_layers": sum(r["now"] == "gdn" for r in rows),
             "kv_bytes_per_token": sum(r["kv_bytes_per_token"] for r in rows), "state_bytes": sum(r["state_bytes"] for r in rows),
             "sites": rows}
@@ -70,11 +80,13 @@ def cell(row: dict, key: str) -> str:
 def layer_table(info: dict) -> Table:
     """inspect's table: a row per layer, the paths whole (the other columns shrink)."""
     rows = info["sites"]
-    table = Table(title=f"{info['model']}: {title(rows)} ({info['model_type']})",
+    heading = f"{info['model']}: {title(rows)} ({info['model_type']})"
+    table = Table(title=heading, min_width=len(heading),  # the title on one line, however few the columns
                   caption=f"KV cache {info['kv_bytes_per_token']:,} B per token (KV B/tok), GDN state {info['state_bytes']:,} B "
                           f"(state B), batch 1, {info['dtype']}; window: sliding window, or full")
-    for header in COLUMNS:
-        table.add_column(header, min_width=max(len(r["path"]) for r in rows) if header == "path" else None)
+    columns = {header: key for header, key in COLUMNS.items() if key in rows[0]}  # an export's rows say less than a graph's
+    for header, key in columns.items():
+        table.add_column(header, min_width=max(len(r["path"]) for r in rows) if key == "path" else None)
     for r in rows:
-        table.add_row(*[cell(r, key) for key in COLUMNS.values()])
+        table.add_row(*[cell(r, key) for key in columns.values()])
     return table

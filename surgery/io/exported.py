@@ -14,6 +14,8 @@ from . import hf_export
 from .export_manifest import is_export, verify_export
 from .open import open_model
 
+STATE = "surgery_gdn_state"  # the attribute of a transformers cache layer that holds a GDN layer's state (hf_modeling)
+
 
 class ExportedModel:
     """A verified export loaded with its own code: `model` is transformers' AutoModelForCausalLM."""
@@ -34,6 +36,30 @@ class ExportedModel:
         return self.model(input_ids=input_ids.to(self.device), use_cache=False).logits
 
     __call__ = logits
+
+    @torch.no_grad()
+    def layer_rows(self) -> list[dict]:
+        """Per layer, what the export's own cache keeps (batch 1): K and V bytes per token (the
+        growth from one token to two) and the sliding window of a kept attention layer, the fixed
+        state of a GDN layer. Read from transformers' cache after running the export's code."""
+        sizes = [self.cache_sizes(n) for n in (1, 2)]
+        rows = []
+        for layer, (one, two) in enumerate(zip(*sizes)):
+            gdn = one["state"] is not None
+            rows.append({"layer": layer, "now": "gdn" if gdn else "attention", "kind": "gdn" if gdn else "softmax",
+                         "window": None if gdn else one["window"], "kv_bytes_per_token": two["kv"] - one["kv"], "state_bytes": two["state"] or 0})
+        return rows
+
+    def cache_sizes(self, length: int) -> list[dict]:
+        ids = torch.ones(1, length, dtype=torch.long, device=self.device)
+        result = self.model(input_ids=ids, use_cache=True)
+        cache = getattr(result, "cache", None) or result.past_key_values
+        found = []
+        for entry in cache.layers:
+            state = getattr(entry, STATE, None)
+            kv = sum(t.numel() * t.element_size() for t in (getattr(entry, "keys", None), getattr(entry, "values", None)) if torch.is_tensor(t))
+            found.append({"kv": kv, "state": state.nbytes() if state is not None else None, "window": getattr(entry, "sliding_window", None)})
+        return found
 
     @torch.no_grad()
     def generate(self, ids: list[int], max_new_tokens: int, *, temperature: float = 0.0, top_k=None, top_p=None, seed=None, stream=None) -> list[int]:
