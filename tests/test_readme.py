@@ -8,7 +8,7 @@ Substitutions, all of them here (the commands are otherwise README's own text):
   run on the real tiny teacher;
 * placeholders: M and path/to/model_dir -> stories260K's GGUF ("any HF model directory or .gguf
   file"), DIR -> out/dir, DIR2 -> out/distilled, HF_DIR -> out/hf; the text files README names
-  (my_text.txt, wiki.test.raw, corpus.txt, held_out.txt) are written into the working directory as
+  (my_text.txt, wiki.test.raw, corpus.txt, held_out.txt, austen.txt) are written into the working directory as
   a few paragraphs of TinyStories-like text; `[--option value]` (an optional part) is left out;
 * budgets: every `surgery apply` gets `--set align.steps=2 --set align.samples=4 --set
   calibrate.samples=4` (replacing README's own align.steps);
@@ -42,7 +42,7 @@ SKIPPED = {
     "surgery export --model out/q ": "exports the Qwen3 hybrid of the line above (tests/test_export_qwen3_5.py)",
 }
 PLACEHOLDERS = {"DIR": "out/dir", "DIR2": "out/distilled", "HF_DIR": "out/hf"}  # and M, path/to/model_dir: stories260K
-TEXT_FILES = ("my_text.txt", "wiki.test.raw", "corpus.txt", "held_out.txt")
+TEXT_FILES = ("my_text.txt", "wiki.test.raw", "corpus.txt", "held_out.txt", "austen.txt")
 STORY = ("Once upon a time, there was a little cat named Tom. Tom liked to play with a red ball in the garden. One day, "
          "the ball rolled under a big bush. Tom was sad because he could not find it. His friend, a small bird, flew down "
          "and said, \"I can help you, Tom!\" The bird looked under the bush and found the ball. Tom was very happy.\n\n")
