@@ -21,6 +21,7 @@ from .generate import generate as generate_command
 from .help import HELP_OPTIONS, Command, Group, examples
 from .quiet import quiet_libraries
 from .results import render_pass_result, render_passes
+from .layer_table import export_info, layer_info, layer_table
 from .verify import describe as describe_export, render as render_export, verify_export as verify_command
 from .options import CompileOpt, DebugOpt, DeviceOpt, DtypeOpt, JsonOpt, ModelOpt
 
@@ -62,33 +63,29 @@ def inspect(model: str = ModelOpt, as_json: bool = JsonOpt, debug: bool = DebugO
 
     with guard(debug):
         model_inputs(model)
-        if is_export(model):
-            return render_export(describe_export(Path(model)), as_json)
         dev, dt = placement(device or "cpu", dtype)
-        graph = open_model(model, device=dev, dtype=dt, debug=debug)
-        rows = [s.summary() | {"now": k} for s, k in zip(graph.sites, graph.layer_kinds)]
-        if as_json:
-            print(json.dumps({"model": model, "architecture": type(graph.config).__name__, "layers": len(rows), "sites": rows}, indent=1))
-            return
-        table = Table(title=f"{model}: {len(rows)} attention layers ({graph.config.model_type})")
-        cols = ("layer", "path", "now", "kind", "heads", "kv_heads", "head_dim", "fused_qkv", "qkv_bias", "rope", "qk_norm", "softcap", "scale")
-        for col in cols:
-            table.add_column(col)
-        for r in rows:
-            table.add_row(*[f"{r[c]:.4g}" if isinstance(r[c], float) else str(r[c]) for c in cols])
-        out.print(table)
+        if is_export(model):  # verified, then run by its own code: what its cache keeps per layer
+            from surgery.io.exported import open_export
+
+            info = export_info(open_export(model, device=dev, dtype=dt), describe_export(Path(model)))
+            render_export(info, as_json)
+        else:
+            info = layer_info(open_model(model, device=dev, dtype=dt, debug=debug), model)
+            if as_json:
+                print(json.dumps(info, indent=1))
+        if not as_json:
+            out.print(layer_table(info))
 
 
 @command(epilog=examples("surgery diff smollm2 out/hybrid", "surgery diff out/hybrid out/distilled --json"))
 def diff(a: str = typer.Argument(..., help="Model or saved hybrid (before)."), b: str = typer.Argument(..., help="Model or saved hybrid (after)."),
          as_json: bool = JsonOpt, debug: bool = DebugOpt):
-    """Per-layer differences between two models (e.g. a teacher and its saved hybrid)."""
+    """Per-layer differences between two models (e.g. a teacher and its saved hybrid); identical layers share a row."""
     from surgery import diff as graph_diff
 
     with guard(debug):
         model_inputs(a), model_inputs(b)  # both exist before either loads
-        ga, gb = open_model(a, debug=debug), open_model(b, debug=debug)
-        result = graph_diff(ga, gb)
+        result = graph_diff(open_model(a, debug=debug), open_model(b, debug=debug))
         if as_json:
             print(json.dumps(result, indent=1))
             return
@@ -96,14 +93,17 @@ def diff(a: str = typer.Argument(..., help="Model or saved hybrid (before)."), b
 
 
 def render_diff(result: dict, title: str) -> None:
-    table = Table(title=title)
-    for col in ("layer", "before", "after", "summary"):
+    """The diff as `surgery diff` and `surgery apply` print it: one row per group of identical layers."""
+    table = Table(title=title, caption=f"parameters compared by {result['compared']} (~: changed)")
+    for col in ("layers", "before", "after", "summary"):
         table.add_column(col, overflow="fold")
-    for e in result["layers"]:
-        table.add_row(str(e["layer"]), e["before"], e["after"], e["summary"])
+    for g in result["groups"]:
+        table.add_row(g["label"], g["before"], g["after"], g["summary"])
     out.print(table)
     if result["unchanged_layers"]:
-        out.print(f"unchanged: {', '.join(str(k) for k in result['unchanged_layers'])}")
+        from surgery.eval.diff import layer_ranges
+
+        out.print(f"unchanged: {layer_ranges(result['unchanged_layers'])}")
 
 
 def render_scores(info: dict) -> None:
@@ -212,7 +212,7 @@ def apply(
         before = graph.branch() if any(p.structural for p in manager.passes) else None
         results = manager(graph, progress=report)
         if before is not None and not as_json:
-            render_diff(graph_diff(before, graph, compare_values=False), f"{model} -> hybrid")
+            render_diff(graph_diff(before, graph), f"{model} -> {out_dir}")  # what `surgery diff MODEL OUT` prints
         save(graph, out_dir, force=force)
         err.print(f"saved to {out_dir}")
         if as_json:
@@ -269,6 +269,7 @@ def evaluate(model: str = ModelOpt,
     """Perplexity on a text file (WikiText-2 protocol) or passkey retrieval, for a teacher or a saved hybrid."""
     from surgery.data.cache import text_ids
     from surgery.eval.perplexity import perplexity
+    from surgery.io.exported import open_runnable
 
     with guard(debug):
         length_list = check_eval_options(task, text, lengths, chunk=chunk, batch_size=batch_size, depths=depths, trials=trials)
@@ -277,7 +278,7 @@ def evaluate(model: str = ModelOpt,
             return lm_eval_task(model, tasks, limit, device, dtype, batch_size, as_json)
         dev, dt = placement(device, dtype)
         check_device_fits(paths[0], dev, dt)
-        graph = open_model(model, device=dev, dtype=dt, debug=debug)
+        graph = open_runnable(model, device=dev, dtype=dt, debug=debug, compile=compile)  # an export: verified, run by its own code
         if task == "passkey":
             from surgery.eval.passkey import passkey
 

@@ -123,7 +123,7 @@ def generate(
 ):
     """Continue prompts with a teacher or a saved hybrid (KV cache for attention, recurrent state for GDN)."""
     from surgery.decode import Decoder, check_sampling
-    from surgery.io import open_model
+    from surgery.io.exported import ExportedModel, open_runnable
 
     with guard(debug):
         prompts = read_prompts(more_files(prompt, more_prompts, "--prompt"), prompt_file)
@@ -138,7 +138,7 @@ def generate(
         dev, dt = placement(device, dtype)
         check_device_fits(path, dev, dt)
         err.print(f"loading {model} on {dev} ({str(dt).removeprefix('torch.')})")
-        graph = open_model(model, device=dev, dtype=dt, debug=debug)
+        graph = open_runnable(model, device=dev, dtype=dt, debug=debug, compile=compile)  # an export: verified, run by its own code
         tokenizer = graph.tokenizer
         if tokenizer is None:
             raise SurgeryError(f"'{model}' has no tokenizer, so text prompts cannot be encoded.", "Use a model directory or GGUF that carries its tokenizer.")
@@ -149,28 +149,29 @@ def generate(
                     f"Prompt {i} has {len(ids)} tokens; with {max_new_tokens} new ones that exceeds the model's position limit of {graph.max_length}.",
                     "Shorten the prompt or lower --max-new-tokens.",
                 )
-        decoder = Decoder(graph, compile=compile)
+        exported = isinstance(graph, ExportedModel)  # decoded by transformers' generate, through the export's own cache
+        decoder = None if exported else Decoder(graph, compile=compile)
         kinds = graph.layer_kinds
         err.print(f"decoding: {kinds.count('attention')} attention layers with a KV cache, {kinds.count('gdn')} GDN layers with a recurrent state")
 
         sampling = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "seed": seed}
-        continuations = [continuation(decoder, tokenizer, p, ids, max_new_tokens, sampling, stream=not as_json, index=i)
+        continuations = [continuation(graph, decoder, p, ids, max_new_tokens, sampling, stream=not as_json, index=i)
                          for i, (p, ids) in enumerate(zip(prompts, encoded), 1)]
         if as_json:
             emit_json({"model": model, "temperature": temperature, "seed": seed, "continuations": continuations})
 
 
-def continuation(decoder, tokenizer, prompt: str, ids: list, max_new_tokens: int, sampling: dict, stream: bool,
+def continuation(graph, decoder, prompt: str, ids: list, max_new_tokens: int, sampling: dict, stream: bool,
                  index: int = 1) -> dict:
     """One prompt's continuation, streamed to stdout as it decodes (stream), or collected with its
     progress on stderr (--json: nothing reaches stdout until the end); its time to first token and
-    rate on stderr."""
+    rate on stderr. decoder None: an export, continued by transformers' generate through its own cache."""
     from surgery.core import progress
     from surgery.decode import generate as decode_generate
 
     pieces: list[str] = []
     tokens: list[int] = []
-    text = TextStream(tokenizer, ids, write if stream else pieces.append)
+    text = TextStream(graph.tokenizer, ids, write if stream else pieces.append)
     clock = Clock()
     with progress.task("generate", max_new_tokens, "tokens", enabled=not stream) as bar:
         def push(_, token):
@@ -179,7 +180,10 @@ def continuation(decoder, tokenizer, prompt: str, ids: list, max_new_tokens: int
             text.push(token)
             bar.update(len(tokens))
 
-        decode_generate(decoder, [ids], max_new_tokens, **sampling, stream=push)
+        if decoder is None:
+            graph.generate(ids, max_new_tokens, **sampling, stream=lambda token: push(None, token))
+        else:
+            decode_generate(decoder, [ids], max_new_tokens, **sampling, stream=push)
     text.close()
     err.print(clock.summary(index, len(ids)))
     return {"prompt": prompt, "text": "".join(pieces).removesuffix("\n"), "prompt_tokens": len(ids), "new_tokens": len(tokens)}

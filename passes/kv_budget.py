@@ -20,15 +20,16 @@ KV_LENGTH = 32768   # the length at which select reports the cache each selectio
 
 
 def layer_windows(graph: Graph, mask_probe: int = MASK_PROBE) -> list[int | None]:
-    """Per layer, the sliding window its mask shows (None: full causal attention). Read once per
-    teacher (the masks are the teacher's; branches share the cache)."""
+    """Per layer, the sliding window its mask shows (None: full causal attention, or a layer whose
+    attention is no longer in the graph: a loaded hybrid's converted layer). Read once per teacher
+    (the masks are the teacher's; branches share the cache)."""
     key = ("layer_windows", mask_probe)
     if key not in graph.cache:
         gm = graph.teacher_gm
         masks, nodes = MaskReader(gm, Lengths(gm)), nodes_by_name(gm)
         with torch.no_grad():
             graph.cache[key] = [plan_attention(site, nodes, masks, graph.max_length, mask_probe, graph.device).window
-                                for site in graph.sites]
+                                if site.attn_node in nodes else None for site in graph.sites]
     return list(graph.cache[key])
 
 

@@ -78,7 +78,7 @@ def test_inspect_a_model_directory_without_tokenizer(runner, tiny, tmp_path):
     tiny("llama").model.save_pretrained(tmp_path / "llama")
     result = invoke(runner, "inspect", "--model", tmp_path / "llama")
     assert result.exit_code == 0, result.output
-    assert "2 attention layers (llama)" in result.stdout
+    assert "2 softmax attention layers (llama)" in result.stdout
     assert "model.layers.0.self_attn" in result.stdout and "model.layers.1.self_attn" in result.stdout
     result = invoke(runner, "inspect", "--model", tmp_path / "llama", "--json")
     rows = json.loads(result.stdout)["sites"]

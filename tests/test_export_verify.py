@@ -1,7 +1,8 @@
 """Exports that can be checked: surgery_export.json lists what the export wrote; verify_export and
 `surgery verify-export DIR` accept exactly that directory and name every difference (a changed file,
 an added .py, an auto_map pointing outside, no manifest, re-hashed code); eval, generate and inspect
-given an export directory verify it first, then refuse by name (eval, generate) or describe it (inspect)."""
+given an export directory verify it first, then run it with its own code (tests/test_export_run.py);
+commands that need a graph (diff) refuse it by name."""
 from __future__ import annotations
 
 import json
@@ -90,11 +91,9 @@ def test_changed_code_is_refused_even_when_rehashed(copy):
         verify_export(copy)
 
 
-def test_eval_and_generate_refuse_an_export_by_name(exported, tmp_path):
+def test_diff_refuses_an_export_by_name(exported):
     hybrid, out = exported
-    text = tmp_path / "t.txt"
-    text.write_text("Once upon a time there was a cat. " * 20)
-    for args in (["eval", "--model", out, "--text", text], ["generate", "--model", out, "--prompt", "Once"]):
+    for args in (["diff", hybrid, out],):
         result = cli(*args)
         assert result.exit_code == 2, result.output
         said = " ".join(result.output.split())
@@ -106,7 +105,7 @@ def test_inspect_describes_a_verified_export_and_refuses_a_tampered_one(copy):
     result = cli("inspect", "--model", copy, "--json")
     assert result.exit_code == 0, result.output
     info = json.loads(result.output)
-    assert info["verified"] and info["gdn_layers"] == ["model.layers.1.self_attn"]
+    assert info["verified"] and info["gdn_paths"] == ["model.layers.1.self_attn"] and info["gdn_layers"] == 1
     (copy / "extra.py").write_text("")
     result = cli("inspect", "--model", copy)
     assert result.exit_code == 2 and "extra.py was added" in " ".join(result.output.split())

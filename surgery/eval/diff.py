@@ -2,10 +2,13 @@
 from __future__ import annotations
 
 from collections import Counter
+from pathlib import Path
 
 import torch
 
 from ..core.graph import Graph
+from ..core.load import resolve
+from ..io.open import open_model
 
 OUTSIDE = "outside layers"
 
@@ -58,8 +61,20 @@ def _params(graph: Graph, prefixes) -> dict:
     return per
 
 
-def diff(a: Graph, b: Graph, *, compare_values: bool = True) -> dict:
-    """Per-layer differences from a to b; JSON-ready."""
+def open_pair(a, b) -> tuple[Graph, Graph]:
+    """What `surgery diff A B` takes: Graphs, or model names, paths, saved hybrids and run
+    directories (both checked to exist before either loads)."""
+    for source in (a, b):
+        if isinstance(source, (str, Path)):
+            resolve(source)
+    return open_model(a), open_model(b)
+
+
+def diff(a, b, *, compare_values: bool = True) -> dict:
+    """Per-layer differences from a to b (Graphs, or anything `surgery diff` takes); JSON-ready.
+    compare_values: parameters of equal shape are compared by value too (else by shape only).
+    "groups" holds the same layers with identical rows joined ("layers 1,3,5-29")."""
+    a, b = open_pair(a, b)
     prefixes = _layer_prefixes(a if a.sites else b)
     nodes_a, nodes_b = _nodes(a, prefixes), _nodes(b, prefixes)
     params_a, params_b = _params(a, prefixes), _params(b, prefixes)
@@ -89,8 +104,31 @@ def diff(a: Graph, b: Graph, *, compare_values: bool = True) -> dict:
         entry["summary"] = _summary(entry)
         if entry["nodes_removed"] or entry["nodes_added"] or entry["params_removed"] or entry["params_added"] or entry["params_changed"] or entry["before"] != entry["after"]:
             layers.append(entry)
-    return {"layers": layers, "unchanged_layers": [k for k in keys if k not in {e["layer"] for e in layers}],
-            "copies": b.meta.get("replace", {}).get("copies", [])}
+    return {"layers": layers, "groups": grouped(layers), "unchanged_layers": [k for k in keys if k not in {e["layer"] for e in layers}],
+            "compared": "values" if compare_values else "shapes", "copies": b.meta.get("replace", {}).get("copies", [])}
+
+
+def grouped(layers: list[dict]) -> list[dict]:
+    """The diff's rows with identical ones joined: one row per (before, after, summary), in order
+    of first appearance, with the layers it covers and their short form ("1,3,5-29")."""
+    groups: dict = {}
+    for e in layers:
+        row = groups.setdefault((e["before"], e["after"], e["summary"]),
+                                {"layers": [], "before": e["before"], "after": e["after"], "summary": e["summary"]})
+        row["layers"].append(e["layer"])
+    return [row | {"label": layer_ranges(row["layers"])} for row in groups.values()]
+
+
+def layer_ranges(layers: list) -> str:
+    """[1, 3, 5, 6, 7, 8] -> "1,3,5-8" (runs of three or more as a range); names stay as they are."""
+    numbers = sorted(x for x in layers if isinstance(x, int))
+    parts, start = [], 0
+    for i in range(1, len(numbers) + 1):
+        if i == len(numbers) or numbers[i] != numbers[i - 1] + 1:
+            run = numbers[start:i]
+            parts += [f"{run[0]}-{run[-1]}"] if len(run) >= 3 else [str(x) for x in run]
+            start = i
+    return ",".join(parts + [str(x) for x in layers if not isinstance(x, int)])
 
 
 def _counts(c: dict) -> str:

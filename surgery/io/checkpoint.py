@@ -17,7 +17,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from ..core import progress
-from ..core.files import sha256_file
+from ..core.files import apply_umask, sha256_file
 from ..core.graph import Graph
 from ..errors import CheckpointError, SurgeryError, first_line
 from . import recipe as recipes
@@ -79,7 +79,8 @@ def save(graph: Graph, out: str | Path, *, force: bool = False, shard_bytes: int
 def write_staged(out: Path, write: Callable[[Path], None], what: str = "Saving the hybrid") -> Path:
     """write(staging_dir) fills a temporary sibling of `out`, which is then renamed onto `out` (an
     old `out` is moved aside first and deleted only after): an interrupted writer never leaves a
-    half-written `out` nor destroys the old one. OS errors become one CheckpointError naming `what`."""
+    half-written `out` nor destroys the old one. OS errors become one CheckpointError naming `what`.
+    What is published has the modes the user's umask gives (0755/0644 under umask 022)."""
     clean_stale_staging(out)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -88,6 +89,7 @@ def write_staged(out: Path, write: Callable[[Path], None], what: str = "Saving t
         raise write_error(exc, out, what) from exc
     try:
         write(tmp)
+        apply_umask(tmp)  # mkdtemp made it 0700 (and safetensors writes 0600): published with the user's umask
         _swap_in(tmp, out)
     except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)

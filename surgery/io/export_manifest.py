@@ -130,17 +130,40 @@ def export_problems(folder: Path, manifest: dict) -> list[str]:
     return problems
 
 
+VERIFIED: dict[str, tuple] = {}  # resolved directory -> (its files' stat signature, manifest) when last verified in this process
+
+
+def stat_signature(folder: Path) -> tuple:
+    """Name, size, mtime, inode and mode of every entry under `folder`, the manifest included: what
+    changes when a file is rewritten, replaced, added or removed."""
+    entries = []
+    for name in listed_files(folder) + [MANIFEST]:
+        try:
+            st = os.lstat(folder / name)
+        except OSError:
+            return ()
+        entries.append((name, st.st_size, st.st_mtime_ns, st.st_ino, st.st_mode))
+    return tuple(entries)
+
+
 def verify_export(path) -> dict:
     """The manifest of the export at `path` when the directory is exactly what surgery wrote;
-    ExportError naming every difference otherwise."""
+    ExportError naming every difference otherwise. Hashed once per process: a directory verified
+    earlier whose files' sizes, times and inodes are all unchanged is not hashed again (a command
+    checks its inputs first and verifies again just before it loads them)."""
     folder = Path(path)
     if not folder.is_dir():
         raise ExportError(f"'{folder}' is not a directory.", "Pass the directory `surgery export --out` wrote.")
+    key, signature = str(folder.resolve()), stat_signature(folder)
+    if signature and VERIFIED.get(key, ((), None))[0] == signature:
+        return json.loads(json.dumps(VERIFIED[key][1]))  # a copy: callers may change theirs
     manifest = read_manifest(folder)
     problems = export_problems(folder, manifest)
     if problems:
         raise ExportError(f"'{folder}' is not the export surgery wrote: {'; '.join(problems)}.",
                           "Do not load it with trust_remote_code=True; export the hybrid again (surgery export --force).")
+    if signature and signature == stat_signature(folder):  # nothing changed while it was hashed
+        VERIFIED[key] = (signature, manifest)
     return manifest
 
 
