@@ -50,8 +50,11 @@ class Align(Pass):
 
     def run(self, graph: Graph) -> PassResult:
         start = time.perf_counter()
+        modules = {l: m for l, m in graph.gdn_modules().items() if m.param_groups()}  # swa: nothing to align
+        if not modules:
+            graph.meta["align"] = {"steps": 0, "layers": {}, "seconds": 0.0}
+            return PassResult(graph, modified=False, info={"steps": 0, "note": "no converted layer has parameters to align"})
         data = teacher_data(graph, self.config)
-        modules = graph.gdn_modules()
         pairs = {l: (data[l].x, data[l].target) for l in modules}
         show = self.config.progress and sys.stderr.isatty()
         with Progress(TextColumn("align"), BarColumn(), TextColumn("{task.completed}/{task.total} steps"),

@@ -351,8 +351,8 @@ def token_step_forward(layer: GatedDeltaNet, x: torch.Tensor, cache: GDNCache, p
     return layer.o_proj(normed)
 
 
-def constructor_options(annotation: str) -> tuple[str, ...]:
-    """GatedDeltaNet's constructor arguments annotated `annotation` ("int", "bool"), in order: a
-    recipe's gdn_config is checked against these, so a new option needs no second list."""
-    parameters = inspect.signature(GatedDeltaNet.__init__).parameters.values()
+def constructor_options(annotation: str, cls: type | None = None) -> tuple[str, ...]:
+    """GatedDeltaNet's (or `cls`'s) constructor arguments annotated `annotation` ("int", "bool"), in
+    order: a recipe's gdn_config is checked against these, so a new option needs no second list."""
+    parameters = inspect.signature((cls or GatedDeltaNet).__init__).parameters.values()
     return tuple(p.name for p in parameters if p.annotation == annotation)  # strings: annotations are postponed here

@@ -43,6 +43,7 @@ class Phase1Options:
     gate_ridge: float = 1e-2
     gate_floor: float = 1e-2
     reference_gate_factor: float = 0.01
+    window_quantile: float = 0.9  # swa: the window keeps this share of each head's attention mass
 
 
 def silu_inverse(y: torch.Tensor, iterations: int = 30) -> torch.Tensor:
