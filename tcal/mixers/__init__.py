@@ -4,7 +4,7 @@ Phase 1 sets, what Phase 2 trains, and the decode state it carries), how it ente
 its Phase 1.
 
 replaces  "layer": the module takes the attention block's input (the normed hidden states) and
-          returns its output; the teacher's Q/K/V/O projections are copied into it (gdn, gla).
+          returns its output; the teacher's Q/K/V/O projections are copied into it (gdn, gla, kda).
           "op": the module takes Q, K, V as the teacher's attention op receives them (after RoPE and
           any q/k norm) and returns the op's output; the projections stay the teacher's own (swa).
 phase1    "layer": phase1(module, x, ctx, target, stats, options) -> report;
@@ -18,6 +18,10 @@ from typing import Callable
 from ..gdn import GatedDeltaNet
 from ..phase1 import calibrate_layer
 from . import swa
+from .gla import GatedLinearAttention
+from .gla_phase1 import calibrate_gla_layer
+from .kda import KimiDeltaAttention
+from .kda_phase1 import calibrate_kda_layer
 
 
 @dataclass(frozen=True)
@@ -34,6 +38,10 @@ MIXERS: dict[str, Mixer] = {
                  "Gated DeltaNet: per-head decay and write gate, delta rule (the default)"),
     "swa": Mixer("swa", swa.SlidingWindowAttention, "op", swa.phase1,
                  "sliding-window softmax attention over the last `window` tokens (a baseline)"),
+    "gla": Mixer("gla", GatedLinearAttention, "layer", calibrate_gla_layer,
+                 "gated linear attention: data-dependent decay per key channel, no delta rule"),
+    "kda": Mixer("kda", KimiDeltaAttention, "layer", calibrate_kda_layer,
+                 "Kimi Delta Attention's recurrence: GDN with a decay per key channel"),
 }
 DEFAULT = "gdn"
 
