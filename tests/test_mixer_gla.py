@@ -113,12 +113,15 @@ def test_gate_bias_halves_the_memory_after_the_distance():
     torch.testing.assert_close(alpha, torch.exp(-rate), atol=1e-12, rtol=1e-12)
 
 
+@pytest.mark.parametrize("mixer", ["gla", "kda"])
 @pytest.mark.parametrize("name", SIX)
-def test_tiny_archs_convert_and_decode_exactly(tiny, name):
+def test_tiny_archs_convert_and_decode_exactly(tiny, name, mixer):
+    """gla and kda (tests/test_mixer_kda.py) on six architectures: the prompt of 19 tokens takes
+    the chunked kernels, the steps the token loop (and the static steps the in-place state)."""
     entry = tiny(name)
     entry.require_sites()
-    graph = convert(entry.graph.branch(), mixer="gla")
-    assert set(graph.layer_kinds) == {"attention", "gla"}
+    graph = convert(entry.graph.branch(), mixer=mixer)
+    assert set(graph.layer_kinds) == {"attention", mixer}
     matches_full(graph, torch.randint(3, 128, (1, 24), generator=torch.Generator().manual_seed(0)), 19)
 
 

@@ -22,7 +22,7 @@ from tcal.mixers.kda import KimiDeltaAttention
 from tcal.mixers.kda_kernels import chunked_kda_torch, kda, recurrent_kda_torch
 
 from test_mixer_gla import fla_naive
-from test_mixer_swa import SIX, block_error, convert, held_out, matches_full  # noqa: F401  (held_out: a fixture)
+from test_mixer_swa import block_error, convert, held_out  # noqa: F401  (held_out: a fixture)
 
 
 def inputs(b=2, t=37, h=3, dk=8, dv=5, seed=0, dtype=torch.float64):
@@ -77,15 +77,6 @@ def test_layer_declares_its_roles_and_decodes_with_its_cache():
         full = layer(x)
         steps = torch.cat([layer(x[:, :17], cache=cache)] + [layer(x[:, t:t + 1], cache=cache) for t in (17, 18, 19)], 1)
     torch.testing.assert_close(steps, full, atol=1e-5, rtol=1e-5)
-
-
-@pytest.mark.parametrize("name", SIX)
-def test_tiny_archs_convert_and_decode_exactly(tiny, name):
-    entry = tiny(name)
-    entry.require_sites()
-    graph = convert(entry.graph.branch(), mixer="kda")
-    assert set(graph.layer_kinds) == {"attention", "kda"}
-    matches_full(graph, torch.randint(3, 128, (1, 24), generator=torch.Generator().manual_seed(0)), 19)
 
 
 def test_phase1_sets_each_channel_from_its_head_and_beats_the_copy_only_baseline(stories, stories_teacher, held_out, record, tmp_path):

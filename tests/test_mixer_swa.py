@@ -21,7 +21,7 @@ from tcal.stats import AttentionStats
 
 from test_calibrate import HELD_OUT
 
-SIX = ["llama", "qwen2", "mistral", "gemma2", "gpt2", "gpt_neox", "opt", "phi3"]  # sdpa, biases, eager + softcap, fused QKV
+SIX = ["llama", "qwen2", "gemma2", "gpt2", "gpt_neox", "phi3"]  # sdpa, GQA, biases, eager + softcap, fused QKV layouts
 
 
 def convert(graph, mixer="swa", layers=None, **replace):
