@@ -131,8 +131,7 @@ def generate(
                     "Shorten the prompt or lower --max-new-tokens.",
                 )
         decoder = Decoder(graph, compile=compile)
-        kinds = graph.layer_kinds
-        err.print(f"decoding: {kinds.count('attention')} attention layers with a KV cache, {kinds.count('gdn')} GDN layers with a recurrent state")
+        err.print(f"decoding: {len(decoder.attention)} attention layers with a KV cache, {len(decoder.gdn)} GDN layers with a recurrent state")
 
         def write(text: str) -> None:
             sys.stdout.write(text)
