@@ -69,6 +69,7 @@ def chunked_gla_torch(q, k, v, g, scale, initial_state=None, output_final_state=
     return o.to(out_dtype), (state if output_final_state else None)
 
 
+@torch.compiler.disable  # fla's Triton launchers stay opaque to dynamo: a graph break, run eagerly
 def _fla_gla(q, k, v, g, scale, initial_state, output_final_state):
     from fla.ops.gla import chunk_gla, fused_recurrent_gla
 

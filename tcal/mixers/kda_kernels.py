@@ -63,6 +63,7 @@ def chunked_kda_torch(q, k, v, g, beta, scale, initial_state=None, output_final_
     return o.to(out_dtype), (state if output_final_state else None)
 
 
+@torch.compiler.disable  # fla's Triton launchers stay opaque to dynamo: a graph break, run eagerly
 def _fla_kda(q, k, v, g, beta, scale, initial_state, output_final_state):
     from fla.ops.kda import chunk_kda, fused_recurrent_kda
 
