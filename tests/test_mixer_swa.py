@@ -214,3 +214,14 @@ def test_distill_refuses_a_hybrid_with_nothing_to_train(stories):
     graph = convert(stories(), layers=[1, 3], window=4)
     with pytest.raises(DistillError, match=r"converted layers \[1, 3\] to a mixer with nothing to train \(swa\)"):
         open_student(graph, "cpu", torch.float32)
+
+
+@pytest.mark.parametrize("passes, config, words", [
+    (["select", "replace"], {"replace": {"mixer": "swa", "window": 0}}, "window must be >= 1, got 0"),
+    (["select", "replace", "calibrate"], {"replace": {"mixer": "swa"}, "calibrate": {"window_quantile": 1.5}}, r"window_quantile must lie in \(0, 1\], got 1.5"),
+])
+def test_bad_window_options_are_refused_before_any_work(stories, passes, config, words):
+    graph = stories()
+    with pytest.raises(PassConfigError, match=words):
+        PassManager(passes, {"select": {"policy": "convert", "layers": [1]}, **config})(graph)
+    assert graph.history == [] and "replace" not in graph.meta
