@@ -20,6 +20,7 @@ from tcal.mixers import MIXERS
 from tcal.mixers.gla import GatedLinearAttention
 from tcal.mixers.gla_kernels import chunked_gla_torch, gla, recurrent_gla_torch
 
+from test_distill import files, one_batch_config, step_losses  # noqa: F401  (files: a fixture)
 from test_mixer_swa import SIX, block_error, convert, held_out, matches_full  # noqa: F401  (held_out: a fixture)
 
 
@@ -152,3 +153,20 @@ def test_phase1_and_phase2_beat_the_copy_only_baseline(stories, stories_teacher,
     assert torch.equal(loaded.logits(held_out[:1]), both.logits(held_out[:1]))
     with pytest.raises(ExportError, match=r"--format hf exports GDN layers only, and this hybrid converted layer 1 \(gla\), layer 3 \(gla\)"):
         surgery.export(loaded, tmp_path / "hf")
+
+
+@pytest.mark.parametrize("mixer", ["gla", "kda"])
+def test_distill_trains_the_converted_layers(stories, stories_teacher, files, tmp_path, mixer):
+    """Stage l2 (each converted layer against the teacher's attention output) on one repeated batch:
+    the loss falls at every step, and only the converted layers' parameters move."""
+    from surgery.train import distill
+    from surgery.data.corpus import TokenCorpus
+
+    start = convert(stories(), mixer=mixer, layers=[1, 3])
+    before = {n: p.detach().clone() for n, p in start.gm.named_parameters()}
+    corpus = TokenCorpus.build([files / "train.txt"], start.tokenizer)
+    distill(start, [files / "train.txt"], tmp_path / "run", one_batch_config(len(corpus), "l2"), teacher=stories_teacher, progress=False)
+    losses = step_losses(tmp_path / "run")
+    assert all(b < a for a, b in zip(losses, losses[1:])) and losses[-1] < 0.85 * losses[0], losses
+    moved = {n.split(".")[2] for n, p in start.gm.named_parameters() if not torch.equal(p.detach(), before[n])}
+    assert moved == {"1", "3"}
