@@ -151,8 +151,11 @@ def generate(
                 )
         exported = isinstance(graph, ExportedModel)  # decoded by transformers' generate, through the export's own cache
         decoder = None if exported else Decoder(graph, compile=compile)
-        kinds = graph.layer_kinds
-        err.print(f"decoding: {kinds.count('attention')} attention layers with a KV cache, {kinds.count('gdn')} GDN layers with a recurrent state")
+        if decoder is None:
+            kinds = graph.layer_kinds
+            err.print(f"decoding: {kinds.count('attention')} attention layers with a KV cache, {kinds.count('gdn')} GDN layers with a recurrent state")
+        else:
+            err.print(f"decoding: {len(decoder.attention)} attention layers with a KV cache, {len(decoder.gdn)} GDN layers with a recurrent state")
 
         sampling = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "seed": seed}
         continuations = [continuation(graph, decoder, p, ids, max_new_tokens, sampling, stream=not as_json, index=i)

@@ -51,8 +51,11 @@ class Align(Pass):
 
     def run(self, graph: Graph) -> PassResult:
         start = time.perf_counter()
+        modules = {l: m for l, m in graph.gdn_modules().items() if m.param_groups()}  # swa: nothing to align
+        if not modules:
+            graph.meta["align"] = {"steps": 0, "layers": {}, "seconds": 0.0}
+            return PassResult(graph, modified=False, info={"steps": 0, "note": "no converted layer has parameters to align"})
         data = teacher_data(graph, self.config)
-        modules = graph.gdn_modules()
         pairs = {l: (data[l].x, data[l].target) for l in modules}
         with progress.task("align", self.config.steps, "steps", enabled=self.config.progress) as bar:
             def on_step(step, losses):

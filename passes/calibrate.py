@@ -1,6 +1,6 @@
 """calibrate (Phase 1): decay, write gate, value scale and output gate of every GDN layer from the
-teacher's attention statistics on calibration text. All or nothing: a layer that fails leaves every
-layer as it was."""
+teacher's attention statistics on calibration text; each mixer's own Phase 1 (tcal.mixers) for the
+others (swa: the window). All or nothing: a layer that fails leaves every layer as it was."""
 from __future__ import annotations
 
 import time
@@ -12,7 +12,8 @@ from surgery.errors import CalibrationError, PassConfigError
 from surgery.core import progress
 from surgery.core.graph import Graph
 from surgery.core.pipeline import Pass, PassResult, register
-from tcal.phase1 import CONCENTRATION, GATES, Phase1Options, calibrate_layer
+from tcal.mixers import mixer_of
+from tcal.phase1 import CONCENTRATION, GATES, Phase1Options
 
 from .teacher_data import TeacherDataConfig, check_text, teacher_data
 
@@ -27,6 +28,8 @@ class CalibrateConfig(TeacherDataConfig, Phase1Options):
             raise PassConfigError(f"gate '{self.gate}' is not one of {GATES}.", "Pick one of them.")
         if self.concentration not in CONCENTRATION:
             raise PassConfigError(f"concentration '{self.concentration}' is not one of {CONCENTRATION}.", "Pick one of them.")
+        if not 0 < self.window_quantile <= 1:
+            raise PassConfigError(f"window_quantile must lie in (0, 1], got {self.window_quantile}.", "Use e.g. 0.9.")
         if not 0 < self.beta_low < self.beta_low + self.beta_span < 1:
             raise PassConfigError(f"Write-gate targets must lie in (0, 1): low {self.beta_low}, span {self.beta_span}.", "Use e.g. 0.3 and 0.4.")
 
@@ -52,11 +55,17 @@ class Calibrate(Pass):
             with progress.task("calibrate", len(modules), "layers") as bar:
                 for layer, gdn in modules.items():
                     d = data[layer]
+                    mixer = mixer_of(gdn)
                     try:
-                        reports[layer] = calibrate_layer(gdn, d.x, d.ctx, d.target, d.stats, options)
+                        if mixer.replaces == "op":
+                            reports[layer] = mixer.phase1(gdn, d.qkv, d.ctx, d.stats, options.window_quantile, graph.max_length)
+                        else:
+                            reports[layer] = mixer.phase1(gdn, d.x, d.ctx, d.target, d.stats, options)
                     except ValueError as exc:
                         raise CalibrationError(f"Phase 1 failed at layer {layer}: {exc}", "Check the calibration text and options.") from exc
-                    bar.advance(info=f"layer {layer}: relative error {reports[layer]['rel_error_before']:.3g} -> {reports[layer]['rel_error_after']:.3g}")
+                    r = reports[layer]
+                    bar.advance(info=f"layer {layer}: relative error {r['rel_error_before']:.3g} -> {r['rel_error_after']:.3g}"
+                                if "rel_error_before" in r else f"layer {layer} ({mixer.name})")
         except BaseException:
             with torch.no_grad():
                 for layer, gdn in modules.items():

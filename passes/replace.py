@@ -1,9 +1,14 @@
-"""replace: each selected attention site becomes one call to a Gated DeltaNet module.
+"""replace: each selected attention site becomes one call to a module of the chosen mixer
+(tcal.mixers: gdn, the default; gla; kda; swa).
 
-The region from the Q/K/V projections through the attention op to the output projection is cut out
-of the graph; the GDN takes the region's input (the normed hidden states) and its output replaces
-the output projection's. Q and O are copied, K and V GQA-expanded, fused QKV sliced, biases kept;
-the new GDN parameters keep flash-linear-attention's default initialisation (the paper's baseline).
+A mixer that replaces the layer (gdn, gla, kda): the region from the Q/K/V projections through the attention
+op to the output projection is cut out of the graph; the module takes the region's input (the normed
+hidden states) and its output replaces the output projection's. Q and O are copied, K and V
+GQA-expanded, fused QKV sliced, biases kept; the new parameters keep flash-linear-attention's default
+initialisation (the paper's baseline).
+A mixer that replaces the op (swa): only the attention op (SDPA, or the eager softmax(QK^T)V region)
+is cut; the module takes Q, K, V as the op received them, so projections, RoPE and q/k norms stay
+the teacher's and nothing is copied.
 """
 from __future__ import annotations
 
@@ -18,7 +23,9 @@ from surgery.core.rewrite import ancestors, descendants, fork, nodes_by_name, pr
 from surgery.sites import AttentionSite
 from surgery.sites.ops import SDPA_OPS, SOFTMAX_OPS
 from tcal.gdn import GatedDeltaNet
+from tcal.mixers import MIXERS, get_mixer
 
+from .op_mixer import op_module_for_site, splice_op_module, verify_op_modules
 from .selection import LayerSelection
 
 V_ACTIVATIONS = ("silu", "identity")
@@ -34,8 +41,13 @@ class ReplaceConfig(PassConfig):
                        what fla applies without convolutions. Measured: identity aligns to a lower
                        held-out error (bench/RESULTS.md)
     backend            GDN kernel: auto (fla on CUDA when usable, chunked PyTorch otherwise), torch, fla
-    seed               seeds the default initialisation of the new parameters"""
+    seed               seeds the default initialisation of the new parameters
+    mixer              what a converted layer becomes: gdn (default), gla, kda, swa (tcal.mixers)
+    window             swa: the window a layer starts with (the copy-only baseline); calibrate
+                       sets each layer's from the teacher (calibrate.window_quantile)"""
 
+    mixer: str = "gdn"
+    window: int = 64
     use_short_conv: bool = False
     conv_size: int = 4
     v_activation: str = "identity"
@@ -44,6 +56,10 @@ class ReplaceConfig(PassConfig):
     seed: int = 0
 
     def validate(self) -> None:
+        if self.mixer not in MIXERS:
+            raise PassConfigError(f"mixer '{self.mixer}' is not one of {', '.join(MIXERS)}.", "Pick one of them (replace.mixer=gdn is the default).")
+        if self.window < 1:
+            raise PassConfigError(f"window must be >= 1, got {self.window}.", "Use e.g. 64.")
         if self.v_activation not in V_ACTIVATIONS:
             raise PassConfigError(f"v_activation '{self.v_activation}' is not one of {V_ACTIVATIONS}.", "Pick one of them.")
         if self.backend not in BACKENDS:
@@ -53,7 +69,8 @@ class ReplaceConfig(PassConfig):
 
 
 def gdn_for_site(site: AttentionSite, config: ReplaceConfig) -> GatedDeltaNet:
-    return GatedDeltaNet(
+    """The layer module of the configured mixer (a "layer" mixer: gdn) for this site."""
+    return get_mixer(config.mixer).module(
         site.hidden_size, site.num_heads, site.head_dim,
         q_bias=bool(site.q.bias), k_bias=bool(site.k.bias), v_bias=bool(site.v.bias), o_bias=bool(site.o.bias),
         use_short_conv=config.use_short_conv, conv_size=config.conv_size, norm_eps=config.norm_eps,
@@ -122,12 +139,12 @@ def module_target(gm: torch.fx.GraphModule, site: AttentionSite) -> str:
     return site.module_path
 
 
-def attention_left(gm: torch.fx.GraphModule, site: AttentionSite, call: torch.fx.Node) -> list[str]:
+def attention_left(gm: torch.fx.GraphModule, site: AttentionSite, call: torch.fx.Node, op_only: bool = False) -> list[str]:
     """What of a replaced site's attention is still in gm: its attention op, softmax and Q/K/V/O
-    projection nodes by the names the site gives them, and any SDPA or softmax op between the layer's
-    input and the GDN call."""
+    projection nodes (op_only: the op and softmax) by the names the site gives them, and any SDPA or
+    softmax op between the layer's input and the module call."""
     nodes = nodes_by_name(gm)
-    named = [site.attn_node, site.probs_node, site.q.node, site.k.node, site.v.node, site.o.node]
+    named = [site.attn_node, site.probs_node] + ([] if op_only else [site.q.node, site.k.node, site.v.node, site.o.node])
     left = [name for name in dict.fromkeys(named) if name and name in nodes]
     region = descendants(nodes[site.input_node]) & ancestors(call) if site.input_node in nodes else set()
     return left + [n.name for n in region if n.op == "call_function" and n.target in SDPA_OPS | SOFTMAX_OPS and n.name not in left]
@@ -153,32 +170,41 @@ class Replace(Pass):
         teacher = graph.gm
         params = dict(teacher.named_parameters(remove_duplicate=False))
         device, dtype = graph.device, graph.dtype
+        mixer = get_mixer(self.config.mixer)
         hybrid = fork(teacher)
         modules, copies = {}, []
+        if mixer.replaces == "op":
+            verify_op_modules(graph, convert, self.config)  # every layer checked before any is changed
         torch.manual_seed(self.config.seed)
         for layer in convert:
             site = graph.sites[layer]
-            target = module_target(teacher, site)
-            gdn = gdn_for_site(site, self.config).to(device=device, dtype=dtype)
-            copies += transfer_weights(gdn, site, params, target)
-            self._splice(hybrid, site, target, gdn)
-            modules[str(layer)] = {"target": target, "gdn_config": gdn.gdn_config()}
+            if mixer.replaces == "op":
+                module = op_module_for_site(site, self.config).to(device=device)
+                target = splice_op_module(hybrid, site, module, mixer.name)
+            else:
+                target = module_target(teacher, site)
+                module = gdn_for_site(site, self.config).to(device=device, dtype=dtype)
+                copies += transfer_weights(module, site, params, target)
+                self._splice(hybrid, site, target, module)
+            modules[str(layer)] = {"target": target, "gdn_config": module.gdn_config(), "mixer": mixer.name}
         removed = prune(hybrid)
         graph.teacher, graph.gm = teacher, hybrid
         graph.meta["replace"] = {"layers": list(convert), "modules": modules, "copies": copies, "config": self.config.to_dict()}
-        return PassResult(graph, modified=True, info={"layers": list(convert), "nodes_removed": removed, "copies": len(copies)})
+        return PassResult(graph, modified=True, info={"layers": list(convert), "mixer": mixer.name, "nodes_removed": removed, "copies": len(copies)})
 
     def ensures(self, graph: Graph) -> None:
-        """Every converted layer is one GatedDeltaNet call, and none of its attention is left."""
+        """Every converted layer is one call of its mixer's module, and none of its attention is left
+        (of a mixer that replaces only the op: no attention op or softmax)."""
         calls = {n.target: n for n in graph.gm.graph.nodes if n.op == "call_module"}
         targets = graph.gdn_targets()
         if sorted(targets) != sorted(graph.meta["replace"]["layers"]):
             raise self.broken(f"GDN modules sit at layers {sorted(targets)}, but layers {graph.meta['replace']['layers']} were converted.")
         for layer, target in targets.items():
+            mixer = get_mixer(graph.meta["replace"]["modules"][str(layer)].get("mixer", "gdn"))
             module = graph.gm.get_submodule(target) if target in calls else None
-            if not isinstance(module, GatedDeltaNet):
-                raise self.broken(f"layer {layer} is not a GatedDeltaNet call at '{target}' in the hybrid graph.")
-            left = attention_left(graph.gm, graph.sites[layer], calls[target])
+            if type(module) is not mixer.module:
+                raise self.broken(f"layer {layer} is not a {mixer.module.__name__} call at '{target}' in the hybrid graph.")
+            left = attention_left(graph.gm, graph.sites[layer], calls[target], op_only=mixer.replaces == "op")
             if left:
                 raise self.broken(f"layer {layer} still holds attention nodes {left} after its GDN at '{target}' replaced them.")
 
@@ -192,7 +218,11 @@ class Replace(Pass):
         hybrid = fork(graph.gm)
         for layer in decisions["layers"]:
             entry = decisions["modules"][str(layer)]
-            gdn = GatedDeltaNet.from_gdn_config(entry["gdn_config"]).to(device=graph.device, dtype=graph.dtype)
+            mixer = get_mixer(entry.get("mixer", "gdn"))  # recipes before the mixer choice hold GDNs
+            if mixer.replaces == "op":
+                splice_op_module(hybrid, graph.sites[layer], mixer.module.from_gdn_config(entry["gdn_config"]).to(device=graph.device), mixer.name)
+                continue
+            gdn = mixer.module.from_gdn_config(entry["gdn_config"]).to(device=graph.device, dtype=graph.dtype)
             self._splice(hybrid, graph.sites[layer], entry["target"], gdn)
         prune(hybrid)
         graph.teacher, graph.gm = graph.gm, hybrid

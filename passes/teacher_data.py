@@ -51,17 +51,28 @@ def teacher_data(graph, config: TeacherDataConfig):
     the same text serves fewer: select's greedy probes read every layer before the pipeline does)."""
     layers = graph.meta["replace"]["layers"]
     text = (tuple(config.calibration or ()), config.samples, config.length, config.seed)
-    key = ("teacher_data", tuple(layers), *text)
+    qkv = op_layers(graph)
+    key = ("teacher_data", tuple(layers), *text, tuple(qkv))
     cached = graph.cache.get(key)
     if cached is not None:
         return cached
     for other, data in list(graph.cache.items()):
-        if isinstance(other, tuple) and other[:1] == ("teacher_data",) and other[2:] == text and set(layers) <= set(data):
+        if (isinstance(other, tuple) and other[:1] == ("teacher_data",) and other[2:-1] == text and set(layers) <= set(data)
+                and set(qkv) <= set(other[-1])):
             return {l: data[l] for l in layers}
     ids = calibration_ids(graph, config.calibration, config.samples, config.length, config.seed)
-    data = collect(graph, layers, ids, with_stats=True, batch_size=config.batch_size)
+    data = collect(graph, layers, ids, with_stats=True, batch_size=config.batch_size, qkv_layers=qkv)
     graph.cache[key] = data
     return data
+
+
+def op_layers(graph) -> list[int]:
+    """The converted layers whose mixer replaced only the attention op (swa): their Phase 1 reads the
+    Q, K, V the teacher's op received."""
+    from tcal.mixers import get_mixer
+
+    modules = graph.meta["replace"]["modules"]
+    return [int(l) for l in sorted(modules, key=int) if get_mixer(modules[l].get("mixer", "gdn")).replaces == "op"]
 
 
 def run_with_taps(gm, ids: torch.Tensor, callbacks: dict) -> None:
@@ -82,16 +93,18 @@ class LayerData:
     target: torch.Tensor     # attention output (after the output proj)  [N, T, hidden]
     ctx: torch.Tensor        # per-head context before the output proj  [N, T, H, D]
     stats: dict | None = None
+    qkv: tuple | None = None  # Q, K, V as the attention op received them (layers in qkv_layers)
 
 
 def collect(graph, layers: list[int], ids: torch.Tensor, *, with_stats: bool, batch_size: int = 4,
-            query_chunk: int = 256) -> dict[int, LayerData]:
+            query_chunk: int = 256, qkv_layers=()) -> dict[int, LayerData]:
     """Run the TEACHER graph over ids in mini-batches and gather, per layer, inputs, targets, contexts
     and (optionally) streaming attention statistics. Statistics come from Q/K as the attention op
-    receives them (after RoPE), or from the probabilities an eager layer materialises."""
+    receives them (after RoPE), or from the probabilities an eager layer materialises. For the
+    layers in qkv_layers, also the op's Q, K, V."""
     gm = graph.teacher_gm
     nodes = nodes_by_name(gm)
-    store = {l: {"x": [], "target": [], "ctx": []} for l in layers}
+    store = {l: {"x": [], "target": [], "ctx": [], "q": [], "k": [], "v": []} for l in layers}
     stats = {l: AttentionStats(graph.sites[l].num_heads) for l in layers} if with_stats else {}
     callbacks: dict = {}
 
@@ -105,6 +118,9 @@ def collect(graph, layers: list[int], ids: torch.Tensor, *, with_stats: bool, ba
         add(s.input_node, lambda v, l=l: store[l]["x"].append(v.detach()))
         add(s.output_node, lambda v, l=l: store[l]["target"].append(v.detach()))
         add(s.attn_node, lambda v, l=l: store[l]["ctx"].append(v.detach().transpose(1, 2)))
+        if l in qkv_layers:
+            for name, node in (("q", s.q_node), ("k", s.k_node), ("v", s.v_node)):
+                add(node, lambda v, l=l, name=name: store[l][name].append(v.detach()))
         if with_stats and s.probs_node:
             heads = s.num_heads  # an eager layer may softmax over [B*H, T, T] (XGLM's bmm form)
             add(s.probs_node, lambda v, l=l, h=heads: stats[l].update_from_probs(v.detach().reshape(-1, h, *v.shape[-2:]), query_chunk=query_chunk))
@@ -127,6 +143,8 @@ def collect(graph, layers: list[int], ids: torch.Tensor, *, with_stats: bool, ba
     out = {}
     for l in layers:
         data = LayerData(*(torch.cat(store[l][k]) for k in ("x", "target", "ctx")))
+        if l in qkv_layers:
+            data.qkv = tuple(torch.cat(store[l][k]) for k in ("q", "k", "v"))
         if with_stats:
             try:
                 data.stats = stats[l].result()

@@ -177,7 +177,87 @@ def fused_weight(owner: nn.Module, layers) -> tuple[torch.Tensor, torch.Tensor |
     return weight, bias
 
 
-class GatedDeltaNet(nn.Module):
+class RecurrentLayer(nn.Module):
+    """What every recurrent mixer layer shares (GatedDeltaNet here, tcal.mixers.gla): parameter groups
+    by role (a subclass's PARAMETER_ROLES and COPIED_ROLES), its decoding state (a GDNCache: the
+    recurrent state and the conv streams' last inputs), its constructor config, and the fused input
+    projections (a subclass's INPUT_PROJECTIONS, submodule paths of linears reading the layer input)."""
+
+    def param_groups(self) -> dict[str, list[tuple[str, nn.Parameter]]]:
+        """role -> [(name, parameter)] in named_parameters order, for every role in PARAMETER_ROLES."""
+        return parameters_by_role(self, self.PARAMETER_ROLES)
+
+    def copied_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """The parameters replace fills from the teacher (the rest keep their own init)."""
+        groups = self.param_groups()
+        return [item for role in self.COPIED_ROLES for item in groups[role]]
+
+    def new_cache(self) -> GDNCache:
+        """An empty decoding state for this layer (surgery.decode carries it between calls)."""
+        return GDNCache()
+
+    def gdn_config(self) -> dict:
+        """Constructor arguments, enough to rebuild this module before loading its state_dict."""
+        return dict(self._config, backend=self.backend)
+
+    @classmethod
+    def from_gdn_config(cls, config: dict):
+        return cls(**config)
+
+    def _common(self, arguments: dict) -> None:
+        """The constructor's arguments (gdn_config) and the sizes every recurrent layer keeps."""
+        if arguments["v_activation"] not in V_ACTIVATIONS:
+            raise ValueError(f"v_activation must be one of {sorted(V_ACTIVATIONS)}, got {arguments['v_activation']!r}")
+        self._config = {k: v for k, v in arguments.items() if k not in ("self", "__class__")}
+        for name in ("hidden_size", "num_heads", "head_dim", "layer_idx", "use_short_conv", "v_activation", "backend"):
+            setattr(self, name, arguments[name])
+
+    def _add_qkv(self, q_bias: bool, k_bias: bool, v_bias: bool) -> None:
+        inner = self.num_heads * self.head_dim
+        self.q_proj = nn.Linear(self.hidden_size, inner, bias=q_bias)
+        self.k_proj = nn.Linear(self.hidden_size, inner, bias=k_bias)
+        self.v_proj = nn.Linear(self.hidden_size, inner, bias=v_bias)
+
+    def _add_convs_and_output(self, conv_size: int, conv_identity_init: bool, norm_eps: float, o_bias: bool) -> None:
+        """The optional short convolutions, the output gate, its norm and the output projection."""
+        inner = self.num_heads * self.head_dim
+        if self.use_short_conv:
+            self.q_conv1d = CausalConv1d(inner, conv_size, conv_identity_init)
+            self.k_conv1d = CausalConv1d(inner, conv_size, conv_identity_init)
+            self.v_conv1d = CausalConv1d(inner, conv_size, conv_identity_init)
+        self.g_proj = nn.Linear(self.hidden_size, inner, bias=False)
+        self.o_norm = GatedRMSNorm(self.head_dim, eps=norm_eps)
+        self.o_proj = nn.Linear(inner, self.hidden_size, bias=o_bias)
+
+    def _split_heads(self, x: torch.Tensor) -> torch.Tensor:
+        return x.unflatten(-1, (self.num_heads, self.head_dim))
+
+    def _input_projections(self, x: torch.Tensor, projection=None) -> dict[str, torch.Tensor]:
+        """All INPUT_PROJECTIONS of x as ONE matmul (weights concatenated): at short lengths the layer is
+        launch-bound, and one GEMM replaces six (GDN's). `projection` (weight, bias): that concatenation made
+        by the caller (a decoder's static step keeps one, since compiling cannot use the cache)."""
+        layers = [self.get_submodule(n) for n in self.INPUT_PROJECTIONS]
+        if projection is not None:
+            weight, bias = projection
+        elif torch.compiler.is_compiling():  # the weight cache would break the graph
+            return {n: l(x) for n, l in zip(self.INPUT_PROJECTIONS, layers)}
+        else:
+            weight, bias = fused_weight(self, layers)
+        parts = F.linear(x, weight, bias).split([l.out_features for l in layers], dim=-1)
+        return dict(zip(self.INPUT_PROJECTIONS, parts))
+
+    def _stream(self, y: torch.Tensor, name: str, activation, cache: GDNCache | None = None) -> torch.Tensor:
+        """Optional short convolution, activation, split into heads."""
+        if self.use_short_conv:
+            conv = getattr(self, f"{name}_conv1d")
+            if cache is None:
+                y = conv(y)
+            else:
+                y, cache.conv[name] = conv.step(y, cache.conv.get(name))
+        return self._split_heads(activation(y))
+
+
+class GatedDeltaNet(RecurrentLayer):
     """Gated DeltaNet layer: [B, T, hidden] -> [B, T, hidden]. See METHOD.md, 'The student layer'."""
 
     def __init__(
@@ -200,53 +280,18 @@ class GatedDeltaNet(nn.Module):
     ):
         arguments = dict(locals())  # the constructor arguments, in order: gdn_config() rebuilds from them
         super().__init__()
-        if v_activation not in V_ACTIVATIONS:
-            raise ValueError(f"v_activation must be one of {sorted(V_ACTIVATIONS)}, got {v_activation!r}")
-        self._config = {k: v for k, v in arguments.items() if k not in ("self", "__class__")}
-        self.hidden_size, self.num_heads, self.head_dim, self.layer_idx = hidden_size, num_heads, head_dim, layer_idx
-        self.use_short_conv, self.v_activation, self.backend = use_short_conv, v_activation, backend
-
-        inner = num_heads * head_dim
-        self.q_proj = nn.Linear(hidden_size, inner, bias=q_bias)
-        self.k_proj = nn.Linear(hidden_size, inner, bias=k_bias)
-        self.v_proj = nn.Linear(hidden_size, inner, bias=v_bias)
+        self._common(arguments)
+        self._add_qkv(q_bias, k_bias, v_bias)
         self.a_proj = nn.Linear(hidden_size, num_heads, bias=False)
         self.b_proj = nn.Linear(hidden_size, num_heads, bias=False)
         a_log, dt_bias = _fla_decay_init(num_heads)
         self.A_log = nn.Parameter(a_log)
         self.dt_bias = nn.Parameter(dt_bias)
         self.A_log._no_weight_decay = self.dt_bias._no_weight_decay = True
-        if use_short_conv:
-            self.q_conv1d = CausalConv1d(inner, conv_size, conv_identity_init)
-            self.k_conv1d = CausalConv1d(inner, conv_size, conv_identity_init)
-            self.v_conv1d = CausalConv1d(inner, conv_size, conv_identity_init)
-        self.g_proj = nn.Linear(hidden_size, inner, bias=False)
-        self.o_norm = GatedRMSNorm(head_dim, eps=norm_eps)
-        self.o_proj = nn.Linear(inner, hidden_size, bias=o_bias)
+        self._add_convs_and_output(conv_size, conv_identity_init, norm_eps, o_bias)
 
     PARAMETER_ROLES = PARAMETER_ROLES
     COPIED_ROLES = COPIED_ROLES
-
-    def param_groups(self) -> dict[str, list[tuple[str, nn.Parameter]]]:
-        """role -> [(name, parameter)] in named_parameters order, for every role in PARAMETER_ROLES."""
-        return parameters_by_role(self, self.PARAMETER_ROLES)
-
-    def copied_parameters(self) -> list[tuple[str, nn.Parameter]]:
-        """The parameters replace fills from the teacher (the rest keep their own init)."""
-        groups = self.param_groups()
-        return [item for role in self.COPIED_ROLES for item in groups[role]]
-
-    def new_cache(self) -> GDNCache:
-        """An empty decoding state for this layer (surgery.decode carries it between calls)."""
-        return GDNCache()
-
-    def gdn_config(self) -> dict:
-        """Constructor arguments, enough to rebuild this module before loading its state_dict."""
-        return dict(self._config, backend=self.backend)
-
-    @classmethod
-    def from_gdn_config(cls, config: dict) -> GatedDeltaNet:
-        return cls(**config)
 
     def extra_repr(self) -> str:
         return (
@@ -255,34 +300,7 @@ class GatedDeltaNet(nn.Module):
             f"backend={self.backend}, layer_idx={self.layer_idx}"
         )
 
-    def _split_heads(self, x: torch.Tensor) -> torch.Tensor:
-        return x.unflatten(-1, (self.num_heads, self.head_dim))
-
     INPUT_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "a_proj", "b_proj", "g_proj")
-
-    def _input_projections(self, x: torch.Tensor, projection=None) -> dict[str, torch.Tensor]:
-        """All six projections of x as ONE matmul (weights concatenated): at short lengths the layer is
-        launch-bound, and one GEMM replaces six. `projection` (weight, bias): that concatenation made
-        by the caller (a decoder's static step keeps one, since compiling cannot use the cache)."""
-        layers = [getattr(self, n) for n in self.INPUT_PROJECTIONS]
-        if projection is not None:
-            weight, bias = projection
-        elif torch.compiler.is_compiling():  # the weight cache would break the graph
-            return {n: l(x) for n, l in zip(self.INPUT_PROJECTIONS, layers)}
-        else:
-            weight, bias = fused_weight(self, layers)
-        parts = F.linear(x, weight, bias).split([l.out_features for l in layers], dim=-1)
-        return dict(zip(self.INPUT_PROJECTIONS, parts))
-
-    def _stream(self, y: torch.Tensor, name: str, activation, cache: GDNCache | None = None) -> torch.Tensor:
-        """Optional short convolution, activation, split into heads."""
-        if self.use_short_conv:
-            conv = getattr(self, f"{name}_conv1d")
-            if cache is None:
-                y = conv(y)
-            else:
-                y, cache.conv[name] = conv.step(y, cache.conv.get(name))
-        return self._split_heads(activation(y))
 
     def _decay(self, a: torch.Tensor) -> torch.Tensor:
         return -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
@@ -351,8 +369,8 @@ def token_step_forward(layer: GatedDeltaNet, x: torch.Tensor, cache: GDNCache, p
     return layer.o_proj(normed)
 
 
-def constructor_options(annotation: str) -> tuple[str, ...]:
-    """GatedDeltaNet's constructor arguments annotated `annotation` ("int", "bool"), in order: a
-    recipe's gdn_config is checked against these, so a new option needs no second list."""
-    parameters = inspect.signature(GatedDeltaNet.__init__).parameters.values()
+def constructor_options(annotation: str, cls: type | None = None) -> tuple[str, ...]:
+    """GatedDeltaNet's (or `cls`'s) constructor arguments annotated `annotation` ("int", "bool"), in
+    order: a recipe's gdn_config is checked against these, so a new option needs no second list."""
+    parameters = inspect.signature((cls or GatedDeltaNet).__init__).parameters.values()
     return tuple(p.name for p in parameters if p.annotation == annotation)  # strings: annotations are postponed here

@@ -151,3 +151,30 @@ def reference_gate_scale(
     if denominator == 0:
         raise ValueError("v_act (silu(v_proj x)) is identically zero: its RMS cannot set the gate scale.")
     return (factor * rms(teacher_ctx, dtype=torch.float64) / denominator).to(dtype)
+
+
+def window_from_mass(distance_mass: torch.Tensor, quantile: float) -> torch.Tensor:
+    """Per head, the smallest window w whose last w positions (distances 0 .. w-1) hold at least
+    `quantile` of the head's mean attention mass: distance_mass [H, D] as AttentionStats gives it
+    (each row sums to 1 over distances). Returns int64 [H]; a head whose mass never reaches the
+    quantile (rounding) gets the longest distance seen + 1."""
+    mass = _f64(distance_mass, "distance_mass")
+    if not 0 < quantile <= 1:
+        raise ValueError(f"quantile must lie in (0, 1], got {quantile}.")
+    kept = mass.cumsum(-1) / mass.sum(-1, keepdim=True).clamp_min(1e-30)
+    reached = kept >= quantile - 1e-12
+    first = torch.where(reached.any(-1), reached.to(torch.int64).argmax(-1), torch.full_like(reached[:, 0], mass.shape[-1] - 1, dtype=torch.int64))
+    return first + 1
+
+
+def gate_bias_from_distance(d: Number, normalizer: float, min_rate: float = 1e-3, max_rate: float = 5.0, *,
+                            dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The bias b of a GLA forget gate log(alpha) = logsigmoid(b) / normalizer (fla's
+    gate_logit_normalizer) that halves the memory after about d tokens, as decay_from_distance does
+    for GDN: logsigmoid(b) = -normalizer * rate with rate = ln 2 / d (clamped), so
+    b = -softplus^-1(normalizer * rate)."""
+    d = _f64(d, "d (mean attention distance)")
+    if (d <= 0).any():
+        raise ValueError("mean attention distance d must be > 0 (AttentionStats clamps it to >= 0.5).")
+    rate = (math.log(2.0) / d).clamp(min_rate, max_rate)
+    return (-softplus_inverse(normalizer * rate, dtype=torch.float64)).to(dtype)

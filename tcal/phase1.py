@@ -57,6 +57,7 @@ class Phase1Options:
     gate_ridge: float = 1e-2
     gate_floor: float = 1e-2
     reference_gate_factor: float = 0.01
+    window_quantile: float = 0.9  # swa: the window keeps this share of each head's attention mass
 
 
 def silu_inverse(y: torch.Tensor, iterations: int = 30) -> torch.Tensor:
@@ -92,9 +93,7 @@ def relative_error(out: torch.Tensor, target: torch.Tensor) -> float:
 @torch.no_grad()
 def calibrate_layer(gdn: GatedDeltaNet, x: torch.Tensor, ctx: torch.Tensor, target: torch.Tensor, stats: dict, opts: Phase1Options) -> dict:
     """Apply Phase 1 to `gdn` in place. x [N,T,hidden], ctx [N,T,H,D], target [N,T,hidden]."""
-    D = gdn.head_dim
     report = {"rel_error_before": relative_error(gdn(x), target)}
-    dtype = gdn.q_proj.weight.dtype
     if opts.decay:
         a_log, dt_bias = maps.decay_from_distance(stats["distance"], opts.min_rate, opts.max_rate)
         gdn.A_log.copy_(a_log)
@@ -103,27 +102,40 @@ def calibrate_layer(gdn: GatedDeltaNet, x: torch.Tensor, ctx: torch.Tensor, targ
         report["distance"] = stats["distance"].tolist()
         report["alpha"] = torch.exp(-F.softplus(dt_bias.double())).tolist()
     if opts.write_gate:
-        c = maps.concentration(stats, opts.concentration)
-        beta = maps.write_gate_target(c, opts.beta_low, opts.beta_span)
-        x_mean = x.reshape(-1, x.shape[-1]).double().mean(0).cpu()  # maps work on CPU float64
-        w = maps.shift_rows_to_mean_logit(gdn.b_proj.weight.cpu(), x_mean, maps.logit(beta).cpu(), opts.b_proj_scale)
-        gdn.b_proj.weight.copy_(w.to(dtype))
-        report["concentration"] = c.tolist()
-        report["beta_target"] = beta.tolist()
+        set_write_gate(gdn, x, stats, opts, report)
     if opts.value_scale:
-        core = gdn.forward_parts(x)["core"]
-        sigma = maps.ols_scale(ctx, core, dim=2).to(gdn.v_proj.weight.device)
-        rows = sigma.repeat_interleave(D).to(dtype)
-        gdn.v_proj.weight.mul_(rows[:, None])
-        if gdn.v_proj.bias is not None:
-            gdn.v_proj.bias.mul_(rows)
-        report["value_scale"] = sigma.tolist()
-    _set_gate(gdn, x, ctx, opts, report)
+        scale_values(gdn, x, ctx, report)
+    set_gate(gdn, x, ctx, opts, report)
     report["rel_error_after"] = relative_error(gdn(x), target)
     return report
 
 
-def _set_gate(gdn: GatedDeltaNet, x, ctx, opts: Phase1Options, report: dict) -> None:
+def set_write_gate(gdn: GatedDeltaNet, x, stats: dict, opts: Phase1Options, report: dict) -> None:
+    """b_proj's rows so each head's mean pre-sigmoid logit is logit(beta*_h), beta* from the
+    attention entropy (METHOD.md, write gate); any layer with a per-head b_proj takes it."""
+    c = maps.concentration(stats, opts.concentration)
+    beta = maps.write_gate_target(c, opts.beta_low, opts.beta_span)
+    x_mean = x.reshape(-1, x.shape[-1]).double().mean(0).cpu()  # maps work on CPU float64
+    w = maps.shift_rows_to_mean_logit(gdn.b_proj.weight.cpu(), x_mean, maps.logit(beta).cpu(), opts.b_proj_scale)
+    gdn.b_proj.weight.copy_(w.to(gdn.b_proj.weight.dtype))
+    report["concentration"] = c.tolist()
+    report["beta_target"] = beta.tolist()
+
+
+def scale_values(gdn: GatedDeltaNet, x, ctx, report: dict) -> None:
+    """The per-head OLS value scale (METHOD.md, Value scale) multiplied into v_proj's rows."""
+    core = gdn.forward_parts(x)["core"]
+    sigma = maps.ols_scale(ctx, core, dim=2).to(gdn.v_proj.weight.device)
+    rows = sigma.repeat_interleave(gdn.head_dim).to(gdn.v_proj.weight.dtype)
+    gdn.v_proj.weight.mul_(rows[:, None])
+    if gdn.v_proj.bias is not None:
+        gdn.v_proj.bias.mul_(rows)
+    report["value_scale"] = sigma.tolist()
+
+
+def set_gate(gdn: GatedDeltaNet, x, ctx, opts: Phase1Options, report: dict) -> None:
+    """The output gate g_proj by opts.gate (module docstring); any layer with GDN's output path
+    (forward_parts' core and v, o_norm, g_proj, v_proj, head_dim) takes it."""
     D = gdn.head_dim
     w = gdn.g_proj.weight
     if opts.gate == "keep":

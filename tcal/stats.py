@@ -155,6 +155,7 @@ class AttentionStats:
         self.num_heads = num_heads
         names = ("rows", "distance", "entropy", "norm_rows", "norm_entropy")
         self._sums = {name: torch.zeros(num_heads, dtype=torch.float64) for name in names}
+        self._mass = torch.zeros(num_heads, 1, dtype=torch.float64)  # [H, distances seen]: attention mass by distance
 
     def update_from_qk(self, q: torch.Tensor, k: torch.Tensor, **options) -> None:
         """Accumulate from post-RoPE q [B,H,Tq,D] and k [B,Hk,Tk,D]; options (scale, mask, window,
@@ -190,6 +191,8 @@ class AttentionStats:
                     "run calibration in float32 or bfloat16."
                 )
         out["rows"] = rows.to(torch.int64)
+        # mean attention mass per row at each distance 0, 1, 2, ... (what a window of w keeps: the first w)
+        out["distance_mass"] = self._mass.cpu() / rows[:, None]
         return out
 
     def _check_heads(self, h: int) -> None:
@@ -222,6 +225,19 @@ class AttentionStats:
         for name, part in parts.items():
             total = self._sums[name].to(probs.device)
             self._sums[name] = total + part.to(torch.float64).sum(dim=(0, 2))
+        self._add_mass(torch.where(valid[..., None], probs, 0.0), positions, keys)
+
+    def _add_mass(self, probs: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor) -> None:
+        """Attention mass by query-key distance, summed over rows: [H, max distance + 1] (what Phase 1
+        of a sliding-window mixer reads its window from: tcal.maps.window_from_mass)."""
+        heads, rows, tk = probs.shape[1], probs.shape[2], probs.shape[3]
+        where = (positions[:, None] - keys[None, :]).clamp_min(0)  # later keys (non-causal masks) count at 0, as in "distance"
+        size = max(int(where.max()) + 1, self._mass.shape[1])
+        mass = probs.to(torch.float64).sum(0).reshape(heads, -1)
+        index = where.reshape(1, -1).expand(heads, rows * tk)
+        added = torch.zeros(heads, size, dtype=torch.float64, device=probs.device).scatter_add_(1, index, mass)
+        added[:, : self._mass.shape[1]] += self._mass.to(probs.device)
+        self._mass = added
 
 
 def _heads(flags: torch.Tensor) -> list[int]:

@@ -402,11 +402,11 @@ def test_nan_teacher_weight_is_a_calibration_error(stories):
 
 
 def test_calibrate_failing_at_one_layer_changes_no_layer(stories, monkeypatch):
-    import surgery.passes.calibrate as calibrate_module
+    from tcal.mixers import MIXERS
 
     g = convert(stories(), [1, 2, 3])
     before = {l: gdn_params(m) for l, m in g.gdn_modules().items()}
-    real, moved = calibrate_module.calibrate_layer, []
+    real, moved = MIXERS["gdn"].phase1, []
 
     def fails_at_layer_2(gdn, *args):
         if gdn.layer_idx == 2:
@@ -415,7 +415,7 @@ def test_calibrate_failing_at_one_layer_changes_no_layer(stories, monkeypatch):
         moved.extend(k for k, v in gdn_params(gdn).items() if not torch.equal(v, before[gdn.layer_idx][k]))
         return report
 
-    monkeypatch.setattr(calibrate_module, "calibrate_layer", fails_at_layer_2)
+    monkeypatch.setitem(MIXERS, "gdn", dataclasses.replace(MIXERS["gdn"], phase1=fails_at_layer_2))
     with pytest.raises(CalibrationError, match="layer 2"):
         PassManager(["calibrate"], {"calibrate": SMALL})(g)
     assert "b_proj.weight" in moved  # layer 1 was calibrated before layer 2 failed ...
@@ -426,9 +426,9 @@ def test_calibrate_failing_at_one_layer_changes_no_layer(stories, monkeypatch):
 
 
 def test_calibrate_that_leaves_nan_is_caught(stories, monkeypatch):
-    import surgery.passes.calibrate as calibrate_module
+    from tcal.mixers import MIXERS
 
-    real = calibrate_module.calibrate_layer
+    real = MIXERS["gdn"].phase1
 
     def nan_at_layer_3(gdn, *args):
         report = real(gdn, *args)
@@ -436,7 +436,7 @@ def test_calibrate_that_leaves_nan_is_caught(stories, monkeypatch):
             gdn.A_log.data[0] = float("nan")
         return report
 
-    monkeypatch.setattr(calibrate_module, "calibrate_layer", nan_at_layer_3)
+    monkeypatch.setitem(MIXERS, "gdn", dataclasses.replace(MIXERS["gdn"], phase1=nan_at_layer_3))
     with pytest.raises(PassFailedError) as info:
         PassManager(["calibrate"], {"calibrate": SMALL})(convert(stories(), [1, 3]))
     problem = info.value.problem

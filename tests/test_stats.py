@@ -54,7 +54,10 @@ def brute_force(q, k, *, scale, mask=None, window=None, softcap=None):
     valid, multi = n > 0, n > 1
     rows = valid.sum((0, 2))
     norm = torch.where(multi, row_h / torch.log(n.clamp_min(2)), 0.0)
+    p_valid = torch.where(valid[..., None], p, 0.0)
+    mass = torch.stack([(p_valid * ((pos - keys).clamp_min(0) == d)).sum((0, 2, 3)) for d in range(tk)], -1)  # [H, distance]
     return {
+        "distance_mass": mass / rows[:, None],
         "distance": (torch.where(valid, row_d, 0.0).sum((0, 2)) / rows).clamp_min(0.5),
         "entropy": torch.where(valid, row_h, 0.0).sum((0, 2)) / rows,
         "norm_entropy": norm.sum((0, 2)) / multi.sum((0, 2)),
@@ -68,6 +71,9 @@ def assert_stats_close(got, want, rtol=1e-5, atol=1e-6):
         assert got[name].dtype == torch.float64 and got[name].device.type == "cpu"
         torch.testing.assert_close(got[name], want[name].double(), rtol=rtol, atol=atol, msg=name)
     assert torch.equal(got["rows"], want["rows"])
+    size = max(got["distance_mass"].shape[1], want["distance_mass"].shape[1])
+    pad = [torch.nn.functional.pad(m.double(), (0, size - m.shape[1])) for m in (got["distance_mass"], want["distance_mass"])]
+    torch.testing.assert_close(*pad, rtol=rtol, atol=atol, msg="distance_mass")
 
 
 def stats_from_qk(q, k, **kwargs):

@@ -59,9 +59,10 @@ class Graph:
 
     @property
     def layer_kinds(self) -> list[str]:
-        """'attention' or 'gdn' per layer, as the passes left it."""
-        replaced = set(self.meta.get("replace", {}).get("layers", []))
-        return ["gdn" if i in replaced else "attention" for i in range(self.num_layers)]
+        """'attention' or the converted layer's mixer ('gdn', 'swa', ...) per layer, as the passes left it."""
+        replace = self.meta.get("replace", {})
+        replaced, modules = set(replace.get("layers", [])), replace.get("modules", {})
+        return [modules.get(str(i), {}).get("mixer", "gdn") if i in replaced else "attention" for i in range(self.num_layers)]
 
     @property
     def device(self) -> torch.device:

@@ -26,7 +26,7 @@ class GDNState(nn.Module):
     def fuse_projection(self) -> FusedWeight:
         """A fused copy of the layer's input projections, which its static steps then use (one
         matmul instead of six; see surgery.decode.fused_linears)."""
-        layers = [getattr(self.gdn, name) for name in self.gdn.INPUT_PROJECTIONS]
+        layers = [self.gdn.get_submodule(name) for name in self.gdn.INPUT_PROJECTIONS]
         self.projection = FusedWeight([l.weight for l in layers], [l.bias for l in layers])
         return self.projection
 

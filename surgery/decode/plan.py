@@ -14,12 +14,13 @@ tokens (`mask_probe`); a window longer than that is not seen, and the layer is t
 causal attention past that length (the Decoder warns when decoding gets there)."""
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 
 import torch
 from torch.fx import GraphModule, Node
 
-from ..core.rewrite import ancestors, descendants, fork, nodes_by_name
+from ..core.rewrite import ancestors, descendants, fork, nodes_by_name, set_submodule
 from ..errors import DecodeError
 from ..sites import vocab_size
 from ..sites.probe import ValueRun
@@ -86,10 +87,34 @@ def plan_decode(graph, *, mask_probe: int = MASK_PROBE) -> DecodePlan:
     kinds = graph.layer_kinds
     kept = [site for site in graph.sites if kinds[site.layer] == "attention"]
     plans = [plan_attention(site, nodes, masks, graph.max_length, mask_probe, graph.device) for site in kept]
+    windows = window_mixers(graph, gm)  # converted layers decoded as sliding-window attention (swa)
+    plans += [plan_window_mixer(layer, call, gm, graph.max_length) for layer, call in windows.items()]
+    kept += [graph.sites[layer] for layer in windows]
     for p, site in zip(plans, kept):  # every layer's mask is checked before any cache
         plan_cache(p, run, site.kv_map, graph.max_length)
-    gdn = {t: layer for layer, t in graph.gdn_targets().items()}  # the fork keeps the module paths
+    gdn = {t: layer for layer, t in graph.gdn_targets().items() if layer not in windows}  # the fork keeps the module paths
     return DecodePlan(gm, lengths, vocab, graph.max_length, {p.layer: p for p in plans}, gdn)
+
+
+def window_mixers(graph, gm: GraphModule) -> dict[int, Node]:
+    """layer -> the call of each converted layer's module that decodes as windowed attention (its
+    DECODE is "window": it stands in for the attention op on the op's Q, K, V)."""
+    calls = {n.target: n for n in gm.graph.nodes if n.op == "call_module"}
+    return {layer: calls[t] for layer, t in graph.gdn_targets().items()
+            if t in calls and getattr(gm.get_submodule(t), "DECODE", None) == "window"}
+
+
+def plan_window_mixer(layer: int, call: Node, gm: GraphModule, max_length: int) -> AttentionPlan:
+    """A windowed-attention module's call as a kept attention layer: causal, its own window, scale
+    and softcap, K and V as it receives them (plan_cache then checks the cache reproduces it). The
+    fork gets its own copy of the module: the decode graph drops the call, and pruning it would
+    otherwise delete the window buffer from the module the graph itself still runs."""
+    module = copy.deepcopy(gm.get_submodule(call.target))
+    set_submodule(gm, call.target, module)
+    window = int(module.window)
+    q, k, v = call.args
+    return AttentionPlan(layer, call, q, k, v, float(module.scale), module.softcap, MaskRule(None, "causal"), UNLIMITED,
+                         window if window < max_length else None)
 
 
 def plan_attention(site, nodes: dict, masks: MaskReader, max_length: int, mask_probe: int, device) -> AttentionPlan:

@@ -91,12 +91,24 @@ def inside_path(name: str, path: str) -> bool:
     return name == path or name.startswith(path + ".")
 
 
+def refuse_other_mixers(graph: Graph, format: str) -> None:
+    """ExportError naming the layers converted to a mixer other than GDN (replace.mixer): the
+    exported modeling code holds GDN layers only, and a wrong export must never be written."""
+    modules = graph.meta.get("replace", {}).get("modules", {})
+    other = {l: m.get("mixer", "gdn") for l, m in modules.items() if m.get("mixer", "gdn") != "gdn"}
+    if other:
+        named = ", ".join(f"layer {l} ({mixer})" for l, mixer in sorted(other.items(), key=lambda kv: int(kv[0])))
+        raise ExportError(f"--format {format} exports GDN layers only, and this hybrid converted {named}.",
+                          "Use the hybrid through surgery (generate, eval, save/load), or convert with replace.mixer=gdn to export.")
+
+
 def plan(graph: Graph) -> dict:
     """module path -> {"layer", "gdn_config", "target"} for every converted layer; ExportError
     naming each layer that cannot be swapped exactly (checked before anything is written)."""
     modules = graph.meta.get("replace", {}).get("modules", {})
     if not modules:
         raise ExportError("The model has no converted layer: it is the teacher itself.", "Export a hybrid (surgery apply), or use the teacher's own directory.")
+    refuse_other_mixers(graph, "hf")
     refused, layers = [], {}
     for layer, target in graph.gdn_targets().items():
         reason = swap_refusal(graph, layer, target)

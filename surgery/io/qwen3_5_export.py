@@ -29,7 +29,7 @@ from ..core.rewrite import nodes_by_name
 from ..decode.plan import plan_decode
 from ..errors import DecodeError, ExportError, first_line
 from ..sites.ops import param_names
-from .hf_export import HYBRID_KEY, gdn_call, write_model_dir
+from .hf_export import HYBRID_KEY, gdn_call, refuse_other_mixers, write_model_dir
 from .qwen3_5_fit import FIX, Layout, Norm, norm_of, read_layout, refuse
 from .qwen3_5_state import qwen3_5_config, qwen3_5_state
 
@@ -132,6 +132,7 @@ def plan(graph: Graph) -> Qwen35Plan:
     targets = graph.gdn_targets()
     if not targets:
         raise ExportError("The model has no converted layer: it is the teacher itself.", "Export a hybrid (surgery apply).")
+    refuse_other_mixers(graph, "qwen3_5")
     params = param_names(graph.gm)
     layout = read_layout(graph.gm, mixers(graph), params)
     kept = [l for l, kind in enumerate(graph.layer_kinds) if kind == "attention"]

@@ -7,6 +7,7 @@ import math
 import platform
 
 from tcal.gdn import constructor_options
+from tcal.mixers import MIXERS
 
 from ..core.graph import Graph
 from ..errors import CheckpointError
@@ -183,17 +184,22 @@ def check_decisions(decisions: dict, layers: int, where: str) -> None:
             raise bad_field(where, "decisions.replace.layers", layer, "has no entry in decisions.replace.modules")
         expect(modules[str(layer)], dict, field, where)
         expect(modules[str(layer)].get("target"), str, f"{field}.target", where)
-        check_gdn_config(modules[str(layer)].get("gdn_config"), f"{field}.gdn_config", where)
+        mixer = modules[str(layer)].get("mixer", "gdn")  # recipes before the mixer choice hold GDNs
+        if mixer not in MIXERS:
+            raise bad_field(where, f"{field}.mixer", mixer, f"is not one of {', '.join(MIXERS)}")
+        check_gdn_config(modules[str(layer)].get("gdn_config"), f"{field}.gdn_config", where, MIXERS[mixer].module)
 
 
-def check_gdn_config(config, field: str, where: str) -> None:
+def check_gdn_config(config, field: str, where: str, module=None) -> None:
+    """The module's constructor arguments: its ints positive, its bools bools (GDN's by default)."""
     expect(config, dict, field, where)
-    for key in GDN_INTS:
+    ints, bools = (GDN_INTS, GDN_BOOLS) if module is None else (constructor_options("int", module), constructor_options("bool", module))
+    for key in ints:
         if key in config:
             expect(config[key], int, f"{field}.{key}", where)
             if config[key] < 1:
                 raise bad_field(where, f"{field}.{key}", config[key], "is not a positive size")
-    for key in GDN_BOOLS:
+    for key in bools:
         if key in config:
             expect(config[key], bool, f"{field}.{key}", where)
 

@@ -27,6 +27,10 @@ def open_student(model, device, dtype) -> tuple[Graph, str]:
         graph, name = open_model(path, device=device, dtype=dtype), str(path.resolve())
     if not graph.gdn_targets():
         raise DistillError(f"'{name}' has no GDN layers: its recipe converts nothing.", "Run `surgery apply` with select and replace first.")
+    windowed = [l for l, m in graph.gdn_modules().items() if not m.param_groups()]
+    if windowed:
+        raise DistillError(f"'{name}' converted layers {windowed} to a mixer with nothing to train (swa): distill trains converted layers.",
+                           "Use the hybrid as it is, or convert with replace.mixer=gdn (or gla) to distill.")
     return graph, name
 
 
