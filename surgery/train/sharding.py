@@ -1,0 +1,162 @@
+"""The student trained under FSDP2 (torch.distributed.fsdp.fully_shard): each process holds a
+1/world slice of the trained weights, their gradients and AdamW states, and gathers one unit's full
+weights at a time for its forward and backward.
+
+Units: stage kl shards the student cut by layer_split (one unit per decoder layer, the embeddings
+and the head in the root unit); stage l2 shards each GDN layer. A unit whose parameters another unit
+also reads (tied weights) is left to the root unit. Options (DistillConfig):
+* fsdp_mixed: bf16 compute, float32 gradient reduction (MixedPrecisionPolicy); default on CUDA;
+* fsdp_offload: shards, gradients and optimizer states live in CPU memory (CPUOffloadPolicy), the
+  optimizer step runs on the CPU;
+* grad_checkpoint: each unit is recomputed in backward (per-layer activation checkpointing).
+
+The trained copy is a deep copy of the student; the student Graph itself keeps full weights on every
+process, refreshed from the shards (copy_to) before every evaluation and checkpoint and at the end
+of a stage. Checkpoints therefore stay the plain format (model.safetensors plus the trainer state
+with full, unsharded optimizer states, written by rank 0): no pickle anywhere (torch.distributed.
+checkpoint's .metadata file is a pickle in this torch, so it is not used), and a checkpoint resumes
+at any world size, with or without --fsdp. The cost: one full copy of the student's weights per
+process, and rank 0 gathers the full optimizer states (one tensor at a time, into CPU memory).
+The teacher is frozen and whole on every process; sharding it the same way is the next step."""
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections import Counter
+
+import torch
+import torch.utils.checkpoint
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from ..core.graph import Graph
+from .layer_split import split_by_layer, unit_names
+from .placement import Placement
+from .stages import Layers
+
+
+def precision(mixed: bool | None, device: torch.device) -> MixedPrecisionPolicy:
+    """bf16 weights in compute, float32 gradient reduction; None: on CUDA."""
+    if mixed if mixed is not None else device.type == "cuda":
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy()
+
+
+def checkpoint_unit(unit: torch.nn.Module) -> None:
+    """Recompute the unit in backward: its forward runs under torch.utils.checkpoint (the class
+    fully_shard gives the unit keeps this instance attribute; FSDP's hooks gather around it)."""
+    unit.forward = lambda *args, unit=unit: torch.utils.checkpoint.checkpoint(type(unit).forward, unit, *args, use_reentrant=False)
+
+
+def exclusive(root: torch.nn.Module, units: list[torch.nn.Module]) -> list[torch.nn.Module]:
+    """The units whose parameters no other part of root reads."""
+    paths = {id(m): name for name, m in root.named_modules()}
+    holders: Counter = Counter()
+    for name, p in root.named_parameters(remove_duplicate=False):
+        owner = next((paths[id(u)] for u in units if name.startswith(paths[id(u)] + ".")), name)
+        holders[id(p), owner] += 1
+    owners = Counter(key for key, _ in holders)
+    return [u for u in units if all(owners[id(p)] == 1 for p in u.parameters())]
+
+
+def apply_fsdp(root: torch.nn.Module, units: list[torch.nn.Module], place: Placement, *, mixed: bool | None,
+               offload: bool, checkpoint: bool) -> None:
+    mesh = init_device_mesh(place.device.type, (place.world,))
+    policy = CPUOffloadPolicy(pin_memory=place.device.type == "cuda") if offload else OffloadPolicy()
+    options = dict(mesh=mesh, mp_policy=precision(mixed, place.device), offload_policy=policy)
+    for unit in units:
+        if checkpoint:
+            checkpoint_unit(unit)
+    for unit in exclusive(root, units):
+        fully_shard(unit, **options)
+    fully_shard(root, **options)
+
+
+def gather(value, device: torch.device):
+    """The full tensor of a shard (a collective: every rank calls it in the same order)."""
+    if not isinstance(value, DTensor):
+        return value
+    local = value.to_local().to(device)  # offloaded shards live on the CPU; the collective runs on device
+    return DTensor.from_local(local, value.device_mesh, value.placements, shape=value.shape, stride=value.stride()).full_tensor()
+
+
+def shard_like(full: torch.Tensor, param) -> torch.Tensor:
+    """This rank's slice of `full`, laid out as the sharded parameter `param` (no communication)."""
+    if not isinstance(param, DTensor) or full.shape != param.shape:
+        return full
+    mine = distribute_tensor(full.to(param.device_mesh.device_type), param.device_mesh, param.placements, src_data_rank=None).to_local()
+    return DTensor.from_local(mine.to(param.to_local().device), param.device_mesh, param.placements, shape=param.shape, stride=param.stride())
+
+
+class ShardedStudent(torch.nn.Module):
+    """What a stage trains under FSDP: `root` (the FSDP module) and the student name of each of its
+    parameters; no_sync() skips the gradient reduction between micro-batches, as DDP's does."""
+
+    def __init__(self, root: torch.nn.Module, names: dict[str, str], place: Placement):
+        super().__init__()
+        self.root, self.names, self.place = root, names, place
+        self.copied: int | None = None  # the step whose weights the student holds
+
+    def forward(self, *args, **kwargs):
+        return self.root(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        self.root.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            self.root.set_requires_gradient_sync(True)
+
+    def params(self) -> dict:
+        """Student parameter name -> the sharded parameter that trains it."""
+        return {self.names[n]: p for n, p in self.root.named_parameters()}
+
+    @torch.no_grad()
+    def copy_to(self, student: Graph, step: int | None = None) -> None:
+        """The trained weights into the student's full tensors, on every rank (a collective); once
+        per optimizer `step` when one is given."""
+        if step is not None and step == self.copied:
+            return
+        self.copied = step
+        targets = dict(student.gm.named_parameters())
+        for name, p in self.params().items():
+            targets[name].copy_(gather(p, self.place.device))
+
+    def full_optimizer_state(self, optimizer) -> dict | None:
+        """optimizer.state_dict() with every sharded state gathered whole into CPU memory, on rank 0
+        (None elsewhere): the format a one-process run saves. A collective."""
+        saved = optimizer.state_dict()
+        state = {}
+        for index, entry in saved["state"].items():
+            full = {k: gather(v, self.place.device) for k, v in entry.items()}
+            state[index] = {k: v.cpu() if torch.is_tensor(v) else v for k, v in full.items()} if self.place.main else None
+        return {"state": state, "param_groups": saved["param_groups"]} if self.place.main else None
+
+    def load_optimizer_state(self, optimizer, saved: dict) -> None:
+        """A full optimizer state (any world size, with or without FSDP) into the sharded optimizer."""
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        state = {int(i): {k: shard_like(v, params[int(i)]) if torch.is_tensor(v) else v for k, v in entry.items()}
+                 for i, entry in saved["state"].items()}
+        optimizer.load_state_dict({"state": state, "param_groups": saved["param_groups"]})
+
+
+def shard_student(student: Graph, stage: str, place: Placement, config) -> ShardedStudent:
+    """A sharded deep copy of what `stage` trains: the GDN layers (l2) or the whole student (kl)."""
+    if stage == "l2":
+        targets = student.gdn_targets()
+        copies = {layer: copy.deepcopy(m) for layer, m in student.gdn_modules().items()}
+        root, units = Layers(copies), list(copies.values())
+        names = {f"layers.{layer}.{n}": f"{targets[layer]}.{n}" for layer, m in copies.items() for n, _ in m.named_parameters()}
+    else:
+        root = split_by_layer(copy.deepcopy(student.gm), student.sites)
+        units = [m for name, m in root.named_children() if name.startswith("layer_")]
+        names = unit_names(root)
+    apply_fsdp(root, units, place, mixed=config.fsdp_mixed, offload=config.fsdp_offload, checkpoint=config.grad_checkpoint)
+    return ShardedStudent(root, names, place)
+
+
+def item(value) -> float:
+    """A scalar that may be a DTensor (clip_grad_norm_ of sharded gradients) as a float."""
+    return float(value.full_tensor() if isinstance(value, DTensor) else value)

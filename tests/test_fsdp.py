@@ -1,0 +1,180 @@
+"""FSDP2 distillation (surgery.train.sharding) on the real stories260K teacher, on the CPU with gloo:
+the graph cut by layer computes what the graph computes; one sharded process and two repeat the
+plain one-process run; a sharded run's checkpoints resume at another world size; bad options fail
+with a fix."""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import surgery
+from surgery import PassManager
+from surgery.core.run import graph_logits
+from surgery.errors import DistillError
+from surgery.train import DistillConfig, distill
+from surgery.train.layer_split import split_by_layer, unit_names
+
+from cli_checks import assert_clean_failure, invoke
+
+TRAIN = " ".join([
+    "Once upon a time, there was a little cat named Tom. Tom liked to play with a red ball in the garden.",
+    "One day, the ball rolled under a big bush. Tom was sad because he could not find it. His friend, a small",
+    "bird, flew down and said, \"I can help you, Tom!\" Lily and her mom went to the park. The sun was warm and",
+    "the sky was blue. Lily saw a big slide and ran to it. She went up the steps and slid down fast. Ben had a",
+    "blue boat. He took it to the pond every day. One day the wind blew hard and the boat went far away.",
+] * 2)
+L, G = 32, 4
+STEP = L * G
+
+
+@pytest.fixture(scope="module")
+def train_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("text") / "train.txt"
+    path.write_text(TRAIN)
+    return path
+
+
+@pytest.fixture(scope="module")
+def hybrid(stories, tmp_path_factory):
+    """stories260K with layers 1, 3, 4 converted to GDN, saved."""
+    graph = stories()
+    PassManager(["select", "replace"], {"select": {"keep_ratio": 0.5}})(graph)
+    return surgery.save(graph, tmp_path_factory.mktemp("hybrid") / "hybrid")
+
+
+@pytest.fixture(scope="module")
+def loaded(hybrid):
+    return surgery.load(hybrid)
+
+
+def fresh(graph):
+    return dataclasses.replace(graph, gm=copy.deepcopy(graph.gm), meta=copy.deepcopy(graph.meta))
+
+
+def config(**changes) -> DistillConfig:
+    """Stage l2 for 2 steps, then kl for 3, micro-batches of 2 (one process accumulates two), a
+    checkpoint every step: a resume can land inside either stage, with optimizer states to restore."""
+    base = dict(tokens=5 * STEP, l2_tokens=2 * STEP, stage="both", seq_len=L, global_batch=G, micro_batch=2, save_every=STEP,
+                warmup=0.2, lr_l2_new=3e-3, lr_l2_copied=3e-3, lr_kl_new=1e-3, lr_kl_copied=1e-3, lr_kl_rest=1e-4, keep_checkpoints=5)
+    return DistillConfig(**(base | changes))
+
+
+def losses(out) -> list[float]:
+    return [r["loss"] for r in map(json.loads, (out / "log.jsonl").read_text().splitlines()) if "loss" in r]
+
+
+def final_weights(out) -> dict:
+    return load_file(sorted(out.glob("checkpoint-*"))[-1] / "model.safetensors")
+
+
+@pytest.fixture(scope="module")
+def reference(loaded, train_file, stories_teacher, tmp_path_factory):
+    """The plain one-process run every sharded run must repeat."""
+    out = tmp_path_factory.mktemp("runs") / "plain"
+    distill(fresh(loaded), [train_file], out, config(), teacher=stories_teacher, progress=False)
+    return out
+
+
+def assert_same_run(out, ref, rel: float, rtol: float):
+    """Same losses step by step, same final weights. Tolerances: float32 arithmetic in another
+    summation order (gradients reduced across ranks, norms over shards) differs by ~1e-7 relative a
+    step; five AdamW steps can grow that where a gradient is tiny, hence rtol on weights."""
+    assert losses(out) == pytest.approx(losses(ref), rel=rel)
+    mine, theirs = final_weights(out), final_weights(ref)
+    assert mine.keys() == theirs.keys()
+    for k in theirs:
+        torch.testing.assert_close(mine[k], theirs[k], rtol=rtol, atol=1e-6, msg=k)
+
+
+def test_split_by_layer_computes_what_the_graph_computes(loaded):
+    gm = loaded.gm
+    split = split_by_layer(gm, loaded.sites)
+    assert [name for name, _ in split.named_children()] == ["pre", "layer_0", "layer_1", "layer_2", "layer_3", "layer_4", "post"]
+    names = unit_names(split)
+    assert sorted(names.values()) == sorted(n for n, _ in gm.named_parameters())  # every parameter, once
+    for unit, child in split.named_children():  # each layer unit holds its decoder block's parameters only
+        prefix = f"model.layers.{unit.removeprefix('layer_')}."
+        held = [n for n, _ in child.named_parameters()]
+        assert all(n.startswith(prefix) for n in held) if unit.startswith("layer_") else not any(n.startswith("model.layers.") for n in held)
+    assert split.get_submodule("layer_1.model.layers.1.self_attn") is gm.get_submodule("model.layers.1.self_attn")  # shared, not copied
+    ids = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(0))
+    extra = gm.meta.get("extra_inputs", {})
+    assert torch.equal(graph_logits(split, ids, extra), graph_logits(gm, ids))  # the same arithmetic, bit for bit
+
+
+def test_one_sharded_process_repeats_the_plain_run(reference, loaded, train_file, stories_teacher, tmp_path):
+    """world 1, no torchrun (distill makes its own process group), with CPU offload and per-layer
+    activation checkpointing: the FSDP code path end to end, the same numbers as the plain run."""
+    out = tmp_path / "fsdp1"
+    result = distill(fresh(loaded), [train_file], out, config(fsdp=True, fsdp_offload=True, grad_checkpoint=True),
+                     teacher=stories_teacher, progress=False)
+    assert result["complete"] and result["world"] == 1 and not torch.distributed.is_initialized()
+    assert_same_run(out, reference, rel=1e-6, rtol=1e-5)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun(hybrid, train_file, out, *extra) -> dict:
+    """`surgery distill --fsdp` in 2 gloo processes (the CLI), with config()'s settings."""
+    c = config()
+    args = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+            "--master-port", free_port(), "-m", "surgery.cli.app", "distill", "--fsdp", "--model", hybrid, "--data", train_file,
+            "--tokens", c.tokens, "--l2-tokens", c.l2_tokens, "--stage", "both", "--seq-len", L, "--batch-size", G,
+            "--micro-batch", 2, "--save-every", c.save_every, "--warmup", c.warmup, "--lr-rest", c.lr_kl_rest,
+            "--set", "lr_l2_new=3e-3", "--set", "lr_l2_copied=3e-3", "--set", "lr_kl_new=1e-3", "--set", "lr_kl_copied=1e-3",
+            "--set", "keep_checkpoints=5", "--out", out, "--device", "cpu", "--json", *extra]
+    proc = subprocess.run([str(a) for a in args], capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summaries = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert len(summaries) == 1 and summaries[0]["world"] == 2  # rank 0 alone reports
+    return summaries[0]
+
+
+def test_two_sharded_processes_and_resume_across_world_sizes(reference, hybrid, loaded, train_file, stories_teacher, tmp_path):
+    """2 processes (cut by --time-limit after step 1, inside stage l2) -> 1 process (steps 2-3: the
+    l2 optimizer state saved by 2 shards goes into 1, then into stage kl; killed after step 3) ->
+    2 processes again (steps 4-5, the kl state of one process split in two): the run of the plain
+    process, within float32 tolerance."""
+    out = tmp_path / "fsdp2"
+    first = torchrun(hybrid, train_file, out, "--time-limit", "1e-9")
+    assert first["stopped"] == "time_limit" and first["steps"] == 1
+
+    def crash(record):
+        if record["step"] == 3:
+            raise KeyboardInterrupt  # after step 3's checkpoint
+
+    with pytest.raises(KeyboardInterrupt):
+        distill(loaded, [train_file], out, config(fsdp=True), teacher=stories_teacher, resume=True, progress=False, on_step=crash)
+    assert not torch.distributed.is_initialized()  # the group it made is gone, even after a crash
+    assert sorted(p.name for p in out.glob("checkpoint-*"))[-1] == "checkpoint-00000003"
+    assert torchrun(hybrid, train_file, out, "--resume")["complete"]
+    assert_same_run(out, reference, rel=1e-5, rtol=1e-4)
+
+
+def test_bad_fsdp_options_fail_with_a_fix(hybrid, train_file, tmp_path):
+    with pytest.raises(DistillError, match="fsdp_offload only applies to a sharded run") as info:
+        config(fsdp_offload=True).validate()
+    assert "--fsdp" in info.value.fix
+    with pytest.raises(DistillError, match="fsdp_mixed"):
+        config(fsdp_mixed=True).validate()
+    with pytest.raises(DistillError, match="compile is not supported with fsdp"):
+        config(fsdp=True, compile=True).validate()
+    from typer.testing import CliRunner
+
+    result = invoke(CliRunner(), "distill", "--model", hybrid, "--data", train_file, "--tokens", 5 * STEP, "--seq-len", L,
+                    "--batch-size", G, "--out", tmp_path / "run", "--fsdp-offload")
+    assert_clean_failure(result, "fsdp_offload", "--fsdp")
+    assert not (tmp_path / "run").exists()
