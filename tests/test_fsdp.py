@@ -5,15 +5,18 @@ with a fix."""
 from __future__ import annotations
 
 import copy
+import gc
+import importlib
 import dataclasses
 import json
 import os
 import socket
-import subprocess
-import sys
+import traceback
 
 import pytest
 import torch
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 from safetensors.torch import load_file
 
 import surgery
@@ -22,6 +25,8 @@ from surgery.core.run import graph_logits
 from surgery.errors import DistillError
 from surgery.train import DistillConfig, distill
 from surgery.train.layer_split import split_by_layer, unit_names
+
+trainer_module = importlib.import_module("surgery.train.trainer")
 
 from cli_checks import assert_clean_failure, invoke
 
@@ -111,13 +116,24 @@ def test_split_by_layer_computes_what_the_graph_computes(loaded):
     assert torch.equal(graph_logits(split, ids, extra), graph_logits(gm, ids))  # the same arithmetic, bit for bit
 
 
-def test_one_sharded_process_repeats_the_plain_run(reference, loaded, train_file, stories_teacher, tmp_path):
+def test_one_sharded_process_repeats_the_plain_run(reference, loaded, train_file, stories_teacher, tmp_path, monkeypatch):
     """world 1, no torchrun (distill makes its own process group), with CPU offload and per-layer
     activation checkpointing: the FSDP code path end to end, the same numbers as the plain run."""
-    out = tmp_path / "fsdp1"
+    out, seen = tmp_path / "fsdp1", []
+    real = trainer_module.shard_student
+
+    def spy(student, stage, place, config):
+        sharded = real(student, stage, place, config)
+        units = [m for m in sharded.root.modules() if isinstance(m, FSDPModule)]
+        seen.append((stage, len(units), all(isinstance(p, DTensor) for p in sharded.params().values())))
+        return sharded
+
+    monkeypatch.setattr(trainer_module, "shard_student", spy)
     result = distill(fresh(loaded), [train_file], out, config(fsdp=True, fsdp_offload=True, grad_checkpoint=True),
                      teacher=stories_teacher, progress=False)
     assert result["complete"] and result["world"] == 1 and not torch.distributed.is_initialized()
+    # stage l2: the 3 GDN layers and their root; stage kl: the 5 decoder layers and the root
+    assert seen == [("l2", 4, True), ("kl", 6, True)]
     assert_same_run(out, reference, rel=1e-6, rtol=1e-5)
 
 
@@ -127,30 +143,41 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def torchrun(hybrid, train_file, out, *extra) -> dict:
-    """`surgery distill --fsdp` in 2 gloo processes (the CLI), with config()'s settings."""
-    c = config()
-    args = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-            "--master-port", free_port(), "-m", "surgery.cli.app", "distill", "--fsdp", "--model", hybrid, "--data", train_file,
-            "--tokens", c.tokens, "--l2-tokens", c.l2_tokens, "--stage", "both", "--seq-len", L, "--batch-size", G,
-            "--micro-batch", 2, "--save-every", c.save_every, "--warmup", c.warmup, "--lr-rest", c.lr_kl_rest,
-            "--set", "lr_l2_new=3e-3", "--set", "lr_l2_copied=3e-3", "--set", "lr_kl_new=1e-3", "--set", "lr_kl_copied=1e-3",
-            "--set", "keep_checkpoints=5", "--out", out, "--device", "cpu", "--json", *extra]
-    proc = subprocess.run([str(a) for a in args], capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=240)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    summaries = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert len(summaries) == 1 and summaries[0]["world"] == 2  # rank 0 alone reports
-    return summaries[0]
+def on_ranks(world: int, run) -> None:
+    """run() in `world` forked processes joined by gloo, as torchrun would start them (the environment
+    variables placement() reads). Forked, they inherit the loaded models: no import, no capture."""
+    port, context = free_port(), torch.multiprocessing.get_context("fork")
+
+    def main(rank):
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
+        try:
+            run()
+        except BaseException:
+            traceback.print_exc()
+            os._exit(1)
+        os._exit(0)
+
+    procs = [context.Process(target=main, args=(rank,)) for rank in range(world)]
+    gc.collect()  # a process group an earlier test destroyed, collected in a child, would wait on the parent's threads forever
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=60)
+    codes = [p.exitcode for p in procs]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    assert codes == [0] * world, codes
 
 
-def test_two_sharded_processes_and_resume_across_world_sizes(reference, hybrid, loaded, train_file, stories_teacher, tmp_path):
-    """2 processes (cut by --time-limit after step 1, inside stage l2) -> 1 process (steps 2-3: the
-    l2 optimizer state saved by 2 shards goes into 1, then into stage kl; killed after step 3) ->
-    2 processes again (steps 4-5, the kl state of one process split in two): the run of the plain
-    process, within float32 tolerance."""
+def test_two_sharded_processes_and_resume_across_world_sizes(reference, loaded, train_file, stories_teacher, tmp_path):
+    """2 processes (cut by time_limit after step 1, inside stage l2) -> 1 process (steps 2-3: the l2
+    optimizer state saved from 2 shards goes into 1, then stage kl; killed after step 3) -> 2
+    processes again (steps 4-5: the kl state of one process split in two): the plain run, within
+    float32 tolerance."""
     out = tmp_path / "fsdp2"
-    first = torchrun(hybrid, train_file, out, "--time-limit", "1e-9")
-    assert first["stopped"] == "time_limit" and first["steps"] == 1
+    on_ranks(2, lambda: distill(fresh(loaded), [train_file], out, config(fsdp=True, time_limit=1e-9), teacher=stories_teacher, progress=False))
+    assert len(losses(out)) == 1 and json.loads((out / "distill.json").read_text())["world"] == 2
 
     def crash(record):
         if record["step"] == 3:
@@ -160,7 +187,7 @@ def test_two_sharded_processes_and_resume_across_world_sizes(reference, hybrid, 
         distill(loaded, [train_file], out, config(fsdp=True), teacher=stories_teacher, resume=True, progress=False, on_step=crash)
     assert not torch.distributed.is_initialized()  # the group it made is gone, even after a crash
     assert sorted(p.name for p in out.glob("checkpoint-*"))[-1] == "checkpoint-00000003"
-    assert torchrun(hybrid, train_file, out, "--resume")["complete"]
+    on_ranks(2, lambda: distill(loaded, [train_file], out, config(fsdp=True), teacher=stories_teacher, resume=True, progress=False))
     assert_same_run(out, reference, rel=1e-5, rtol=1e-4)
 
 
