@@ -44,7 +44,8 @@ class DistillConfig(PassConfig):
                    FSDP2 (surgery.train.sharding); also with one process. Checkpoints stay full (any
                    world size, with or without fsdp, resumes them)
     fsdp_offload   with fsdp: keep shards, gradients and optimizer states in CPU memory
-    fsdp_mixed     with fsdp: bf16 compute with float32 gradient reduction (None: on CUDA)"""
+    fsdp_mixed     with fsdp: bf16 weights in compute, float32 gradient reduction (None: with autocast,
+                   i.e. on CUDA; it needs autocast)"""
 
     tokens: int = 0
     stage: str = "kl"

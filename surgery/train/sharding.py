@@ -5,7 +5,9 @@ weights at a time for its forward and backward.
 Units: stage kl shards the student cut by layer_split (one unit per decoder layer, the embeddings
 and the head in the root unit); stage l2 shards each GDN layer. A unit whose parameters another unit
 also reads (tied weights) is left to the root unit. Options (DistillConfig):
-* fsdp_mixed: bf16 compute, float32 gradient reduction (MixedPrecisionPolicy); default on CUDA;
+* fsdp_mixed: bf16 weights in compute, float32 gradient reduction (MixedPrecisionPolicy); by default
+  whenever the run computes under bf16 autocast (on CUDA), and only then: a captured graph fixes the
+  dtypes of its casts (an RMSNorm casts back to float32), so only autocast keeps its matmuls in one dtype;
 * fsdp_offload: shards, gradients and optimizer states live in CPU memory (CPUOffloadPolicy), the
   optimizer step runs on the CPU;
 * grad_checkpoint: each unit is recomputed in backward (per-layer activation checkpointing).
@@ -31,14 +33,18 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from ..core.graph import Graph
+from ..errors import DistillError
 from .layer_split import split_by_layer, unit_names
 from .placement import Placement
 from .stages import Layers
 
 
-def precision(mixed: bool | None, device: torch.device) -> MixedPrecisionPolicy:
-    """bf16 weights in compute, float32 gradient reduction; None: on CUDA."""
-    if mixed if mixed is not None else device.type == "cuda":
+def precision(mixed: bool | None, autocast: bool) -> MixedPrecisionPolicy:
+    """bf16 weights in compute, float32 gradient reduction; None: when the run uses bf16 autocast."""
+    if mixed and not autocast:
+        raise DistillError("fsdp_mixed (bf16 weights in compute) needs bf16 autocast: the captured graph casts to the dtypes it was captured in.",
+                           "Add --set autocast=true, or drop --set fsdp_mixed=true.")
+    if mixed if mixed is not None else autocast:
         return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     return MixedPrecisionPolicy()
 
@@ -60,11 +66,11 @@ def exclusive(root: torch.nn.Module, units: list[torch.nn.Module]) -> list[torch
     return [u for u in units if all(owners[id(p)] == 1 for p in u.parameters())]
 
 
-def apply_fsdp(root: torch.nn.Module, units: list[torch.nn.Module], place: Placement, *, mixed: bool | None,
+def apply_fsdp(root: torch.nn.Module, units: list[torch.nn.Module], place: Placement, *, precision: MixedPrecisionPolicy,
                offload: bool, checkpoint: bool) -> None:
     mesh = init_device_mesh(place.device.type, (place.world,))
     policy = CPUOffloadPolicy(pin_memory=place.device.type == "cuda") if offload else OffloadPolicy()
-    options = dict(mesh=mesh, mp_policy=precision(mixed, place.device), offload_policy=policy)
+    options = dict(mesh=mesh, mp_policy=precision, offload_policy=policy)
     for unit in units:
         if checkpoint:
             checkpoint_unit(unit)
@@ -142,8 +148,10 @@ class ShardedStudent(torch.nn.Module):
         optimizer.load_state_dict({"state": state, "param_groups": saved["param_groups"]})
 
 
-def shard_student(student: Graph, stage: str, place: Placement, config) -> ShardedStudent:
-    """A sharded deep copy of what `stage` trains: the GDN layers (l2) or the whole student (kl)."""
+def shard_student(student: Graph, stage: str, place: Placement, config, autocast: bool) -> ShardedStudent:
+    """A sharded deep copy of what `stage` trains: the GDN layers (l2) or the whole student (kl);
+    autocast: whether the run computes under bf16 autocast."""
+    policy = precision(config.fsdp_mixed, autocast)
     if stage == "l2":
         targets = student.gdn_targets()
         copies = {layer: copy.deepcopy(m) for layer, m in student.gdn_modules().items()}
@@ -153,7 +161,7 @@ def shard_student(student: Graph, stage: str, place: Placement, config) -> Shard
         root = split_by_layer(copy.deepcopy(student.gm), student.sites)
         units = [m for name, m in root.named_children() if name.startswith("layer_")]
         names = unit_names(root)
-    apply_fsdp(root, units, place, mixed=config.fsdp_mixed, offload=config.fsdp_offload, checkpoint=config.grad_checkpoint)
+    apply_fsdp(root, units, place, precision=policy, offload=config.fsdp_offload, checkpoint=config.grad_checkpoint)
     return ShardedStudent(root, names, place)
 
 

@@ -182,7 +182,7 @@ class Trainer:
 
     def train_stage(self, index: int, stage: str, steps: int, first: int) -> None:
         job = self.job
-        self.sharded = shard_student(job.student, stage, self.place, self.config) if self.config.fsdp else None
+        self.sharded = shard_student(job.student, stage, self.place, self.config, job.autocast_on) if self.config.fsdp else None
         optimizer, scheduler, trainable = build_optimizer(job, index, stage, steps, self.sharded)
         flags = CausalFlags(self.config.seq_len)  # used only when compiling
         if stage == "l2":
