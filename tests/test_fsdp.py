@@ -67,14 +67,15 @@ def fresh(graph):
 
 def config(**changes) -> DistillConfig:
     """Stage l2 for 2 steps, then kl for 3, micro-batches of 2 (one process accumulates two), a
-    checkpoint every step: a resume can land inside either stage, with optimizer states to restore."""
+    checkpoint every step: a resume can land inside either stage, with optimizer states to restore.
+    clip 0.05: every step's gradient is clipped (their norms are 0.09-13), so the sharded norm counts."""
     base = dict(tokens=5 * STEP, l2_tokens=2 * STEP, stage="both", seq_len=L, global_batch=G, micro_batch=2, save_every=STEP,
-                warmup=0.2, lr_l2_new=3e-3, lr_l2_copied=3e-3, lr_kl_new=1e-3, lr_kl_copied=1e-3, lr_kl_rest=1e-4, keep_checkpoints=5)
+                warmup=0.2, lr_l2_new=3e-3, lr_l2_copied=3e-3, lr_kl_new=1e-3, lr_kl_copied=1e-3, lr_kl_rest=1e-4, keep_checkpoints=5, clip=0.05)
     return DistillConfig(**(base | changes))
 
 
-def losses(out) -> list[float]:
-    return [r["loss"] for r in map(json.loads, (out / "log.jsonl").read_text().splitlines()) if "loss" in r]
+def losses(out, key: str = "loss") -> list[float]:
+    return [r[key] for r in map(json.loads, (out / "log.jsonl").read_text().splitlines()) if key in r]
 
 
 def final_weights(out) -> dict:
@@ -90,14 +91,18 @@ def reference(loaded, train_file, stories_teacher, tmp_path_factory):
 
 
 def assert_same_run(out, ref, rel: float, rtol: float):
-    """Same losses step by step, same final weights. Tolerances: float32 arithmetic in another
-    summation order (gradients reduced across ranks, norms over shards) differs by ~1e-7 relative a
-    step; five AdamW steps can grow that where a gradient is tiny, hence rtol on weights."""
+    """Same losses and gradient norms step by step, same final weights. Tolerances: float32 in another
+    summation order (gradients reduced across ranks, the norm summed over shards) moves losses by
+    ~1e-7 relative. AdamW divides each gradient by its own running size, so an element whose
+    gradient is ~0 moves by up to the learning rate on rounding alone: a few elements of a
+    tensor differ by ~4e-6 after five steps at lr 3e-3 (measured), hence atol 1e-5 on weights."""
     assert losses(out) == pytest.approx(losses(ref), rel=rel)
+    assert losses(out, "grad_norm") == pytest.approx(losses(ref, "grad_norm"), rel=10 * rel)
+    assert all(n > 0.05 for n in losses(ref, "grad_norm"))  # clipped every step
     mine, theirs = final_weights(out), final_weights(ref)
     assert mine.keys() == theirs.keys()
     for k in theirs:
-        torch.testing.assert_close(mine[k], theirs[k], rtol=rtol, atol=1e-6, msg=k)
+        torch.testing.assert_close(mine[k], theirs[k], rtol=rtol, atol=1e-5, msg=k)
 
 
 def test_split_by_layer_computes_what_the_graph_computes(loaded):

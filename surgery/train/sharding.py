@@ -27,6 +27,7 @@ import copy
 from collections import Counter
 
 import torch
+import torch.distributed as dist
 import torch.utils.checkpoint
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
@@ -165,6 +166,18 @@ def shard_student(student: Graph, stage: str, place: Placement, config, autocast
     return ShardedStudent(root, names, place)
 
 
-def item(value) -> float:
-    """A scalar that may be a DTensor (clip_grad_norm_ of sharded gradients) as a float."""
-    return float(value.full_tensor() if isinstance(value, DTensor) else value)
+def clip_grad_norm(params, max_norm: float, device: torch.device) -> float:
+    """torch.nn.utils.clip_grad_norm_ (the total norm, as a float) for gradients that may be sharded:
+    the squares of this rank's shards summed on `device` and all-reduced over their mesh, so shards
+    kept in CPU memory (fsdp_offload) never meet an NCCL collective."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not any(isinstance(g, DTensor) for g in grads):
+        return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+    shards = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+    total = torch.stack([s.detach().float().square().sum().to(device) for s in shards]).sum()
+    dist.all_reduce(total, group=next(g for g in grads if isinstance(g, DTensor)).device_mesh.get_group())
+    norm = total.sqrt()
+    factor = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+    for s in shards:
+        s.mul_(factor.to(s.device, s.dtype))
+    return float(norm)

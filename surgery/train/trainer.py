@@ -31,7 +31,7 @@ from .config import lr_factor
 from .interrupt import Interrupts
 from .job import Job
 from .progress import Reporter
-from .sharding import ShardedStudent, item, shard_student
+from .sharding import ShardedStudent, clip_grad_norm, shard_student
 from .stages import Stage, gradient_checkpointing, param_groups, stage_kl, stage_l2
 from .state import rng_state, set_rng_state
 
@@ -102,9 +102,9 @@ def optimizer_step(job: Job, step: int, optimizer, stage: Stage, trainable) -> d
     value = place.mean(total).item()
     if not math.isfinite(value):
         raise DistillError(f"The loss became {value} at step {step + 1}.", "Lower the learning rates (--lr), check the data, or use float32 (--dtype float32).")
-    norm = torch.nn.utils.clip_grad_norm_(trainable, job.config.clip if job.config.clip > 0 else float("inf"))
+    norm = clip_grad_norm(trainable, job.config.clip if job.config.clip > 0 else float("inf"), place.device)
     optimizer.step()
-    return {"loss": value, "grad_norm": item(norm)}
+    return {"loss": value, "grad_norm": norm}
 
 
 def finished_result(job: Job) -> dict:
