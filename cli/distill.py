@@ -77,7 +77,7 @@ def distill(
         given = {"stage": stage, "seq_len": seq_len, "global_batch": batch_size, "micro_batch": micro_batch, "warmup": warmup,
                  "schedule": schedule, "seed": seed, "eval_text": str(eval_text) if eval_text else None, "time_limit": time_limit,
                  "tokens": count(tokens, "--tokens"), "grad_checkpoint": grad_checkpoint, "compile": compile,
-                 "fsdp": fsdp or None, "fsdp_offload": fsdp_offload or None}
+                 "fsdp": fsdp, "fsdp_offload": fsdp_offload}
         counts = {"l2_tokens": (l2_tokens, "--l2-tokens"), "eval_every": (eval_every, "--eval-every"),
                   "eval_tokens": (eval_tokens, "--eval-tokens"), "save_every": (save_every, "--save-every")}
         config = DistillConfig.from_dict(settings(given, counts, lr, lr_rest, options))

@@ -143,7 +143,7 @@ class Trainer:
         with Interrupts(self.place.main) as self.interrupts:
             self.train_all(params_before)
         self.place.barrier()
-        return self.result()
+        return run_result(self)
 
     def train_all(self, params_before: dict) -> None:
         """Every stage from where the state left off, until done or stopped (time limit, signal)."""
@@ -274,14 +274,16 @@ class Trainer:
     def elapsed(self) -> float:
         return self.elapsed_before + (time.perf_counter() - self.started)
 
-    def result(self) -> dict:
-        c, t = self.config, self.tally
-        return {
-            "out": str(self.job.run_dir.path), "checkpoint": str(t.last_path) if t.last_path else None, "steps": t.done,
-            "tokens": t.done * c.tokens_per_step, "loss": self.summary["loss"], "eval_ppl": self.summary.get("eval_ppl"),
-            "teacher_ppl": self.summary.get("teacher_ppl"), "rank": self.place.rank, "world": self.place.world,
-            "tokens_per_s": t.tokens / t.seconds if t.seconds else None,
-            "flops_per_s": t.flops / t.seconds if t.seconds else None,
-            "seconds": round(time.perf_counter() - self.started, 3),
-            "complete": t.done == self.total_steps, "stopped": t.stopped,
-        }
+
+def run_result(trainer: Trainer) -> dict:
+    """What distill() returns: where the run stands, its loss and perplexity, its speed."""
+    c, t, place, summary = trainer.config, trainer.tally, trainer.place, trainer.summary
+    return {
+        "out": str(trainer.job.run_dir.path), "checkpoint": str(t.last_path) if t.last_path else None, "steps": t.done,
+        "tokens": t.done * c.tokens_per_step, "loss": summary["loss"], "eval_ppl": summary.get("eval_ppl"),
+        "teacher_ppl": summary.get("teacher_ppl"), "rank": place.rank, "world": place.world,
+        "tokens_per_s": t.tokens / t.seconds if t.seconds else None,
+        "flops_per_s": t.flops / t.seconds if t.seconds else None,
+        "seconds": round(time.perf_counter() - trainer.started, 3),
+        "complete": t.done == trainer.total_steps, "stopped": t.stopped,
+    }
