@@ -25,6 +25,7 @@ from surgery.core.run import graph_logits
 from surgery.errors import DistillError
 from surgery.train import DistillConfig, distill
 from surgery.train.layer_split import split_by_layer, unit_names
+from surgery.train.sharding import exclusive
 
 trainer_module = importlib.import_module("surgery.train.trainer")
 
@@ -74,6 +75,12 @@ def config(**changes) -> DistillConfig:
     return DistillConfig(**(base | changes))
 
 
+def scored(train_file) -> dict:
+    """Perplexity at the start, after step 2 and at the end: the student a sharded run evaluates
+    (and saves) is refreshed from its shards."""
+    return dict(eval_text=str(train_file), eval_tokens=256, eval_every=2 * STEP)
+
+
 def losses(out, key: str = "loss") -> list[float]:
     return [r[key] for r in map(json.loads, (out / "log.jsonl").read_text().splitlines()) if key in r]
 
@@ -86,7 +93,7 @@ def final_weights(out) -> dict:
 def reference(loaded, train_file, stories_teacher, tmp_path_factory):
     """The plain one-process run every sharded run must repeat."""
     out = tmp_path_factory.mktemp("runs") / "plain"
-    distill(fresh(loaded), [train_file], out, config(), teacher=stories_teacher, progress=False)
+    distill(fresh(loaded), [train_file], out, config(**scored(train_file)), teacher=stories_teacher, progress=False)
     return out
 
 
@@ -98,6 +105,7 @@ def assert_same_run(out, ref, rel: float, rtol: float):
     tensor differ by ~4e-6 after five steps at lr 3e-3 (measured), hence atol 1e-5 on weights."""
     assert losses(out) == pytest.approx(losses(ref), rel=rel)
     assert losses(out, "grad_norm") == pytest.approx(losses(ref, "grad_norm"), rel=10 * rel)
+    assert len(losses(ref, "eval_ppl")) == 4 and losses(out, "eval_ppl") == pytest.approx(losses(ref, "eval_ppl"), rel=10 * rel)
     assert all(n > 0.05 for n in losses(ref, "grad_norm"))  # clipped every step
     mine, theirs = final_weights(out), final_weights(ref)
     assert mine.keys() == theirs.keys()
@@ -121,6 +129,18 @@ def test_split_by_layer_computes_what_the_graph_computes(loaded):
     assert torch.equal(graph_logits(split, ids, extra), graph_logits(gm, ids))  # the same arithmetic, bit for bit
 
 
+def test_a_unit_sharing_a_parameter_is_left_to_the_root():
+    """Tied weights: a layer unit whose parameter another part also reads cannot be its own FSDP
+    unit (its shard would be freed while the other part reads it); the root unit takes it."""
+    shared = torch.nn.Linear(4, 4)
+    root = torch.nn.Module()
+    root.a, root.b, root.c = torch.nn.Sequential(torch.nn.Linear(4, 4)), torch.nn.Sequential(shared), torch.nn.Module()
+    root.c.head = shared
+    assert exclusive(root, [root.a, root.b]) == [root.a]
+    root.c.head = torch.nn.Linear(4, 4)
+    assert exclusive(root, [root.a, root.b]) == [root.a, root.b]
+
+
 def test_one_sharded_process_repeats_the_plain_run(reference, loaded, train_file, stories_teacher, tmp_path, monkeypatch):
     """world 1, no torchrun (distill makes its own process group), with CPU offload and per-layer
     activation checkpointing: the FSDP code path end to end, the same numbers as the plain run."""
@@ -134,7 +154,7 @@ def test_one_sharded_process_repeats_the_plain_run(reference, loaded, train_file
         return sharded
 
     monkeypatch.setattr(trainer_module, "shard_student", spy)
-    result = distill(fresh(loaded), [train_file], out, config(fsdp=True, fsdp_offload=True, grad_checkpoint=True),
+    result = distill(fresh(loaded), [train_file], out, config(**scored(train_file), fsdp=True, fsdp_offload=True, grad_checkpoint=True),
                      teacher=stories_teacher, progress=False)
     assert result["complete"] and result["world"] == 1 and not torch.distributed.is_initialized()
     # stage l2: the 3 GDN layers and their root; stage kl: the 5 decoder layers and the root
@@ -195,7 +215,7 @@ def test_two_sharded_processes_and_resume_across_world_sizes(reference, loaded, 
     processes again (steps 4-5: the kl state of one process split in two): the plain run, within
     float32 tolerance."""
     out = tmp_path / "fsdp2"
-    on_ranks(2, lambda: distill(fresh(loaded), [train_file], out, config(fsdp=True, time_limit=1e-9), teacher=stories_teacher, progress=False))
+    on_ranks(2, lambda: distill(fresh(loaded), [train_file], out, config(**scored(train_file), fsdp=True, time_limit=1e-9), teacher=stories_teacher, progress=False))
     assert len(losses(out)) == 1 and json.loads((out / "distill.json").read_text())["world"] == 2
 
     def crash(record):
@@ -203,10 +223,10 @@ def test_two_sharded_processes_and_resume_across_world_sizes(reference, loaded, 
             raise KeyboardInterrupt  # after step 3's checkpoint
 
     with pytest.raises(KeyboardInterrupt):
-        distill(loaded, [train_file], out, config(fsdp=True), teacher=stories_teacher, resume=True, progress=False, on_step=crash)
+        distill(loaded, [train_file], out, config(**scored(train_file), fsdp=True), teacher=stories_teacher, resume=True, progress=False, on_step=crash)
     assert not torch.distributed.is_initialized()  # the group it made is gone, even after a crash
     assert sorted(p.name for p in out.glob("checkpoint-*"))[-1] == "checkpoint-00000003"
-    on_ranks(2, lambda: distill(loaded, [train_file], out, config(fsdp=True), teacher=stories_teacher, resume=True, progress=False))
+    on_ranks(2, lambda: distill(loaded, [train_file], out, config(**scored(train_file), fsdp=True), teacher=stories_teacher, resume=True, progress=False))
     assert_same_run(out, reference, rel=1e-5, rtol=1e-4)
 
 
@@ -224,3 +244,9 @@ def test_bad_fsdp_options_fail_with_a_fix(hybrid, train_file, tmp_path):
                     "--batch-size", G, "--out", tmp_path / "run", "--fsdp-offload")
     assert_clean_failure(result, "fsdp_offload", "--fsdp")
     assert not (tmp_path / "run").exists()
+    # the command line trains sharded (one process: a group of its own)
+    result = invoke(CliRunner(), "distill", "--model", hybrid, "--data", train_file, "--tokens", STEP, "--seq-len", L,
+                    "--batch-size", G, "--stage", "kl", "--out", tmp_path / "run", "--fsdp", "--fsdp-offload", "--json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout.strip().splitlines()[-1])["steps"] == 1
+    assert json.loads((tmp_path / "run" / "distill.json").read_text())["config"]["fsdp_offload"] is True
