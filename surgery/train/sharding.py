@@ -7,7 +7,9 @@ and the head in the root unit); stage l2 shards each GDN layer. A unit whose par
 also reads (tied weights) is left to the root unit. Options (DistillConfig):
 * fsdp_mixed: bf16 weights in compute, float32 gradient reduction (MixedPrecisionPolicy); by default
   whenever the run computes under bf16 autocast (on CUDA), and only then: a captured graph fixes the
-  dtypes of its casts (an RMSNorm casts back to float32), so only autocast keeps its matmuls in one dtype;
+  dtypes of its casts (an RMSNorm casts back to float32), so only autocast keeps its matmuls in one dtype.
+  Unit inputs are not cast (cast_forward_inputs=False): the residual stream between layers stays
+  float32, as under autocast without FSDP;
 * fsdp_offload: shards, gradients and optimizer states live in CPU memory (CPUOffloadPolicy), the
   optimizer step runs on the CPU;
 * grad_checkpoint: each unit is recomputed in backward (per-layer activation checkpointing).
@@ -15,10 +17,12 @@ also reads (tied weights) is left to the root unit. Options (DistillConfig):
 The trained copy is a deep copy of the student; the student Graph itself keeps full weights on every
 process, refreshed from the shards (copy_to) before every evaluation and checkpoint and at the end
 of a stage. Checkpoints therefore stay the plain format (model.safetensors plus the trainer state
-with full, unsharded optimizer states, written by rank 0): no pickle anywhere (torch.distributed.
-checkpoint's .metadata file is a pickle in this torch, so it is not used), and a checkpoint resumes
-at any world size, with or without --fsdp. The cost: one full copy of the student's weights per
-process, and rank 0 gathers the full optimizer states (one tensor at a time, into CPU memory).
+with full, unsharded optimizer states, written by rank 0), and one resumes at any world size, with
+or without --fsdp. No pickle anywhere: torch.distributed.checkpoint is not used, because in torch
+2.13 its FileSystemWriter pickle.dump's the .metadata file and its reader pickle.load's it, so a
+resume would unpickle a file from the run directory. The cost: one full copy of the student's
+weights per process, and at each checkpoint every rank joins the gather of the optimizer states
+(a tensor at a time) that rank 0 keeps whole in CPU memory (twice the trained weights in float32).
 The teacher is frozen and whole on every process; sharding it the same way is the next step."""
 from __future__ import annotations
 
@@ -46,7 +50,7 @@ def precision(mixed: bool | None, autocast: bool) -> MixedPrecisionPolicy:
         raise DistillError("fsdp_mixed (bf16 weights in compute) needs bf16 autocast: the captured graph casts to the dtypes it was captured in.",
                            "Add --set autocast=true, or drop --set fsdp_mixed=true.")
     if mixed if mixed is not None else autocast:
-        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=False)
     return MixedPrecisionPolicy()
 
 
