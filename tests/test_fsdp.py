@@ -93,7 +93,7 @@ def final_weights(out) -> dict:
 def reference(loaded, train_file, stories_teacher, tmp_path_factory):
     """The plain one-process run every sharded run must repeat."""
     out = tmp_path_factory.mktemp("runs") / "plain"
-    distill(fresh(loaded), [train_file], out, config(**scored(train_file)), teacher=stories_teacher, progress=False)
+    distill(fresh(loaded), [train_file], out, config(**scored(train_file)), teacher=stories_teacher, progress=False, device="cpu")
     return out
 
 
@@ -155,7 +155,7 @@ def test_one_sharded_process_repeats_the_plain_run(reference, loaded, train_file
 
     monkeypatch.setattr(trainer_module, "shard_student", spy)
     result = distill(fresh(loaded), [train_file], out, config(**scored(train_file), fsdp=True, fsdp_offload=True, grad_checkpoint=True),
-                     teacher=stories_teacher, progress=False)
+                     teacher=stories_teacher, progress=False, device="cpu")
     assert result["complete"] and result["world"] == 1 and not torch.distributed.is_initialized()
     # stage l2: the 3 GDN layers and their root; stage kl: the 5 decoder layers and the root
     assert seen == [("l2", 4, True), ("kl", 6, True)]
@@ -167,12 +167,12 @@ def test_bf16_sharded_weights_train_like_autocast(loaded, train_file, stories_te
     the CPU: the losses of bf16 autocast without FSDP within bf16 rounding (8 bits of mantissa: ~1e-2
     after a few steps); without autocast it is refused before any model loads."""
     kl = dict(stage="kl", l2_tokens=None, tokens=3 * STEP, autocast=True)
-    distill(fresh(loaded), [train_file], tmp_path / "plain", config(**kl), teacher=stories_teacher, progress=False)
-    distill(fresh(loaded), [train_file], tmp_path / "mixed", config(**kl, fsdp=True, fsdp_mixed=True), teacher=stories_teacher, progress=False)
+    distill(fresh(loaded), [train_file], tmp_path / "plain", config(**kl), teacher=stories_teacher, progress=False, device="cpu")
+    distill(fresh(loaded), [train_file], tmp_path / "mixed", config(**kl, fsdp=True, fsdp_mixed=True), teacher=stories_teacher, progress=False, device="cpu")
     plain, mixed = losses(tmp_path / "plain"), losses(tmp_path / "mixed")
     assert len(mixed) == 3 and mixed == pytest.approx(plain, rel=2e-2) and mixed != plain  # != : bf16 weights were used
     with pytest.raises(DistillError, match="needs bf16 autocast") as info:
-        distill(fresh(loaded), [train_file], tmp_path / "refused", config(**kl | {"autocast": False}, fsdp=True, fsdp_mixed=True), teacher=stories_teacher)
+        distill(fresh(loaded), [train_file], tmp_path / "refused", config(**kl | {"autocast": False}, fsdp=True, fsdp_mixed=True), teacher=stories_teacher, device="cpu")
     assert "autocast=true" in info.value.fix and not (tmp_path / "refused").exists()
 
 
@@ -215,7 +215,7 @@ def test_two_sharded_processes_and_resume_across_world_sizes(reference, loaded, 
     processes again (steps 4-5: the kl state of one process split in two): the plain run, within
     float32 tolerance."""
     out = tmp_path / "fsdp2"
-    on_ranks(2, lambda: distill(fresh(loaded), [train_file], out, config(**scored(train_file), fsdp=True, time_limit=1e-9), teacher=stories_teacher, progress=False))
+    on_ranks(2, lambda: distill(fresh(loaded), [train_file], out, config(**scored(train_file), fsdp=True, time_limit=1e-9), teacher=stories_teacher, progress=False, device="cpu"))
     assert len(losses(out)) == 1 and json.loads((out / "distill.json").read_text())["world"] == 2
 
     def crash(record):
@@ -223,10 +223,10 @@ def test_two_sharded_processes_and_resume_across_world_sizes(reference, loaded, 
             raise KeyboardInterrupt  # after step 3's checkpoint
 
     with pytest.raises(KeyboardInterrupt):
-        distill(loaded, [train_file], out, config(**scored(train_file), fsdp=True), teacher=stories_teacher, resume=True, progress=False, on_step=crash)
+        distill(loaded, [train_file], out, config(**scored(train_file), fsdp=True), teacher=stories_teacher, resume=True, progress=False, device="cpu", on_step=crash)
     assert not torch.distributed.is_initialized()  # the group it made is gone, even after a crash
     assert sorted(p.name for p in out.glob("checkpoint-*"))[-1] == "checkpoint-00000003"
-    on_ranks(2, lambda: distill(loaded, [train_file], out, config(**scored(train_file), fsdp=True), teacher=stories_teacher, resume=True, progress=False))
+    on_ranks(2, lambda: distill(loaded, [train_file], out, config(**scored(train_file), fsdp=True), teacher=stories_teacher, resume=True, progress=False, device="cpu"))
     assert_same_run(out, reference, rel=1e-5, rtol=1e-4)
 
 
@@ -246,7 +246,7 @@ def test_bad_fsdp_options_fail_with_a_fix(hybrid, train_file, tmp_path):
     assert not (tmp_path / "run").exists()
     # the command line trains sharded (one process: a group of its own)
     result = invoke(CliRunner(), "distill", "--model", hybrid, "--data", train_file, "--tokens", STEP, "--seq-len", L,
-                    "--batch-size", G, "--stage", "kl", "--out", tmp_path / "run", "--fsdp", "--fsdp-offload", "--json")
+                    "--batch-size", G, "--stage", "kl", "--out", tmp_path / "run", "--fsdp", "--fsdp-offload", "--device", "cpu", "--json")
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout.strip().splitlines()[-1])["steps"] == 1
     assert json.loads((tmp_path / "run" / "distill.json").read_text())["config"]["fsdp_offload"] is True

@@ -18,7 +18,7 @@ teacher and the student's full weights included), resident_gib before training s
 process's peak RSS (CPU memory, where fsdp_offload keeps its states). --batch takes a list: a row
 per mode and batch, to find the largest batch that fits. On the 1-GPU machine (128 GiB of CPU memory)
 an 8B student with every parameter trained does not fit offloaded (float32 weights, gradients and
-AdamW states: 128 GB), hence --lr-rest 0 there (the GDN layers, ~2B parameters, trained)."""
+AdamW states: 16 bytes a parameter, 128 GB), hence --lr-rest 0 there (only the GDN layers train)."""
 from __future__ import annotations
 
 import argparse
