@@ -105,7 +105,7 @@ def assert_same_run(out, ref, rel: float, rtol: float):
     tensor differ by ~4e-6 after five steps at lr 3e-3 (measured), hence atol 1e-5 on weights."""
     assert losses(out) == pytest.approx(losses(ref), rel=rel)
     assert losses(out, "grad_norm") == pytest.approx(losses(ref, "grad_norm"), rel=10 * rel)
-    assert len(losses(ref, "eval_ppl")) == 4 and losses(out, "eval_ppl") == pytest.approx(losses(ref, "eval_ppl"), rel=10 * rel)
+    assert losses(out, "eval_ppl") == pytest.approx(losses(ref, "eval_ppl"), rel=10 * rel)
     assert all(n > 0.05 for n in losses(ref, "grad_norm"))  # clipped every step
     mine, theirs = final_weights(out), final_weights(ref)
     assert mine.keys() == theirs.keys()
@@ -141,6 +141,26 @@ def test_a_unit_sharing_a_parameter_is_left_to_the_root():
     assert exclusive(root, [root.a, root.b]) == [root.a, root.b]
 
 
+def test_tied_embeddings_train_under_fsdp(stories_teacher, train_file, tmp_path):
+    """A tied embedding / LM head: the graph reads it as lm_head.weight, the student lists it as
+    model.embed_tokens.weight; the sharded run still trains it, and repeats the plain run."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                                                         num_key_value_heads=2, tie_word_embeddings=True, max_position_embeddings=64)).eval()
+    teacher = surgery.capture(model, max_length=64, device="cpu")
+    teacher.tokenizer = stories_teacher.tokenizer
+    student = teacher.branch()
+    PassManager(["select", "replace"], {"select": {"keep_ratio": 0.5}})(student)
+    c = dict(stage="kl", l2_tokens=None, tokens=3 * STEP, lr_kl_rest=1e-3)
+    for name, changes in (("plain", {}), ("fsdp", {"fsdp": True})):
+        distill(fresh(student), [train_file], tmp_path / name, config(**c, **changes), teacher=teacher, progress=False, device="cpu")
+    assert_same_run(tmp_path / "fsdp", tmp_path / "plain", rel=1e-6, rtol=1e-5)
+    before, after = student.gm.get_parameter("model.embed_tokens.weight"), final_weights(tmp_path / "fsdp")
+    assert not torch.equal(before, after.get("model.embed_tokens.weight", after.get("lm_head.weight")))  # it trained
+
+
 def test_one_sharded_process_repeats_the_plain_run(reference, loaded, train_file, stories_teacher, tmp_path, monkeypatch):
     """world 1, no torchrun (distill makes its own process group), with CPU offload and per-layer
     activation checkpointing: the FSDP code path end to end, the same numbers as the plain run."""
@@ -150,7 +170,7 @@ def test_one_sharded_process_repeats_the_plain_run(reference, loaded, train_file
     def spy(student, stage, place, config, autocast):
         sharded = real(student, stage, place, config, autocast)
         units = [m for m in sharded.root.modules() if isinstance(m, FSDPModule)]
-        seen.append((stage, len(units), all(isinstance(p, DTensor) for p in sharded.params().values())))
+        seen.append((stage, len(units), all(isinstance(p, DTensor) for p in sharded.root.parameters())))
         return sharded
 
     monkeypatch.setattr(trainer_module, "shard_student", spy)
@@ -159,6 +179,7 @@ def test_one_sharded_process_repeats_the_plain_run(reference, loaded, train_file
     assert result["complete"] and result["world"] == 1 and not torch.distributed.is_initialized()
     # stage l2: the 3 GDN layers and their root; stage kl: the 5 decoder layers and the root
     assert seen == [("l2", 4, True), ("kl", 6, True)]
+    assert len(losses(out, "eval_ppl")) == 4  # start, steps 2 and 4, the end
     assert_same_run(out, reference, rel=1e-6, rtol=1e-5)
 
 

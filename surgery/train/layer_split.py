@@ -116,5 +116,6 @@ def split_by_layer(gm: fx.GraphModule, sites) -> fx.GraphModule:
 
 
 def unit_names(split: fx.GraphModule) -> dict[str, str]:
-    """Parameter name in the split module -> its name in the graph (the unit prefix dropped)."""
-    return {name: name.partition(".")[2] for name, _ in split.named_parameters()}
+    """Parameter name in the split module -> its name in the graph (the unit prefix dropped), every
+    alias of a tied parameter included (the graph may know it by another of its names)."""
+    return {name: name.partition(".")[2] for name, _ in split.named_parameters(remove_duplicate=False)}

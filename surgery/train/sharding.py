@@ -120,9 +120,19 @@ class ShardedStudent(torch.nn.Module):
         finally:
             self.root.set_requires_gradient_sync(True)
 
-    def params(self) -> dict:
-        """Student parameter name -> the sharded parameter that trains it."""
-        return {self.names[n]: p for n, p in self.root.named_parameters()}
+    def params(self, student: Graph) -> dict:
+        """Student parameter name -> the sharded parameter that trains it, under every name the
+        student has for it (a tied weight: the graph may read it by one name, the student list it
+        by another)."""
+        mine = {self.names[n]: p for n, p in self.root.named_parameters(remove_duplicate=False)}
+        aliases: dict[int, list[str]] = {}
+        for name, p in student.gm.named_parameters(remove_duplicate=False):
+            aliases.setdefault(id(p), []).append(name)
+        found = {}
+        for names in aliases.values():
+            trained = next((mine[n] for n in names if n in mine), None)
+            found.update({n: trained for n in names if trained is not None})
+        return found
 
     @torch.no_grad()
     def copy_to(self, student: Graph, step: int | None = None) -> None:
@@ -131,8 +141,8 @@ class ShardedStudent(torch.nn.Module):
         if step is not None and step == self.copied:
             return
         self.copied = step
-        targets = dict(student.gm.named_parameters())
-        for name, p in self.params().items():
+        targets = dict(student.gm.named_parameters(remove_duplicate=False))
+        for name, p in {id(p): (n, p) for n, p in self.params(student).items()}.values():  # a tied parameter once
             targets[name].copy_(gather(p, self.place.device))
 
     def full_optimizer_state(self, optimizer) -> dict | None:

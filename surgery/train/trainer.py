@@ -52,7 +52,7 @@ def build_optimizer(job: Job, index: int, stage: str, steps: int, sharded: Shard
     """(AdamW, its LambdaLR, the trained parameters) of a stage; a resumed stage gets its saved state
     back. Only the stage's parameters require grad; under FSDP they are `sharded`'s."""
     c = job.config
-    trained = sharded.params() if sharded is not None else None
+    trained = sharded.params(job.student) if sharded is not None else None
     for p in [*job.student.gm.parameters(), *(trained or {}).values()]:
         p.requires_grad_(False)
     groups = param_groups(job.student, c.learning_rates(stage), c.weight_decay, trained)
