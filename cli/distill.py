@@ -54,7 +54,9 @@ def distill(
     eval_tokens: Optional[str] = typer.Option(None, "--eval-tokens", help="Tokens of --eval-text scored (default 32k)."),
     save_every: Optional[str] = typer.Option(None, "--save-every", help="Checkpoint every N tokens (default 0: at the end only)."),
     seed: Optional[int] = typer.Option(None, "--seed", help="Seeds the data order (default 0)."),
-    grad_checkpoint: bool = typer.Option(False, "--grad-checkpoint", help="Recompute GDN layers in backward (less memory)."),
+    grad_checkpoint: bool = typer.Option(False, "--grad-checkpoint", help="Recompute GDN layers in backward (less memory; with --fsdp: each decoder layer)."),
+    fsdp: bool = typer.Option(False, "--fsdp", help="Shard weights, gradients and optimizer states over the processes with FSDP2 (one unit per layer)."),
+    fsdp_offload: bool = typer.Option(False, "--fsdp-offload", help="With --fsdp: keep shards, gradients and optimizer states in CPU memory."),
     time_limit: Optional[float] = typer.Option(None, "--time-limit", help="Seconds of training in this call; then a checkpoint and a clean stop (--resume continues)."),
     options: Optional[List[str]] = typer.Option(None, "--set", help="Any DistillConfig field, key=value (repeatable), e.g. --set temperature=2."),
     device: Optional[str] = typer.Option(None, "--device", help="cpu, cuda, cuda:1 ... (default: cuda when available; cuda:LOCAL_RANK under torchrun)."),
@@ -73,7 +75,8 @@ def distill(
     with guard(debug):
         given = {"stage": stage, "seq_len": seq_len, "global_batch": batch_size, "micro_batch": micro_batch, "warmup": warmup,
                  "schedule": schedule, "seed": seed, "eval_text": str(eval_text) if eval_text else None, "time_limit": time_limit,
-                 "tokens": count(tokens, "--tokens"), "grad_checkpoint": grad_checkpoint, "compile": compile}
+                 "tokens": count(tokens, "--tokens"), "grad_checkpoint": grad_checkpoint, "compile": compile,
+                 "fsdp": fsdp, "fsdp_offload": fsdp_offload}
         counts = {"l2_tokens": (l2_tokens, "--l2-tokens"), "eval_every": (eval_every, "--eval-every"),
                   "eval_tokens": (eval_tokens, "--eval-tokens"), "save_every": (save_every, "--save-every")}
         config = DistillConfig.from_dict(settings(given, counts, lr, lr_rest, options))

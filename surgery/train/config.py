@@ -18,7 +18,7 @@ MAX_STEPS = 10**9
 # Fields that change how a run is executed or reported but not the numbers it trains on; --resume
 # accepts new values for these (micro_batch changes only the float summation order).
 OPERATIONAL = ("micro_batch", "save_every", "keep_checkpoints", "grad_checkpoint", "eval_every", "eval_text", "eval_tokens", "time_limit",
-               "compile")
+               "compile", "fsdp", "fsdp_offload")
 
 
 @dataclass
@@ -39,7 +39,13 @@ class DistillConfig(PassConfig):
                    checkpoint at the next step boundary and stops, and --resume continues it: a long run
                    fits job slots or time-limited machines, and its curve is that of an uninterrupted one
     compile        run the student's, the teacher's and the evaluation forwards through torch.compile
-                   (None: where it pays, surgery.core.compiled)"""
+                   (None: where it pays, surgery.core.compiled)
+    fsdp           shard the trained weights, gradients and optimizer states over the processes with
+                   FSDP2 (surgery.train.sharding); also with one process. Checkpoints stay full (any
+                   world size, with or without fsdp, resumes them)
+    fsdp_offload   with fsdp: keep shards, gradients and optimizer states in CPU memory
+    fsdp_mixed     with fsdp: bf16 weights in compute, float32 gradient reduction (None: with autocast,
+                   i.e. on CUDA; it needs autocast)"""
 
     tokens: int = 0
     stage: str = "kl"
@@ -70,6 +76,9 @@ class DistillConfig(PassConfig):
     autocast: bool | None = None
     time_limit: float = 0.0
     compile: bool | None = None
+    fsdp: bool = False
+    fsdp_offload: bool = False
+    fsdp_mixed: bool | None = None
 
     def validate(self) -> None:
         def bad(problem: str, fix: str):
@@ -97,6 +106,10 @@ class DistillConfig(PassConfig):
             bad(f"betas must lie in [0, 1), got {self.beta1}, {self.beta2}.", "Use e.g. 0.9 and 0.95.")
         if self.temperature <= 0:
             bad(f"temperature must be > 0, got {self.temperature}.", "Use e.g. 1.0.")
+        if not self.fsdp and (self.fsdp_offload or self.fsdp_mixed is not None):
+            bad(f"{'fsdp_offload' if self.fsdp_offload else 'fsdp_mixed'} only applies to a sharded run.", "Add --fsdp, or drop the option.")
+        if self.fsdp and self.compile:
+            bad("compile is not supported with fsdp yet.", "Drop --compile (or --fsdp).")
         if self.l2_tokens is not None and self.stage != "both":
             bad("l2_tokens only applies to --stage both.", "Drop --l2-tokens, or use --stage both.")
         for name, tokens in self.plan():

@@ -39,14 +39,15 @@ def distill(model, data, out, config: DistillConfig, *, teacher=None, resume: bo
     The run holds out's writer lock (surgery.io.lock; rank 0 under torchrun): a second writer of
     `out` gets OutputBusyError at once.
     Under torchrun (WORLD_SIZE > 1) each process runs this with the same arguments; it joins or starts
-    the process group (nccl on CUDA, gloo on CPU) and trains with DDP.
+    the process group (nccl on CUDA, gloo on CPU) and trains with DDP, or with config.fsdp sharded
+    by FSDP2 (surgery.train.sharding; one process then makes a group of its own).
     Returns a summary: final checkpoint, steps, tokens, loss, eval_ppl, tokens_per_s, flops_per_s.
     flops_per_s is model FLOP/s, (6 x trained forward params + 2 x teacher forward params) x tokens/s:
     stage kl counts the whole student and teacher, stage l2 the GDN layers and the teacher up to the
     last GDN site (what tap_module keeps); embedding lookups count nothing. Comparable with 6N of a
     plain training step."""
     config.validate()
-    place = placement(device)
+    place = placement(device, group=config.fsdp)
     try:
         with output_lock(out) if place.main else contextlib.nullcontext():  # one writer per run directory
             job = open_job(place, model, data, out, config, teacher=teacher, resume=resume, force=force, dtype=dtype)

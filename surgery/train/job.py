@@ -17,6 +17,7 @@ from .config import DistillConfig
 from .models import check_lengths, open_student, open_teacher, teacher_dtype
 from .placement import Placement
 from .run_dir import RunDir
+from .sharding import precision
 
 
 @dataclass
@@ -56,6 +57,8 @@ def open_job(place: Placement, model, data, out, config: DistillConfig, *, teach
     run_dir.prepare(model, c, digests, resume, force, inputs)
     last, state = run_dir.last() if resume else (None, None)
     autocast_on = c.autocast if c.autocast is not None else place.device.type == "cuda"
+    if c.fsdp:
+        precision(c.fsdp_mixed, autocast_on)  # refuses bf16 FSDP weights without autocast before any model loads
     job = Job(place, c, run_dir, local, micro, autocast_on, state=state, last=last)
     job.complete = state is not None and state["step"] >= job.total_steps()
     if job.complete:  # a finished run resumed again: nothing to load

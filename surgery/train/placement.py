@@ -82,9 +82,10 @@ class Placement:
         return DistributedDataParallel(module, device_ids=ids, broadcast_buffers=False)
 
 
-def placement(device=None) -> Placement:
+def placement(device=None, group: bool = False) -> Placement:
     """One process, or one of WORLD_SIZE started by torchrun (or already in a process group):
-    nccl on CUDA, gloo on CPU. The device defaults to cuda:LOCAL_RANK when CUDA is there."""
+    nccl on CUDA, gloo on CPU. The device defaults to cuda:LOCAL_RANK when CUDA is there.
+    group: a lone process (no torchrun) gets a process group of its own (FSDP needs one)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local = int(os.environ.get("LOCAL_RANK", "0"))
     dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -93,8 +94,12 @@ def placement(device=None) -> Placement:
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     owns = False
-    if world > 1 and not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if dev.type == "cuda" else "gloo")
+    if (world > 1 or group) and not dist.is_initialized():
+        backend = "nccl" if dev.type == "cuda" else "gloo"
+        if world > 1:
+            dist.init_process_group(backend=backend)
+        else:
+            dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
         owns = True
     if dist.is_initialized():
         return Placement(dist.get_rank(), dist.get_world_size(), dev, owns)

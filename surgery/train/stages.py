@@ -34,14 +34,20 @@ def parameter_kinds(graph: Graph) -> dict[int, str]:
     return kinds
 
 
-def param_groups(graph: Graph, lrs: dict[str, float], weight_decay: float) -> list[dict]:
+def param_groups(graph: Graph, lrs: dict[str, float], weight_decay: float, trained: dict | None = None) -> list[dict]:
     """AdamW groups per kind (new / copied / rest) with lr > 0; 1-D tensors and parameters marked
     _no_weight_decay (A_log, dt_bias) get no weight decay. Order follows named_parameters, which a
-    reloaded hybrid reproduces, so optimizer states line up on resume."""
+    reloaded hybrid reproduces, so optimizer states line up on resume. trained: name -> the tensor
+    that trains the graph's parameter of that name (a sharded copy, surgery.train.sharding); a name
+    it lacks is not trained."""
     kinds = parameter_kinds(graph)
     buckets: dict[tuple[str, bool], list] = {}
-    for _, p in graph.gm.named_parameters():
+    for name, p in graph.gm.named_parameters():
         kind = kinds.get(id(p), "rest")
+        if trained is not None:
+            if name not in trained:
+                continue
+            p = trained[name]
         if lrs[kind] > 0 and p.is_floating_point():
             decay = p.ndim >= 2 and not getattr(p, "_no_weight_decay", False)
             buckets.setdefault((kind, decay), []).append(p)
@@ -128,15 +134,16 @@ class Stage:
 
 
 def stage_l2(student: Graph, teacher: Graph, place: Placement, autocast: Callable, compile: bool = False,
-             prepare=None) -> Stage:
+             prepare=None, wrapped=None) -> Stage:
     """MSE between each GDN layer's output and the teacher's attention output at its site, the
     layer fed the teacher's input there; the teacher runs only up to the last GDN site. prepare: a
-    graph rewrite for the compiled path only (surgery.decode.CausalFlags)."""
+    graph rewrite for the compiled path only (surgery.decode.CausalFlags). wrapped: what trains the
+    GDN layers (default: Layers of them, under DDP with several processes)."""
     gdn = student.gdn_modules()
     sites = teacher.sites
     names = [n for l in student.gdn_targets() for n in (sites[l].input_node, sites[l].output_node)]
     taps = tap_module(teacher.gm, names)
-    wrapped = place.wrap(Layers(gdn))
+    wrapped = wrapped if wrapped is not None else place.wrap(Layers(gdn))
     run_taps = maybe_compiled(taps, compile, place.device, use="train", label="teacher up to the last GDN site", prepare=prepare)
     run_layers = maybe_compiled(wrapped, compile, place.device, use="train", label="GDN layers")
 
@@ -152,10 +159,12 @@ def stage_l2(student: Graph, teacher: Graph, place: Placement, autocast: Callabl
 
 
 def stage_kl(student: Graph, teacher: Graph, place: Placement, autocast: Callable, temperature: float,
-             compile: bool = False, prepare=None) -> Stage:
+             compile: bool = False, prepare=None, wrapped=None) -> Stage:
     """KL(teacher || student) over the logits, the whole student trained. prepare: a graph rewrite
-    for the compiled path only; the student's shares its parameters, so training it trains the student."""
-    wrapped = place.wrap(prepare(student.gm) if compile and prepare is not None else student.gm)
+    for the compiled path only; the student's shares its parameters, so training it trains the student.
+    wrapped: what computes the student's logits (default: its graph, under DDP with several processes)."""
+    if wrapped is None:
+        wrapped = place.wrap(prepare(student.gm) if compile and prepare is not None else student.gm)
     extra = student.gm.meta.get("extra_inputs", {})
     run_teacher = maybe_compiled(teacher.gm, compile, place.device, use="train", label="teacher graph", prepare=prepare)
     run_student = maybe_compiled(wrapped, compile, place.device, use="train", label="student graph")

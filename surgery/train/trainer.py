@@ -31,6 +31,7 @@ from .config import lr_factor
 from .interrupt import Interrupts
 from .job import Job
 from .progress import Reporter
+from .sharding import ShardedStudent, clip_grad_norm, shard_student
 from .stages import Stage, gradient_checkpointing, param_groups, stage_kl, stage_l2
 from .state import rng_state, set_rng_state
 
@@ -47,13 +48,14 @@ class Tally:
     last_path: Path | None = None
 
 
-def build_optimizer(job: Job, index: int, stage: str, steps: int):
+def build_optimizer(job: Job, index: int, stage: str, steps: int, sharded: ShardedStudent | None = None):
     """(AdamW, its LambdaLR, the trained parameters) of a stage; a resumed stage gets its saved state
-    back. Only the stage's parameters require grad."""
+    back. Only the stage's parameters require grad; under FSDP they are `sharded`'s."""
     c = job.config
-    for p in job.student.gm.parameters():
+    trained = sharded.params(job.student) if sharded is not None else None
+    for p in [*job.student.gm.parameters(), *(trained or {}).values()]:
         p.requires_grad_(False)
-    groups = param_groups(job.student, c.learning_rates(stage), c.weight_decay)
+    groups = param_groups(job.student, c.learning_rates(stage), c.weight_decay, trained)
     trainable = [p for g in groups for p in g["params"]]
     for p in trainable:
         p.requires_grad_(True)
@@ -61,7 +63,10 @@ def build_optimizer(job: Job, index: int, stage: str, steps: int):
     factor = lambda s, steps=steps: lr_factor(s, steps, c.warmup, c.schedule, c.min_lr_ratio)  # noqa: E731
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
     if job.state is not None and job.state["stage"] == index:
-        optimizer.load_state_dict(job.state["optimizer"])
+        if sharded is not None:
+            sharded.load_optimizer_state(optimizer, job.state["optimizer"])
+        else:
+            optimizer.load_state_dict(job.state["optimizer"])
         scheduler.load_state_dict(job.state["scheduler"])
     return optimizer, scheduler, trainable
 
@@ -97,9 +102,9 @@ def optimizer_step(job: Job, step: int, optimizer, stage: Stage, trainable) -> d
     value = place.mean(total).item()
     if not math.isfinite(value):
         raise DistillError(f"The loss became {value} at step {step + 1}.", "Lower the learning rates (--lr), check the data, or use float32 (--dtype float32).")
-    norm = torch.nn.utils.clip_grad_norm_(trainable, job.config.clip if job.config.clip > 0 else float("inf"))
+    norm = clip_grad_norm(trainable, job.config.clip if job.config.clip > 0 else float("inf"), place.device)
     optimizer.step()
-    return {"loss": value, "grad_norm": float(norm)}
+    return {"loss": value, "grad_norm": norm}
 
 
 def finished_result(job: Job) -> dict:
@@ -128,7 +133,8 @@ class Trainer:
         self.progress = progress
         self.stages = self.config.steps()
         self.total_steps = sum(s for _, s in self.stages)
-        self.compile = resolve_compile(self.config.compile, self.place.device, "train", self.config.tokens)
+        self.compile = not self.config.fsdp and resolve_compile(self.config.compile, self.place.device, "train", self.config.tokens)
+        self.sharded: ShardedStudent | None = None  # what trains under FSDP, this stage
 
     def run(self) -> dict:
         if self.job.complete:
@@ -137,7 +143,7 @@ class Trainer:
         with Interrupts(self.place.main) as self.interrupts:
             self.train_all(params_before)
         self.place.barrier()
-        return self.result()
+        return run_result(self)
 
     def train_all(self, params_before: dict) -> None:
         """Every stage from where the state left off, until done or stopped (time limit, signal)."""
@@ -176,17 +182,20 @@ class Trainer:
 
     def train_stage(self, index: int, stage: str, steps: int, first: int) -> None:
         job = self.job
-        optimizer, scheduler, trainable = build_optimizer(job, index, stage, steps)
+        self.sharded = shard_student(job.student, stage, self.place, self.config, job.autocast_on) if self.config.fsdp else None
+        optimizer, scheduler, trainable = build_optimizer(job, index, stage, steps, self.sharded)
         flags = CausalFlags(self.config.seq_len)  # used only when compiling
         if stage == "l2":
-            built = stage_l2(job.student, job.teacher, self.place, job.autocast, self.compile, flags)
+            built = stage_l2(job.student, job.teacher, self.place, job.autocast, self.compile, flags, self.sharded)
         else:
-            built = stage_kl(job.student, job.teacher, self.place, job.autocast, self.config.temperature, self.compile, flags)
+            built = stage_kl(job.student, job.teacher, self.place, job.autocast, self.config.temperature, self.compile, flags, self.sharded)
         with gradient_checkpointing(job.student.gdn_modules().values(), self.config.grad_checkpoint):
             for stage_step in range(self.tally.done - first, steps):
                 record = self.train_step(first + stage_step, stage, optimizer, scheduler, built, trainable)
                 if self.after_step(record, index, stage_step, optimizer, scheduler):
                     break
+        self.refresh()
+        self.sharded = None
         del built
         gc.collect()  # a DDP wrapper's gradient hooks must be gone before the next stage's
 
@@ -213,6 +222,7 @@ class Trainer:
         final = done == self.total_steps
         before = tokens - c.tokens_per_step
         if c.eval_every and before // c.eval_every < tokens // c.eval_every or final:
+            self.refresh()
             ppl = self.evaluate(self.job.student)
             if ppl is not None:
                 record["eval_ppl"] = self.summary["eval_ppl"] = ppl
@@ -239,7 +249,14 @@ class Trainer:
         with torch.no_grad(), self.job.autocast():
             return perplexity(graph, self.job.eval_ids, compile=self.compile)["perplexity"]
 
+    def refresh(self) -> None:
+        """Under FSDP, the student's full weights from the shards (every rank; once a step)."""
+        if self.sharded is not None:
+            self.sharded.copy_to(self.job.student, self.tally.done)
+
     def save(self, step: int, index: int, stage_step: int, optimizer, scheduler) -> Path | None:
+        self.refresh()
+        optimizer_state = self.sharded.full_optimizer_state(optimizer) if self.sharded is not None else optimizer.state_dict()
         if not self.place.main:
             return None
         job, c = self.job, self.config
@@ -249,7 +266,7 @@ class Trainer:
         }
         state = {
             "step": step, "tokens": step * c.tokens_per_step, "stage": index, "stage_step": stage_step,
-            "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": rng_state(), "config": c.to_dict(),
+            "optimizer": optimizer_state, "scheduler": scheduler.state_dict(), "rng": rng_state(), "config": c.to_dict(),
             "world": self.place.world, "elapsed": self.elapsed(), "summary": dict(self.summary),
         }
         return job.run_dir.save(job.student, step, state, c.keep_checkpoints)
@@ -257,14 +274,16 @@ class Trainer:
     def elapsed(self) -> float:
         return self.elapsed_before + (time.perf_counter() - self.started)
 
-    def result(self) -> dict:
-        c, t = self.config, self.tally
-        return {
-            "out": str(self.job.run_dir.path), "checkpoint": str(t.last_path) if t.last_path else None, "steps": t.done,
-            "tokens": t.done * c.tokens_per_step, "loss": self.summary["loss"], "eval_ppl": self.summary.get("eval_ppl"),
-            "teacher_ppl": self.summary.get("teacher_ppl"), "rank": self.place.rank, "world": self.place.world,
-            "tokens_per_s": t.tokens / t.seconds if t.seconds else None,
-            "flops_per_s": t.flops / t.seconds if t.seconds else None,
-            "seconds": round(time.perf_counter() - self.started, 3),
-            "complete": t.done == self.total_steps, "stopped": t.stopped,
-        }
+
+def run_result(trainer: Trainer) -> dict:
+    """What distill() returns: where the run stands, its loss and perplexity, its speed."""
+    c, t, place, summary = trainer.config, trainer.tally, trainer.place, trainer.summary
+    return {
+        "out": str(trainer.job.run_dir.path), "checkpoint": str(t.last_path) if t.last_path else None, "steps": t.done,
+        "tokens": t.done * c.tokens_per_step, "loss": summary["loss"], "eval_ppl": summary.get("eval_ppl"),
+        "teacher_ppl": summary.get("teacher_ppl"), "rank": place.rank, "world": place.world,
+        "tokens_per_s": t.tokens / t.seconds if t.seconds else None,
+        "flops_per_s": t.flops / t.seconds if t.seconds else None,
+        "seconds": round(time.perf_counter() - trainer.started, 3),
+        "complete": t.done == trainer.total_steps, "stopped": t.stopped,
+    }
