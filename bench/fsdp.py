@@ -4,10 +4,10 @@ size 1: bf16 weights gathered per layer unit, float32 reduction), fsdp_offload (
 AdamW states in CPU memory, the optimizer step on the CPU). Each mode runs in a process of its own,
 so its peak is its own and an out-of-memory mode leaves the others standing (the row says "oom").
 
-    python tools/fsdp_bench.py --shape smollm2 --modes plain,fsdp,fsdp_offload --batch 16 --seq-len 512 --steps 8 --json $OUT/fsdp_smollm2.json
-    python tools/fsdp_bench.py --shape llama8b --keep-ratio 0.25 --modes fsdp_offload,plain --batch 8,16 --micro 4 --seq-len 512 \\
+    python bench/fsdp.py --shape smollm2 --modes plain,fsdp,fsdp_offload --batch 16 --seq-len 512 --steps 8 --json $OUT/fsdp_smollm2.json
+    python bench/fsdp.py --shape llama8b --keep-ratio 0.25 --modes fsdp_offload,plain --batch 8,16 --micro 4 --seq-len 512 \\
         --steps 4 --lr-rest 0 --json $OUT/fsdp_llama8b.json
-    python tools/fsdp_bench.py --shape stories --modes plain,fsdp,fsdp_offload --batch 4 --seq-len 64 --steps 3   # CPU smoke
+    python bench/fsdp.py --shape stories --modes plain,fsdp,fsdp_offload --batch 4 --seq-len 64 --steps 3   # CPU smoke
 
 Stage kl (the whole student trained unless --lr-rest 0 freezes what is outside the GDN layers),
 float32 master weights, bf16 autocast on CUDA, no compile (fsdp does not compile yet), no evaluation.
