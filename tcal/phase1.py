@@ -41,7 +41,8 @@ class Phase1Options:
     min_rate, max_rate     clamp of the decay rates derived from the attention distance
     gate_ridge             ridge strength of the output gate's fit to the layer input
     gate_floor             smallest gate amplitude fitted (silu's inverse needs a positive value)
-    reference_gate_factor  gate: reference's factor (the reference's 0.01)"""
+    reference_gate_factor  gate: reference's factor (the reference's 0.01)
+    window_quantile        swa: each layer's window keeps this share of its heads' attention mass"""
 
     decay: bool = True
     write_gate: bool = True

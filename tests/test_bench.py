@@ -65,7 +65,7 @@ def test_speed_smoke(tmp_path, capsys):
     check_rows(rows, out)
     names = {(r["name"], r["metric"]) for r in rows.rows}
     assert ("transformers forward (teacher)", "prefill") in names
-    assert ("hybrid 75% GDN: surgery.load -> graph.logits", "prefill") in names
+    assert ("hybrid 75% GDN: fast_logits (default)", "prefill") in names and ("teacher fast_logits, compiled", "prefill") in names
     assert ("hybrid 75% GDN: surgery.generate (surgery.load)", "time to first token") in names
     assert ("hybrid 75% GDN: Decoder (surgery.load)", "decode step") in names
     assert "| hybrid 75% GDN: Decoder (surgery.load) | context 16 x 1, compile off | decode step |" in capsys.readouterr().out

@@ -4,6 +4,8 @@ modes the user's umask gives, as mkdir and open would: 0755/0644 under umask 022
 not leak their modes into the published directory."""
 from __future__ import annotations
 
+import copy
+import dataclasses
 import os
 import stat
 from pathlib import Path
@@ -59,6 +61,8 @@ def test_save_and_export_follow_the_umask(mask, umask, stories, tmp_path):
 def test_distill_run_directory_follows_the_umask(mask, umask, stories, stories_teacher, tmp_path):
     hybrid = stories()
     PassManager(["select", "replace"], {"select": {"layers": "1", "policy": "convert"}})(hybrid)
+    # training writes the student's weights in place: a copy, so the session's teacher stays as it is
+    hybrid = dataclasses.replace(hybrid, gm=copy.deepcopy(hybrid.gm), meta=copy.deepcopy(hybrid.meta))
     data = tmp_path / "train.txt"
     data.write_text("Once upon a time there was a little cat. The cat liked to play in the sun. " * 40)
     umask(mask)

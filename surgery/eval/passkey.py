@@ -97,7 +97,7 @@ def greedy_answers(graph, trials: list[PasskeyTrial], batch_size: int = 8, compi
     if longest > graph.max_length:
         raise SurgeryError(f"A passkey prompt plus its key takes {longest} tokens, over this graph's limit of {graph.max_length}.",
                            "Use shorter --lengths.")
-    run = fast_runner(graph, compile, label="graph for passkey") if isinstance(graph, Graph) else graph  # else: ids -> logits
+    run = fast_runner(graph, compile, label="graph for passkey") if isinstance(graph, Graph) else getattr(graph, "logits", graph)  # an export, or ids -> logits
     answers: list[list[int]] = [[] for _ in trials]
     groups: dict[int, list[int]] = {}
     for i, t in enumerate(trials):

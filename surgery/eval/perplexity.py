@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from ..core import progress as report
 from ..core.bos import lead_windows, leading_token, text_length
+from ..core.graph import Graph
 from ..decode.fast import fast_runner
 from ..errors import CalibrationError
 
@@ -35,7 +36,7 @@ def score_windows(graph, windows: torch.Tensor, *, batch_size: int = 1, progress
     that starts with BOS has all its text tokens predicted). Reported as task `label`
     (surgery.core.progress; None: silent, for a caller that reports its own loop) and to
     progress(done, total) when given."""
-    run = fast_runner(graph, compile, label="graph for perplexity")
+    run = fast_runner(graph, compile, label="graph for perplexity") if isinstance(graph, Graph) else graph.logits  # an export
     total, count = 0.0, 0
     device = graph.device
     with report.task(label or "", windows.shape[0], "windows", enabled=label is not None) as bar:
