@@ -183,6 +183,19 @@ class RecurrentLayer(nn.Module):
     recurrent state and the conv streams' last inputs), its constructor config, and the fused input
     projections (a subclass's INPUT_PROJECTIONS, submodule paths of linears reading the layer input)."""
 
+    def extra_repr(self) -> str:
+        return (f"hidden_size={self.hidden_size}, num_heads={self.num_heads}, head_dim={self.head_dim}, "
+                f"use_short_conv={self.use_short_conv}, backend={self.backend}, layer_idx={self.layer_idx}")
+
+    def delta_rule_inputs(self, p: dict, cache: GDNCache | None):
+        """q, k (conv, silu, L2-normalised), v, and the write gate's logit and value: what a delta-rule
+        layer (GatedDeltaNet, tcal.mixers.kda) feeds its kernel, from the input projections p."""
+        q = l2norm(self._stream(p["q_proj"], "q", F.silu, cache), backend=self.backend)
+        k = l2norm(self._stream(p["k_proj"], "k", F.silu, cache), backend=self.backend)
+        v = self._stream(p["v_proj"], "v", V_ACTIVATIONS[self.v_activation], cache)
+        beta_logit = p["b_proj"]
+        return q, k, v, beta_logit, beta_logit.float().sigmoid()
+
     def param_groups(self) -> dict[str, list[tuple[str, nn.Parameter]]]:
         """role -> [(name, parameter)] in named_parameters order, for every role in PARAMETER_ROLES."""
         return parameters_by_role(self, self.PARAMETER_ROLES)
@@ -309,6 +322,13 @@ class GatedDeltaNet(RecurrentLayer):
         """Log-space decay g = -exp(A_log) * softplus(a_proj x + dt_bias), float32, [B, T, H]."""
         return self._decay(self.a_proj(x))
 
+    @torch.no_grad()
+    def set_decay(self, a_log: torch.Tensor, dt_bias: torch.Tensor, proj_scale: float) -> None:
+        """Phase 1's decay per head (A_log, dt_bias [H]), a_proj's data-dependent part damped by proj_scale."""
+        self.A_log.copy_(a_log)
+        self.dt_bias.copy_(dt_bias)
+        self.a_proj.weight.mul_(proj_scale)
+
     def forward_parts(self, hidden_states: torch.Tensor, cache: GDNCache | None = None, projection=None) -> dict[str, torch.Tensor]:
         """Every intermediate of the forward pass, for calibration and diagnostics.
 
@@ -317,11 +337,7 @@ class GatedDeltaNet(RecurrentLayer):
         updated in place. gated_delta_rule picks the token loop (or fla's fused recurrent kernel)
         for short calls such as one decoded token, the chunked form for a long prefill."""
         p = self._input_projections(hidden_states, projection)
-        q = l2norm(self._stream(p["q_proj"], "q", F.silu, cache), backend=self.backend)
-        k = l2norm(self._stream(p["k_proj"], "k", F.silu, cache), backend=self.backend)
-        v = self._stream(p["v_proj"], "v", V_ACTIVATIONS[self.v_activation], cache)
-        beta_logit = p["b_proj"]
-        beta = beta_logit.float().sigmoid()
+        q, k, v, beta_logit, beta = self.delta_rule_inputs(p, cache)
         g = self._decay(p["a_proj"])
         if cache is None:
             core, _ = gated_delta_rule(q, k, v, g, beta, scale=self.head_dim**-0.5, backend=self.backend)

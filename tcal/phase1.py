@@ -93,13 +93,12 @@ def relative_error(out: torch.Tensor, target: torch.Tensor) -> float:
 
 @torch.no_grad()
 def calibrate_layer(gdn: GatedDeltaNet, x: torch.Tensor, ctx: torch.Tensor, target: torch.Tensor, stats: dict, opts: Phase1Options) -> dict:
-    """Apply Phase 1 to `gdn` in place. x [N,T,hidden], ctx [N,T,H,D], target [N,T,hidden]."""
+    """Apply Phase 1 to `gdn` (a GatedDeltaNet or another delta-rule layer with set_decay, such as
+    tcal.mixers.kda's) in place. x [N,T,hidden], ctx [N,T,H,D], target [N,T,hidden]."""
     report = {"rel_error_before": relative_error(gdn(x), target)}
     if opts.decay:
         a_log, dt_bias = maps.decay_from_distance(stats["distance"], opts.min_rate, opts.max_rate)
-        gdn.A_log.copy_(a_log)
-        gdn.dt_bias.copy_(dt_bias)
-        gdn.a_proj.weight.mul_(opts.a_proj_scale)
+        gdn.set_decay(a_log, dt_bias, opts.a_proj_scale)
         report["distance"] = stats["distance"].tolist()
         report["alpha"] = torch.exp(-F.softplus(dt_bias.double())).tolist()
     if opts.write_gate:

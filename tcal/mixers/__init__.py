@@ -21,7 +21,6 @@ from . import swa
 from .gla import GatedLinearAttention
 from .gla_phase1 import calibrate_gla_layer
 from .kda import KimiDeltaAttention
-from .kda_phase1 import calibrate_kda_layer
 
 
 @dataclass(frozen=True)
@@ -40,7 +39,7 @@ MIXERS: dict[str, Mixer] = {
                  "sliding-window softmax attention over the last `window` tokens (a baseline)"),
     "gla": Mixer("gla", GatedLinearAttention, "layer", calibrate_gla_layer,
                  "gated linear attention: data-dependent decay per key channel, no delta rule"),
-    "kda": Mixer("kda", KimiDeltaAttention, "layer", calibrate_kda_layer,
+    "kda": Mixer("kda", KimiDeltaAttention, "layer", calibrate_layer,
                  "Kimi Delta Attention's recurrence: GDN with a decay per key channel"),
 }
 DEFAULT = "gdn"

@@ -45,10 +45,6 @@ class GatedLinearAttention(RecurrentLayer):
         self.gk_proj = nn.Sequential(low_rank, nn.Linear(gate_low_rank_dim, num_heads * head_dim, bias=True))  # fla's names
         self._add_convs_and_output(conv_size, conv_identity_init, norm_eps, o_bias)
 
-    def extra_repr(self) -> str:
-        return (f"hidden_size={self.hidden_size}, num_heads={self.num_heads}, head_dim={self.head_dim}, "
-                f"use_short_conv={self.use_short_conv}, backend={self.backend}, layer_idx={self.layer_idx}")
-
     def decay(self, gk_low: torch.Tensor) -> torch.Tensor:
         """Log-space decay per key channel from the gate's low-rank input: [B, T, H, Dk], float32."""
         up = self.gk_proj[1]

@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..gdn import V_ACTIVATIONS, GDNCache, RecurrentLayer, l2norm
+from ..gdn import GDNCache, RecurrentLayer
 from .kda_kernels import kda
 
 PARAMETER_ROLES = {
@@ -56,9 +56,13 @@ class KimiDeltaAttention(RecurrentLayer):
         self.A_log._no_weight_decay = self.dt_bias._no_weight_decay = True
         self._add_convs_and_output(conv_size, conv_identity_init, norm_eps, o_bias)
 
-    def extra_repr(self) -> str:
-        return (f"hidden_size={self.hidden_size}, num_heads={self.num_heads}, head_dim={self.head_dim}, "
-                f"use_short_conv={self.use_short_conv}, backend={self.backend}, layer_idx={self.layer_idx}")
+    @torch.no_grad()
+    def set_decay(self, a_log: torch.Tensor, dt_bias: torch.Tensor, proj_scale: float) -> None:
+        """Phase 1's decay per head (A_log, dt_bias [H], GDN's mapping: METHOD.md): every key channel of
+        head h starts at the head's rate; f_proj's data-dependent part damped by proj_scale."""
+        self.A_log.copy_(a_log)
+        self.dt_bias.copy_(dt_bias.repeat_interleave(self.head_dim).to(self.dt_bias))
+        self.f_proj[1].weight.mul_(proj_scale)
 
     def decay(self, f_low: torch.Tensor) -> torch.Tensor:
         """Log-space decay per key channel from f_proj's low-rank input: [B, T, H, Dk], float32."""
@@ -69,11 +73,7 @@ class KimiDeltaAttention(RecurrentLayer):
     def forward_parts(self, hidden_states: torch.Tensor, cache: GDNCache | None = None, projection=None) -> dict:
         """Every intermediate of the forward pass; with a cache, continue the sequence it holds."""
         p = self._input_projections(hidden_states, projection)
-        q = l2norm(self._stream(p["q_proj"], "q", F.silu, cache), backend=self.backend)
-        k = l2norm(self._stream(p["k_proj"], "k", F.silu, cache), backend=self.backend)
-        v = self._stream(p["v_proj"], "v", V_ACTIVATIONS[self.v_activation], cache)
-        beta_logit = p["b_proj"]
-        beta = beta_logit.float().sigmoid()
+        q, k, v, beta_logit, beta = self.delta_rule_inputs(p, cache)
         g = self.decay(p["f_proj.0"])
         state = None if cache is None else cache.recurrent
         core, final = kda(q, k, v, g, beta, scale=self.head_dim ** -0.5, initial_state=state,
