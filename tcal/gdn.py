@@ -196,6 +196,13 @@ class RecurrentLayer(nn.Module):
         beta_logit = p["b_proj"]
         return q, k, v, beta_logit, beta_logit.float().sigmoid()
 
+    def gated_output(self, core: torch.Tensor, p: dict, dtype: torch.dtype | None = None) -> dict:
+        """The output path every recurrent layer shares: the kernel's output core [B, T, H, Dv] (cast to
+        dtype first when given) through o_norm gated by g_proj, then o_proj."""
+        gate = self._split_heads(p["g_proj"])
+        normed = self.o_norm(core if dtype is None else core.to(dtype), gate, backend=self.backend)
+        return dict(core=core, gate=gate, normed=normed, out=self.o_proj(normed.flatten(-2)))
+
     def param_groups(self) -> dict[str, list[tuple[str, nn.Parameter]]]:
         """role -> [(name, parameter)] in named_parameters order, for every role in PARAMETER_ROLES."""
         return parameters_by_role(self, self.PARAMETER_ROLES)
@@ -346,13 +353,7 @@ class GatedDeltaNet(RecurrentLayer):
                 q, k, v, g, beta, scale=self.head_dim**-0.5, initial_state=cache.recurrent,
                 output_final_state=True, backend=self.backend,
             )
-        gate = self._split_heads(p["g_proj"])
-        normed = self.o_norm(core, gate, backend=self.backend)
-        out = self.o_proj(normed.flatten(-2))
-        return dict(
-            q=q, k=k, v=v, g=g, beta=beta, beta_logit=beta_logit,
-            core=core, gate=gate, normed=normed, out=out,
-        )
+        return dict(q=q, k=k, v=v, g=g, beta=beta, beta_logit=beta_logit, **self.gated_output(core, p))
 
     def forward(self, hidden_states: torch.Tensor, cache: GDNCache | None = None, projection=None) -> torch.Tensor:
         """[B, T, hidden] -> [B, T, hidden]; with a GDNCache, continue the sequence it holds

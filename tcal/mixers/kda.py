@@ -80,10 +80,7 @@ class KimiDeltaAttention(RecurrentLayer):
                           output_final_state=cache is not None, backend=self.backend)
         if cache is not None:
             cache.recurrent = final
-        gate = self._split_heads(p["g_proj"])
-        normed = self.o_norm(core.to(v.dtype), gate, backend=self.backend)
-        out = self.o_proj(normed.flatten(-2))
-        return dict(q=q, k=k, v=v, g=g, beta=beta, beta_logit=beta_logit, core=core, gate=gate, normed=normed, out=out)
+        return dict(q=q, k=k, v=v, g=g, beta=beta, beta_logit=beta_logit, **self.gated_output(core, p, v.dtype))
 
     def forward(self, hidden_states: torch.Tensor, cache: GDNCache | None = None, projection=None) -> torch.Tensor:
         return self.forward_parts(hidden_states, cache, projection)["out"]
