@@ -92,6 +92,11 @@ def shipped_table() -> dict | None:
     return table if all(table.get(k) == v for k, v in versions().items()) else None
 
 
+def as_key(value):
+    """A recorded key back as the autotuner's hashable tuple (JSON turned its tuples into lists)."""
+    return tuple(as_key(v) for v in value) if isinstance(value, list) else value
+
+
 def pin_tuned_configs() -> int:
     """Put the shipped winners into fla's autotuner caches (idempotent). Returns how many were pinned."""
     table = shipped_table()
@@ -106,7 +111,7 @@ def pin_tuned_configs() -> int:
             extra = {"maxnreg": c["maxnreg"]} if c.get("maxnreg") is not None else {}
             config = triton.Config(c["kwargs"], num_warps=c["num_warps"], num_stages=c["num_stages"],
                                    num_ctas=c.get("num_ctas", 1), **extra)
-            if tuner.cache.setdefault(tuple(entry["key"]), config) is config:
+            if tuner.cache.setdefault(as_key(entry["key"]), config) is config:
                 pinned += 1
     return pinned
 
