@@ -20,6 +20,7 @@ from surgery.decode import Decoder, generate
 from surgery.decode.causal_flags import CausalFlags
 from surgery.decode.fast import FastGraph, bucket, fast_graph, fast_logits, fast_runner
 from surgery.decode.precision import float32_gaps, float32_twin
+from surgery.decode.replay import Replays
 from surgery.eval.passkey import passkey
 
 TOLERANCE = 1e-5
@@ -52,12 +53,12 @@ def assert_close(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
 
 
 def test_the_table():
-    """CUDA: the flags, no compile by itself (the hybrid's compile is unmeasured, compiled.ROUTES); the
-    CPU: nothing; the user's flag: compiled at once, or never (the flags kept where the table has them)."""
+    """CUDA: the flags and CUDA-graph replay, no compile by itself (compiled.ROUTES); the CPU: nothing;
+    the user's flag: compiled at once, or never (the flags and replay kept where the table has them)."""
     assert inference_route(None, "cpu", "eval") == Route() and inference_route(None, "cpu", "prefill") == Route()
-    assert inference_route(None, "cuda", "prefill") == Route(True, None) == inference_route(None, "cuda", "eval")
+    assert inference_route(None, "cuda", "prefill") == Route(True, None, True) == inference_route(None, "cuda", "eval")
     assert inference_route(True, "cpu", "eval") == Route(True, 0.0)
-    assert inference_route(False, "cuda", "eval") == Route(True, None)
+    assert inference_route(False, "cuda", "eval") == Route(True, None, True)
     assert inference_route(False, "cpu", "eval") == Route(False, None)
     with pytest.raises(ValueError, match="unknown compile use"):
         inference_route(None, "cuda", "sample")
@@ -249,3 +250,76 @@ def test_the_runtime_guard_measures_distributions():
     nan = eager.clone()
     nan[0, 3, 7] = float("nan")
     assert agreement_module.compiled_agrees(nan, eager) == (False, "non-finite logits")
+
+
+class FakeGraph:
+    """A stand-in for a captured CUDA graph on the CPU: replay() reruns the captured function and writes
+    its logits into the captured output, as a replay writes into the graph's memory."""
+
+    def __init__(self, run, out, corrupt: bool = False):
+        self.run, self.out, self.corrupt, self.replays = run, out, corrupt, 0
+
+    def replay(self):
+        self.replays += 1
+        logits = self.run().logits
+        self.out.logits.copy_(logits.flip(-1) if self.corrupt else logits)
+
+
+def replaying_on_cpu(monkeypatch, fast: FastGraph, corrupt: bool = False, fail: bool = False) -> list:
+    """Turn `fast`'s replay on for CPU inputs with FakeGraph captures; returns the list of captures."""
+    captured = []
+
+    def capture(run):
+        if fail:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        warm, out = run(), run()
+        captured.append(FakeGraph(run, out, corrupt))
+        return captured[-1], out, warm
+
+    fast.route = Route(causal_flags=True, replay=True)
+    fast.replays = Replays(keep=2, devices=("cpu",))
+    monkeypatch.setattr(fast.replays, "capture", capture)
+    return captured
+
+
+def test_replay_from_a_shapes_second_call(stories, monkeypatch):
+    """A shape's first call runs eagerly, its second captures and replays, later ones replay; outputs
+    are borrowed (the graph's memory) and equal eager's; the `keep` most recent shapes stay captured."""
+    graph = fresh(stories)
+    fast = FastGraph(graph.gm, "cpu", "eval", None, limit=graph.max_length)
+    captured = replaying_on_cpu(monkeypatch, fast)
+    ids = ids_of(graph, 1, 30)
+    with torch.no_grad():
+        reference = graph.logits(ids)
+        first = fast(input_ids=ids).logits
+        assert not captured and not fast.borrowed
+        assert_close(first, reference, "eager call")
+        second = fast(input_ids=ids).logits.clone()
+        assert len(captured) == 1 and fast.borrowed and captured[0].replays == 1
+        assert_close(second, reference, "replayed call")
+        other = ids_of(graph, 1, 30, seed=1)  # same shape, other tokens: the same graph, new input copied in
+        assert_close(fast(input_ids=other).logits, graph.logits(other), "replay on new ids")
+        assert len(captured) == 1 and captured[0].replays == 2
+        for length in (31, 32, 31, 32):  # two more shapes: the first shape's graph is dropped (keep=2)
+            fast(input_ids=ids_of(graph, 1, length))
+        assert len(captured) == 3 and (1, 30) not in {shape for shape, _ in fast.replays.graphs}
+
+
+@pytest.mark.parametrize("problem", ["fail", "corrupt"])
+def test_replay_that_fails_or_disagrees_warns_once(stories, monkeypatch, problem):
+    """A capture that raises, or a graph whose output disagrees with its eager warm-up: one warning,
+    the eager numbers, and eager for good."""
+    graph = fresh(stories)
+    fast = FastGraph(graph.gm, "cpu", "eval", None, limit=graph.max_length, label="test graph")
+    replaying_on_cpu(monkeypatch, fast, corrupt=problem == "corrupt", fail=problem == "fail")
+    ids = ids_of(graph, 1, 30)
+    with torch.no_grad():
+        reference = graph.logits(ids)
+        fast(input_ids=ids)
+        with pytest.warns(UserWarning, match="Replaying the test graph") as caught:
+            out = fast(input_ids=ids).logits
+        assert len(caught) == 1 and not fast.borrowed and fast.replays.failed
+        assert_close(out, reference, "fallback")
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert_close(fast(input_ids=ids).logits, reference, "after the fallback")

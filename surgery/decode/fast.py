@@ -1,15 +1,18 @@
 """How a captured graph runs fast: the one runner that evaluation, passkey and a Decoder's prefill
 call, on the route surgery.core.compiled.ROUTES picks for the device and use.
 
-A route has two parts. The causal-flag rewrite (surgery.decode.causal_flags) is proven for a longest
+A route has three parts. The causal-flag rewrite (surgery.decode.causal_flags) is proven for a longest
 length, so the runner keeps one rewritten graph per length bucket (a power of two of at least
 MIN_BUCKET tokens, capped at the graph's limit): a longer input moves to a larger bucket, never past
-what its rewrite checked. Compiling (surgery.core.compiled.CompiledGraph, replayed as CUDA graphs on
-CUDA) starts once the eager calls have cost what a compile costs (Route.compile_after).
+what its rewrite checked. Replay (surgery.decode.replay, on CUDA): from an input shape's second call
+the eager graph runs as a captured CUDA graph, the same kernels at a fraction of the host's cost.
+Compiling (surgery.core.compiled.CompiledGraph, replayed as CUDA graphs on CUDA) starts once the eager
+calls have cost what a compile costs (Route.compile_after).
 
 The first compiled call of each bucket is also run eagerly and the two compared (agreement.
 compiled_agrees): a compile that fails or disagrees is said in ONE warning and the runner stays
-eager for good. Outputs of a CUDA-graph replay live in the graph's memory pool until the next call:
+eager for good. A new replay graph is checked against its eager warm-up the same way, and a capture
+that fails or disagrees turns replay off with one warning. Outputs of a CUDA-graph replay live in the graph's memory pool until the next call:
 `borrowed` says so, and a caller that keeps them copies them first."""
 from __future__ import annotations
 
@@ -19,10 +22,11 @@ import warnings
 
 import torch
 
-from ..core.compiled import REPLAY_MODE, CompiledGraph, inference_route
+from ..core.compiled import REPLAY_MODE, CompiledGraph, failure_reason, inference_route
 from ..core.run import run_graph
 from .agreement import compiled_agrees
 from .causal_flags import CausalFlags
+from .replay import Replays
 
 MIN_BUCKET = 2048  # shorter inputs share one rewrite (and one compiled graph): a compile per short length would not pay
 
@@ -55,6 +59,7 @@ class FastGraph:
         self.shapes: set = set()    # input shapes run eagerly so far (a shape's first call is not counted)
         self.failed: str | None = None
         self.borrowed = False
+        self.replays = Replays() if self.route.replay else None
 
     def key(self, length: int):
         return bucket(length, self.limit) if self.route.causal_flags else None
@@ -81,6 +86,8 @@ class FastGraph:
         ids = input_ids
         key = self.key(ids.shape[-1])
         if not self.compiling():
+            if self.replays is not None and self.replays.ready(ids, key):
+                return self.replayed(ids, key)
             self.borrowed = False
             return self.timed(ids)
         first = key not in self.compiled
@@ -109,6 +116,28 @@ class FastGraph:
         self.failed, self.borrowed = f"its logits disagree with eager ({why})", False
         warnings.warn(f"The compiled {self.label} disagrees with the eager one ({why}); running it eagerly.", stacklevel=3)
         return reference
+
+    def replayed(self, ids: torch.Tensor, key):
+        """The bucket's eager graph through its CUDA-graph replay (surgery.decode.replay); eager for good,
+        with one warning, if capturing fails or the new graph disagrees with its eager warm-up."""
+        gm = self.graph(key)
+        forward = lambda static: gm(input_ids=static, **gm.meta.get("extra_inputs", {}))  # noqa: E731
+        try:
+            out, warm = self.replays.run(forward, ids, key)
+        except Exception as exc:
+            return self.no_replay(f"capturing it as a CUDA graph failed ({failure_reason(exc)})", self.eager(ids))
+        if warm is not None:
+            ok, why = compiled_agrees(first_output(out).clone(), first_output(warm))
+            if not ok:
+                return self.no_replay(f"its CUDA-graph replay disagrees with eager ({why})", warm)
+        self.borrowed = True
+        return out
+
+    def no_replay(self, why: str, out):
+        self.replays.give_up(why)
+        self.borrowed = False
+        warnings.warn(f"Replaying the {self.label}: {why}; running it eagerly.", stacklevel=4)
+        return out
 
     def timed(self, ids: torch.Tensor):
         """An eager call, its time counted towards compiling when the route compiles at all. A shape's

@@ -19,6 +19,7 @@ import warnings
 import torch
 
 from ..core.run import graph_logits
+from .replay import capture
 
 WARMUP = 2
 
@@ -83,20 +84,9 @@ class StaticStep:
         dec = self.decoder
         saved = {key: m.snapshot() for key, m in dec.gdn.items()}
         self.ids = ids.clone()
-        current = torch.cuda.current_stream(ids.device)
-        side = torch.cuda.Stream(device=ids.device)
-        side.wait_stream(current)
         try:
-            with torch.cuda.stream(side):
-                for _ in range(WARMUP):
-                    self._run(self.ids)
-            current.wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                self.logits = self._run(self.ids)
-            self.graph = graph
+            self.graph, self.logits, _ = capture(lambda: self._run(self.ids), warmup=WARMUP)
         except Exception as exc:  # a kernel that cannot be captured: the same static steps, eagerly
-            current.wait_stream(side)
             self.release()
             self.cuda_graph = False
             first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
