@@ -159,8 +159,22 @@ def concatenated(weights, biases) -> tuple[torch.Tensor, torch.Tensor | None]:
     return weight, torch.cat([b if b is not None else w.new_zeros(w.shape[0]) for w, b in zip(weights, biases)])
 
 
+# On CUDA the fused weight gets zero rows up to a multiple of this many outputs: cuBLAS's fast GEMMs want
+# rows of whole 16-byte units, and SmolLM2's GDN projections (2,322 outputs) ran an sm80 cutlass fallback,
+# 9.1 of the 75% hybrid's 87 ms at 32k tokens on the H200 (bench/RESULTS.md, sixteenth session).
+CUDA_ROW_ALIGN = 64
+
+
+def row_aligned(weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """weight [N, K] (and bias [N]) padded with zero rows to a multiple of CUDA_ROW_ALIGN, on CUDA only."""
+    pad = -weight.shape[0] % CUDA_ROW_ALIGN
+    if not weight.is_cuda or pad == 0:
+        return weight, bias
+    return F.pad(weight, (0, 0, 0, pad)), (None if bias is None else F.pad(bias, (0, pad)))
+
+
 def fused_weight(owner: nn.Module, layers) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The concatenated weight and bias of `layers`. When no gradient is needed (inference, decoding
+    """The concatenated weight and bias of `layers` (row_aligned). When no gradient is needed (inference, decoding
     one token at a time) the concatenation is kept on `owner` until a parameter changes (tensor
     version counter or storage), so a decode step does not copy every projection matrix again."""
     params = [p for l in layers for p in (l.weight, l.bias) if p is not None]
@@ -169,7 +183,7 @@ def fused_weight(owner: nn.Module, layers) -> tuple[torch.Tensor, torch.Tensor |
     cached = owner.__dict__.get("_fused_cache")
     if inference and cached is not None and cached[0] == key:
         return cached[1], cached[2]
-    weight, bias = concatenated([l.weight for l in layers], [l.bias for l in layers])
+    weight, bias = row_aligned(*concatenated([l.weight for l in layers], [l.bias for l in layers]))
     if inference:
         owner.__dict__["_fused_cache"] = (key, weight, bias)
     else:
@@ -263,7 +277,8 @@ class RecurrentLayer(nn.Module):
             return {n: l(x) for n, l in zip(self.INPUT_PROJECTIONS, layers)}
         else:
             weight, bias = fused_weight(self, layers)
-        parts = F.linear(x, weight, bias).split([l.out_features for l in layers], dim=-1)
+        sizes = [l.out_features for l in layers]
+        parts = F.linear(x, weight, bias)[..., :sum(sizes)].split(sizes, dim=-1)  # without row_aligned's padding
         return dict(zip(self.INPUT_PROJECTIONS, parts))
 
     def _stream(self, y: torch.Tensor, name: str, activation, cache: GDNCache | None = None) -> torch.Tensor:

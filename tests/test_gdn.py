@@ -356,3 +356,19 @@ def test_fused_projection_cache_follows_weight_updates():
     out = layer(x)                                             # with gradients: no stale cache, grads flow
     out.square().sum().backward()
     assert layer.k_proj.weight.grad is not None and "_fused_cache" not in layer.__dict__
+
+
+def test_padded_fused_projection_gives_the_same_outputs():
+    """A fused input projection with zero rows appended (row_aligned's CUDA padding, here passed in as a
+    caller's projection) gives the same layer output as the unpadded one: the padding is sliced off."""
+    from tcal.gdn import concatenated
+
+    torch.manual_seed(0)
+    layer = GatedDeltaNet(hidden_size=32, num_heads=2, head_dim=16, backend="torch").double()
+    x = torch.randn(2, 7, 32, dtype=torch.float64)
+    layers = [layer.get_submodule(n) for n in layer.INPUT_PROJECTIONS]
+    weight, bias = concatenated([l.weight for l in layers], [l.bias for l in layers])
+    padded = torch.nn.functional.pad(weight, (0, 0, 0, -weight.shape[0] % 64 or 64))
+    with torch.no_grad():
+        plain = layer(x)
+        assert torch.equal(layer(x, projection=(padded, None)), plain)
