@@ -31,6 +31,7 @@ gap on the GPU with and without it, in float32, and by position, to pin the GPU 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import sys
 import time
 import warnings
@@ -76,11 +77,14 @@ class Route:
                    whether the caller then runs one more call or a million.
     replay         until then, an input shape's second and later calls replay the eager graph as a
                    CUDA graph (surgery.decode.replay): the same kernels, bit-identical logits, a
-                   capture of ~0.1 s instead of a compile."""
+                   capture of ~0.1 s instead of a compile.
+    fused_norms    each RMSNorm's traced arithmetic as one fused kernel (surgery.decode.fused_norms):
+                   for the uncompiled routes, since inductor fuses them itself."""
 
     causal_flags: bool = False
     compile_after: float | None = None
     replay: bool = False
+    fused_norms: bool = False
 
 
 # A compile of the 75% hybrid (SmolLM2-135M shapes) took 22-32 s on the H200, the teacher's 27-38 s, on a
@@ -105,8 +109,8 @@ COMPILE_SECONDS = 30.0
 # So on CUDA the default takes the flags and replays from a shape's second call; compiling, which
 # would save 2 ms a call at 2k (12,000 calls to win back its 25 s), stays what --compile asks for.
 ROUTES: dict[tuple[str, str], Route] = {
-    ("cuda", "eval"): Route(causal_flags=True, compile_after=None, replay=True),
-    ("cuda", "prefill"): Route(causal_flags=True, compile_after=None, replay=True),
+    ("cuda", "eval"): Route(causal_flags=True, compile_after=None, replay=True, fused_norms=True),
+    ("cuda", "prefill"): Route(causal_flags=True, compile_after=None, replay=True, fused_norms=True),
 }
 
 
@@ -118,7 +122,7 @@ def inference_route(flag: bool | None, device, use: str) -> Route:
     route = ROUTES.get((torch.device(device).type, use), Route())
     if flag is None:
         return route
-    return Route(causal_flags=True, compile_after=0.0) if flag else Route(route.causal_flags, None, route.replay)
+    return Route(causal_flags=True, compile_after=0.0) if flag else dataclasses.replace(route, compile_after=None)
 
 
 def compile_default(device, use: str, tokens: int | None = None) -> bool:

@@ -26,6 +26,7 @@ from ..errors import DecodeError
 from .agreement import check_probe, probes, references
 from .caches import DecodeState, KVCacheAttention
 from .fused_linears import fuse_sibling_linears
+from .fused_norms import fuse_rms_norms
 from .gdn_state import GDNState
 from .lengths import FIX_FULL
 from .masks import MASK_PROBE
@@ -94,7 +95,8 @@ class Decoder:
     (surgery.core.compiled). A first prefill takes the device's fast route (surgery.decode.prefill);
     later prefills and dynamic steps run the decode graph eagerly. fuse_projections: static steps
     run linears that share an input as one matmul over a copy of their weights (more memory, fewer
-    kernels; surgery.decode.fused_linears), copied again at each reset if a weight changed."""
+    kernels; surgery.decode.fused_linears), copied again at each reset if a weight changed; uncompiled
+    static steps also run each RMSNorm as one kernel (surgery.decode.fused_norms)."""
 
     def __init__(self, graph, *, verify: bool = True, mask_probe: int = MASK_PROBE, step_mode: str = "auto",
                  compile: bool | None = None, fuse_projections: bool = True):
@@ -115,6 +117,8 @@ class Decoder:
         if self.step_mode != "dynamic" and fuse_projections:  # static steps: sibling projections as one matmul
             self.step_gm = fork(self.gm)
             self.fused = fuse_sibling_linears(self.step_gm) + [m.fuse_projection() for m in self.gdn.values()]
+        if self.step_gm is not self.gm and not self.compiled:  # the step's own graph; inductor fuses norms itself
+            fuse_rms_norms(self.step_gm, in_place=True)
         runner = CompiledGraph(self.step_gm, label="decode step") if self.compiled and self.step_mode != "dynamic" else None
         self._static = StaticStep(self, cuda_graph=self.step_mode == "cuda-graph", runner=runner)
         self.reset()
