@@ -96,6 +96,7 @@ def test_static_decode_steps_fuse_their_norms(tiny):
     graph = hybrid(tiny("qwen3").graph.branch())
     prompt = torch.randint(3, graph.config.vocab_size, (1, 7), generator=torch.Generator().manual_seed(3))[0].tolist()
     reference, _ = full_greedy(graph, prompt, 5)
-    decoder = Decoder(graph, step_mode="static")
+    assert fused_calls(Decoder(graph, step_mode="static").step_gm) == 0  # off by default (unmeasured on the GPU)
+    decoder = Decoder(graph, step_mode="static", fuse_norms=True)
     assert fused_calls(decoder.step_gm) >= 2 * graph.config.num_hidden_layers + 1 and fused_calls(decoder.gm) == 0
     assert incremental_greedy(decoder, prompt, 5)[0] == reference

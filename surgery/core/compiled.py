@@ -108,9 +108,14 @@ COMPILE_SECONDS = 30.0
 # 0.08 s capture, bit-identical to eager (8k: 19.57 ms; 32k: 86.92 ms against transformers' 130.81).
 # So on CUDA the default takes the flags and replays from a shape's second call; compiling, which
 # would save 2 ms a call at 2k (12,000 calls to win back its 25 s), stays what --compile asks for.
+# Fused RMSNorms (surgery.decode.fused_norms) on the uncompiled routes and in a Decoder's static steps: on
+# the H200 profile of the hybrid's 32k forward, the norms' unfused arithmetic was a large part of ~27 ms of
+# elementwise work (RESULTS, sixteenth session). The rewrite is exact on the CPU, but its speed on the GPU
+# was not measured (the session's device time ran out), so it stays off until bench/speed.py measures it.
+FUSED_NORMS_BY_DEFAULT = False
 ROUTES: dict[tuple[str, str], Route] = {
-    ("cuda", "eval"): Route(causal_flags=True, compile_after=None, replay=True, fused_norms=True),
-    ("cuda", "prefill"): Route(causal_flags=True, compile_after=None, replay=True, fused_norms=True),
+    ("cuda", "eval"): Route(causal_flags=True, compile_after=None, replay=True, fused_norms=FUSED_NORMS_BY_DEFAULT),
+    ("cuda", "prefill"): Route(causal_flags=True, compile_after=None, replay=True, fused_norms=FUSED_NORMS_BY_DEFAULT),
 }
 
 

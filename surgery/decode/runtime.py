@@ -19,7 +19,7 @@ import warnings
 
 import torch
 
-from ..core.compiled import CompiledGraph, resolve_compile
+from ..core.compiled import FUSED_NORMS_BY_DEFAULT, CompiledGraph, resolve_compile
 from ..core.rewrite import fork, prune, set_submodule, splice_module
 from ..core.run import graph_logits
 from ..errors import DecodeError
@@ -95,11 +95,12 @@ class Decoder:
     (surgery.core.compiled). A first prefill takes the device's fast route (surgery.decode.prefill);
     later prefills and dynamic steps run the decode graph eagerly. fuse_projections: static steps
     run linears that share an input as one matmul over a copy of their weights (more memory, fewer
-    kernels; surgery.decode.fused_linears), copied again at each reset if a weight changed; uncompiled
-    static steps also run each RMSNorm as one kernel (surgery.decode.fused_norms)."""
+    kernels; surgery.decode.fused_linears), copied again at each reset if a weight changed. fuse_norms:
+    uncompiled static steps (with fuse_projections) run each RMSNorm as one kernel
+    (surgery.decode.fused_norms); None: surgery.core.compiled.FUSED_NORMS_BY_DEFAULT."""
 
     def __init__(self, graph, *, verify: bool = True, mask_probe: int = MASK_PROBE, step_mode: str = "auto",
-                 compile: bool | None = None, fuse_projections: bool = True):
+                 compile: bool | None = None, fuse_projections: bool = True, fuse_norms: bool | None = None):
         self.compiled = resolve_compile(compile, graph.device, "decode")
         self.step_mode = check_step_mode(step_mode, graph.device, self.compiled)
         self.capacity: int | None = None
@@ -117,7 +118,8 @@ class Decoder:
         if self.step_mode != "dynamic" and fuse_projections:  # static steps: sibling projections as one matmul
             self.step_gm = fork(self.gm)
             self.fused = fuse_sibling_linears(self.step_gm) + [m.fuse_projection() for m in self.gdn.values()]
-        if self.step_gm is not self.gm and not self.compiled:  # the step's own graph; inductor fuses norms itself
+        fuse_norms = FUSED_NORMS_BY_DEFAULT if fuse_norms is None else fuse_norms
+        if fuse_norms and self.step_gm is not self.gm and not self.compiled:  # inductor fuses norms itself
             fuse_rms_norms(self.step_gm, in_place=True)
         runner = CompiledGraph(self.step_gm, label="decode step") if self.compiled and self.step_mode != "dynamic" else None
         self._static = StaticStep(self, cuda_graph=self.step_mode == "cuda-graph", runner=runner)
