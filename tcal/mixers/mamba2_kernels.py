@@ -8,27 +8,20 @@ sum of g). Mamba2 reads q = C, k = B, v = dt * x, g = -exp(A_log) * dt (tcal.mix
 
 Shapes: q, k [B, T, H, Dk]; v [B, T, H, Dv]; g [B, T, H]; states [B, H, Dk, Dv] (fla's
 chunk_simple_gla / fused_recurrent_simple_gla layout, so states pass between backends). A token loop
-and a chunked form in PyTorch (differentiable, any device); fla's Triton kernels on CUDA.
+and a chunked form in PyTorch (differentiable, any device; the token loop is GLA's), fla's Triton
+kernels on CUDA.
 """
 from __future__ import annotations
 
 import torch
 
-from ..kernels import fla_available
-from .gla_kernels import RECURRENT_MAX_T, chunks_of, compute_dtype, initial_state_of
+from .gla_kernels import chunks_of, compute_dtype, initial_state_of, recurrent_gla_torch, run_kernel
 
 
 def recurrent_ssd_torch(q, k, v, g, scale, initial_state=None, output_final_state=False):
-    """Token by token: exact, for decoding and short calls."""
-    cdt = compute_dtype(q.dtype)
-    q, k, v, g = (x.transpose(1, 2).to(cdt) for x in (q, k, v, g))
-    b, h, t, dk = q.shape
-    state = initial_state_of(initial_state, b, h, dk, v.shape[-1], q)
-    outputs = []
-    for i in range(t):
-        state = g[:, :, i, None, None].exp() * state + k[:, :, i, :, None] * v[:, :, i, None, :]
-        outputs.append(torch.einsum("bhk,bhkv->bhv", q[:, :, i] * scale, state))
-    return torch.stack(outputs, dim=1), (state if output_final_state else None)
+    """Token by token (exact, for decoding and short calls): GLA's token loop with the head's decay
+    on every key channel."""
+    return recurrent_gla_torch(q, k, v, g.unsqueeze(-1).expand_as(q), scale, initial_state, output_final_state)
 
 
 def chunked_ssd_torch(q, k, v, g, scale, initial_state=None, output_final_state=False, chunk_size=32):
@@ -69,12 +62,5 @@ def ssd(q, k, v, g, scale=None, initial_state=None, output_final_state=False, ba
     """(o [B, T, H, Dv], final state [B, H, Dk, Dv] or None). backend: "torch", "fla" (its Triton
     kernels), "auto" (fla on CUDA when it imports, else torch)."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    if backend == "auto":
-        backend = "fla" if q.is_cuda and fla_available() else "torch"
-    if backend == "fla":
-        return _fla_ssd(q, k, v, g, scale, initial_state, output_final_state)
-    if backend != "torch":
-        raise ValueError(f"unknown Mamba2 backend {backend!r}; use auto, torch or fla")
-    run = recurrent_ssd_torch if q.shape[1] <= RECURRENT_MAX_T else chunked_ssd_torch
-    o, state = run(q, k, v, g, scale, initial_state, output_final_state)
-    return o.to(v.dtype), state
+    return run_kernel("Mamba2", backend, _fla_ssd, recurrent_ssd_torch, chunked_ssd_torch,
+                      q, k, v, g, scale, initial_state, output_final_state)

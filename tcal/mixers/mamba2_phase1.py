@@ -8,10 +8,8 @@ optional value scale and the output gate (RMS-matched amplitude by least squares
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from .. import maps
-from ..phase1 import Phase1Options, relative_error, scale_values, set_gate
+from ..phase1 import Phase1Options, relative_error, scale_values, set_decay, set_gate
 from .mamba2 import Mamba2
 
 
@@ -22,10 +20,7 @@ def calibrate_mamba2_layer(layer: Mamba2, x: torch.Tensor, ctx: torch.Tensor, ta
     report = {"rel_error_before": relative_error(layer(x), target)}
     layer.D.zero_()
     if opts.decay:
-        a_log, dt_bias = maps.decay_from_distance(stats["distance"], opts.min_rate, opts.max_rate)
-        layer.set_decay(a_log, dt_bias, opts.a_proj_scale)
-        report["distance"] = stats["distance"].tolist()
-        report["alpha"] = torch.exp(-F.softplus(dt_bias.double())).tolist()
+        set_decay(layer, stats, opts, report)
     if opts.value_scale:
         scale_values(layer, x, ctx, report)
     set_gate(layer, x, ctx, opts, report)
