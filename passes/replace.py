@@ -1,7 +1,7 @@
 """replace: each selected attention site becomes one call to a module of the chosen mixer
-(tcal.mixers: gdn, the default; gla; kda; swa).
+(tcal.mixers: gdn, the default; gla; kda; mamba2; swa).
 
-A mixer that replaces the layer (gdn, gla, kda): the region from the Q/K/V projections through the attention
+A mixer that replaces the layer (gdn, gla, kda, mamba2): the region from the Q/K/V projections through the attention
 op to the output projection is cut out of the graph; the module takes the region's input (the normed
 hidden states) and its output replaces the output projection's. Q and O are copied, K and V
 GQA-expanded, fused QKV sliced, biases kept; the new parameters keep flash-linear-attention's default
@@ -42,7 +42,7 @@ class ReplaceConfig(PassConfig):
                        held-out error (bench/RESULTS.md)
     backend            GDN kernel: auto (fla on CUDA when usable, chunked PyTorch otherwise), torch, fla
     seed               seeds the default initialisation of the new parameters
-    mixer              what a converted layer becomes: gdn (default), gla, kda, swa (tcal.mixers)
+    mixer              what a converted layer becomes: gdn (default), gla, kda, mamba2, swa (tcal.mixers)
     window             swa: the window a layer starts with (the copy-only baseline); calibrate
                        sets each layer's from the teacher (calibrate.window_quantile)"""
 

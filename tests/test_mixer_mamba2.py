@@ -15,6 +15,7 @@ import torch.nn.functional as F
 import surgery
 from surgery import PassManager
 from surgery.errors import ExportError, PassConfigError
+from tcal.kernels import fla_available, fla_backward_supported
 from tcal.mixers import MIXERS, get_mixer
 from tcal.mixers.mamba2 import Mamba2
 from tcal.mixers.mamba2_kernels import chunked_ssd_torch, recurrent_ssd_torch, ssd
@@ -77,6 +78,30 @@ def test_calls_continue_from_the_state_and_strong_decay_stays_finite():
     assert torch.isfinite(ssd(*(x.float() for x in (q, k, v, g)), backend="torch")[0]).all()
     with pytest.raises(ValueError, match="unknown Mamba2 backend 'triton'; use auto, torch or fla"):
         ssd(q, k, v, g, backend="triton")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not fla_available(), reason="fla's Triton kernels need CUDA")
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 2e-3), (torch.bfloat16, 3e-2)])
+@pytest.mark.parametrize("t", [1, 40, 300])
+def test_fla_kernels_match_the_reference_on_cuda(t, dtype, tolerance):
+    """fla's fused recurrent (short, no gradient) and chunked simple GLA against the float64 token loop:
+    outputs, final state, and (where fla's backward is trusted on this Triton) the gradients."""
+    q, k, v, g, s0 = (x.cuda() for x in inputs(b=2, t=t, h=9, dk=64, dv=64, seed=1, dtype=torch.float32))
+    k, g, s0 = torch.nn.functional.normalize(k, dim=-1), g * 0.25, s0 * 0.1
+    rel = lambda a, b: float((a.double() - b.double()).norm() / b.double().norm())  # noqa: E731
+    want_o, want_s = recurrent_ssd_torch(*(x.double() for x in (q, k, v, g)), 0.125, s0.double(), True)
+    with torch.no_grad():
+        o, s = ssd(q.to(dtype), k.to(dtype), v.to(dtype), g, 0.125, s0, True, backend="fla")
+    assert rel(o, want_o) < tolerance and rel(s, want_s) < tolerance, (rel(o, want_o), rel(s, want_s))
+    if not fla_backward_supported():
+        return
+    grads = {}
+    for backend in ("fla", "torch"):
+        leaves = [x.detach().to(dtype if i < 3 else torch.float32).requires_grad_() for i, x in enumerate((q, k, v, g))]
+        o, s = ssd(*leaves, 0.125, s0, True, backend=backend)
+        (o.float().pow(2).mean() + s.float().pow(2).mean()).backward()
+        grads[backend] = [x.grad for x in leaves]
+    assert max(rel(a, b) for a, b in zip(grads["fla"], grads["torch"])) < tolerance
 
 
 def naive_mamba2(layer: Mamba2, x: torch.Tensor) -> torch.Tensor:

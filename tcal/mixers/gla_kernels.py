@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..kernels import fla_available
+from ..kernels import fla_available, fla_backward_supported
 
 RECURRENT_MAX_T = 16  # at or below this length the token loop is cheaper than chunk matrices
 
@@ -81,11 +81,13 @@ def _fla_gla(q, k, v, g, scale, initial_state, output_final_state):
 def run_kernel(name: str, backend: str, fla_run, recurrent, chunked, *args):
     """What a mixer's kernel entry point does with its backend: "fla" calls fla_run(*args); "torch"
     the token loop for short calls (<= RECURRENT_MAX_T tokens, such as one decoded token) and the
-    chunked form otherwise, the output cast to v's dtype; "auto" is fla on CUDA when it imports.
+    chunked form otherwise, the output cast to v's dtype; "auto" is fla on CUDA when it imports and,
+    when a gradient is needed, its backward is trustworthy on this Triton (as GDN's, tcal.kernels).
     args: (q, k, v, ..., scale, initial_state, output_final_state) as the kernels take them."""
     q, v = args[0], args[2]
     if backend == "auto":
-        backend = "fla" if q.is_cuda and fla_available() else "torch"
+        training = torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
+        backend = "fla" if q.is_cuda and fla_available() and (not training or fla_backward_supported()) else "torch"
     if backend == "fla":
         return fla_run(*args)
     if backend != "torch":
