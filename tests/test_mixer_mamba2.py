@@ -200,3 +200,28 @@ def test_phase1_and_phase2_beat_the_copy_only_baseline(stories, stories_teacher,
         with pytest.raises(ExportError, match=f"--format {fmt} exports GDN layers only, and this hybrid converted layer 1 \\(mamba2\\), layer 3 \\(mamba2\\)"):
             surgery.export(loaded, tmp_path / fmt, format=fmt)
     assert not (tmp_path / "hf").exists() and not (tmp_path / "qwen3_5").exists()
+
+
+def test_cli_apply_inspect_diff_and_export_refusal(stories_path, tmp_path):
+    """Through the CLI: apply with --set replace.mixer=mamba2, inspect counts the layers as mamba2
+    with a fixed state and no KV cache, diff names the kinds, export refuses by name and writes nothing."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from cli_checks import assert_clean_failure, invoke
+
+    runner, out = CliRunner(), tmp_path / "hybrid"
+    applied = invoke(runner, "apply", "--model", stories_path, "--passes", "select,replace", "--layers", "1,3,4",
+                     "--set", "replace.mixer=mamba2", "--out", out)
+    assert applied.exit_code == 0, applied.output
+    data = json.loads(invoke(runner, "inspect", "--model", out, "--json").stdout)
+    assert [r["kind"] for r in data["sites"]] == ["sdpa", "mamba2", "sdpa", "mamba2", "mamba2"]
+    assert (data["softmax_layers"], data["gdn_layers"], data["kv_bytes_per_token"]) == (2, 3, 2 * 256)
+    assert [r["state_bytes"] for r in data["sites"]] == [0, 8 * 8 * 8 * 4, 0, 8 * 8 * 8 * 4, 8 * 8 * 8 * 4]  # 8 heads of 8 x 8, float32
+    assert "5 layers: 2 softmax attention + 3 mamba2 (llama)" in invoke(runner, "inspect", "--model", out).stdout
+    groups = json.loads(invoke(runner, "diff", stories_path, out, "--json").stdout)["groups"]
+    assert [(g["label"], g["before"], g["after"]) for g in groups if g["after"] == "mamba2"] == [("1,3,4", "attention", "mamba2")]
+    refused = invoke(runner, "export", "--model", out, "--out", tmp_path / "hf", "--format", "hf")
+    assert_clean_failure(refused, "exports GDN layers only", "layer 1 (mamba2), layer 3 (mamba2), layer 4 (mamba2)")
+    assert not (tmp_path / "hf").exists()
