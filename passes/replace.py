@@ -23,6 +23,7 @@ from surgery.core.rewrite import ancestors, descendants, fork, nodes_by_name, pr
 from surgery.sites import AttentionSite
 from surgery.sites.ops import SDPA_OPS, SOFTMAX_OPS
 from tcal.gdn import GatedDeltaNet
+from tcal.kernels import fla_available
 from tcal.mixers import MIXERS, get_mixer
 
 from .op_mixer import op_module_for_site, splice_op_module, verify_op_modules
@@ -157,6 +158,13 @@ class Replace(Pass):
     runs_after = ("select",)
     not_after = ("replace",)
     structural = True
+
+    def preflight(self, graph: Graph) -> None:
+        """backend=fla where fla's kernels cannot run is refused before the pipeline's first pass."""
+        if self.config.backend == "fla" and not (graph.device.type == "cuda" and fla_available()):
+            where = f"this graph is on {graph.device}" + ("" if fla_available() else " and fla's kernels do not import here")
+            raise PassConfigError(f"backend 'fla' runs fla's Triton kernels on a CUDA device only; {where}.",
+                                  "Use replace.backend=auto (fla where it runs, PyTorch elsewhere) or replace.backend=torch.")
 
     def check(self, graph: Graph) -> None:
         selection = graph.meta.get("select")

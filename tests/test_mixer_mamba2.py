@@ -161,7 +161,8 @@ def test_unknown_mixer_and_bad_options_are_refused_before_any_work(stories):
     for replace, message in [({"mixer": "mamba"}, "mixer 'mamba' is not one of gdn, swa, gla, kda, mamba2"),
                              ({"mixer": "mamba2", "v_activation": "gelu"}, "v_activation 'gelu' is not one of"),
                              ({"mixer": "mamba2", "backend": "triton"}, "backend 'triton' is not one of"),
-                             ({"mixer": "mamba2", "conv_size": 0}, "conv_size must be >= 1")]:
+                             ({"mixer": "mamba2", "conv_size": 0}, "conv_size must be >= 1")] + \
+                            ([] if torch.cuda.is_available() else [({"mixer": "mamba2", "backend": "fla"}, "backend 'fla' runs fla's Triton kernels on a CUDA device only")]):
         graph = stories()
         with pytest.raises(PassConfigError, match=message):
             convert(graph, layers=[1], **replace)
