@@ -3,13 +3,14 @@ recurrence goes through tcal.mixers.mamba2_kernels (fla's simple GLA on CUDA).
 
 Per token and head: step dt_t = softplus(dt_proj(x_t) + dt_bias), log-space decay
 g_t = -exp(A_log) * dt_t, and with C = q_proj, B = k_proj, x = v_proj (named after the teacher
-projections they are copied from; B and C one per head, the teacher's K heads GQA-expanded)
+projections they are copied from; B and C one per head, the teacher's K heads GQA-expanded, so the
+heads of one KV group start with one shared B, as Mamba2's n_groups)
 
     S_t = e^(g_t) S_{t-1} + B_t (dt_t x_t)^T,    y_t = S_t^T (scale C_t) + D x_t,
 
 scale = head_dim^-0.5 (the attention logits' scale, which the copied Q/K were trained for). No
 write gate, no delta rule. Differences from fla's Mamba2, each on purpose: separate projections
-(the teacher's, biases kept) instead of one fused in_proj; no n_groups (every head its own B, C); the
+(the teacher's, biases kept) instead of one fused in_proj; B and C free per head (no tied groups); the
 short convolutions optional (SiLU after them) and starting as the identity; v's activation
 selectable; the output path is GDN's (RMSNorm(y) * w * silu(g_proj x) per head, then o_proj), so
 Phase 1's output gate is GDN's own. The copy-only baseline keeps fla's init: A ~ U(1, 16), dt
