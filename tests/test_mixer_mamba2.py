@@ -187,7 +187,7 @@ def test_phase1_and_phase2_beat_the_copy_only_baseline(stories, stories_teacher,
     both = convert(stories(), mixer="mamba2", layers=[1, 3])
     PassManager(["calibrate", "align"], {"calibrate": small, "align": {**small, "progress": False}})(both)
     errors = [block_error(g, stories_teacher, held_out, [1, 3], record) for g in (baseline, phase1, both)]
-    assert errors[1] < 0.7 * errors[0] and errors[2] < 0.95 * errors[1], errors
+    assert errors[1] < 0.7 * errors[0] and errors[2] < 0.95 * errors[1], errors  # measured: 2.08, 0.87, 0.70 (GDN: 1.90, 0.79, 0.70)
 
     surgery.save(both, tmp_path / "h")
     loaded = surgery.load(tmp_path / "h")
