@@ -1,13 +1,17 @@
 """What `surgery inspect` says about each layer of a teacher or a hybrid: its kind as it runs now
-(gdn, or the attention op's form: sdpa / eager), its sliding window (read from the graph's masks, as
-decoding and select.window read it), and what decoding keeps for it: K and V bytes per token for a
-softmax layer, a fixed recurrent state for a GDN layer (measured from one decoded token)."""
+(the recurrent mixer it became: gdn, gla, kda, mamba2; or the attention op's form: sdpa / eager), its
+sliding window (read from the graph's masks, as decoding and select.window read it), and what
+decoding keeps for it: K and V bytes per token for a softmax layer, a fixed recurrent state for a
+recurrent layer (measured from one decoded token)."""
 from __future__ import annotations
 
 import torch
 from rich.table import Table
 
 from surgery.passes.kv_budget import kv_cache_bytes, layer_windows
+from tcal.mixers import MIXERS
+
+RECURRENT = frozenset(name for name, mixer in MIXERS.items() if mixer.replaces == "layer")  # a fixed state, no KV cache
 
 
 def gdn_state_bytes(gdn: torch.nn.Module, hidden_size: int, dtype: torch.dtype, device) -> int:
@@ -20,17 +24,18 @@ def gdn_state_bytes(gdn: torch.nn.Module, hidden_size: int, dtype: torch.dtype, 
 
 
 def layer_rows(graph) -> list[dict]:
-    """One row per layer: the site's summary, `now` (attention / gdn), `kind` (gdn, or sdpa / eager
-    for softmax attention), `window` (None: full causal), `kv_bytes_per_token` (0 for GDN) and
-    `state_bytes` (GDN's fixed state; 0 for attention), in the graph's dtype at batch 1."""
+    """One row per layer: the site's summary, `now` (attention, or the converted layer's mixer),
+    `kind` (a recurrent mixer's name, or sdpa / eager for softmax attention), `window` (None: full
+    causal), `kv_bytes_per_token` (0 for a recurrent layer) and `state_bytes` (its fixed state; 0 for
+    attention), in the graph's dtype at batch 1."""
     windows = layer_windows(graph)
     size = torch.empty((), dtype=graph.dtype).element_size()
     gdns = graph.gdn_modules()
     rows = []
     for site, now, window in zip(graph.sites, graph.layer_kinds, windows):
         row = site.summary() | {"now": now, "window": window, "kv_bytes_per_token": 0, "state_bytes": 0}
-        if now == "gdn":
-            row |= {"kind": "gdn", "window": None, "state_bytes": gdn_state_bytes(gdns[site.layer], site.hidden_size, graph.dtype, graph.device)}
+        if now in RECURRENT:
+            row |= {"kind": now, "window": None, "state_bytes": gdn_state_bytes(gdns[site.layer], site.hidden_size, graph.dtype, graph.device)}
         else:
             row["kv_bytes_per_token"] = kv_cache_bytes(site, None, 1, size)
         rows.append(row)
@@ -38,11 +43,13 @@ def layer_rows(graph) -> list[dict]:
 
 
 def title(rows: list[dict]) -> str:
-    """'30 layers: 15 softmax attention + 15 GDN', or '5 softmax attention layers' for a teacher."""
-    gdn = sum(r["now"] == "gdn" for r in rows)
-    if not gdn:
+    """'30 layers: 15 softmax attention + 15 GDN' (or '+ 15 mamba2', another mixer's name), or
+    '5 softmax attention layers' for a teacher."""
+    recurrent = [r["now"] for r in rows if r["now"] in RECURRENT]
+    if not recurrent:
         return f"{len(rows)} softmax attention layers"
-    return f"{len(rows)} layers: {len(rows) - gdn} softmax attention + {gdn} GDN"
+    kinds = " + ".join(f"{recurrent.count(k)} {'GDN' if k == 'gdn' else k}" for k in dict.fromkeys(recurrent))
+    return f"{len(rows)} layers: {len(rows) - len(recurrent)} softmax attention + {kinds}"
 
 
 def layer_info(graph, model: str) -> dict:
@@ -60,7 +67,7 @@ def export_info(exported, described: dict) -> dict:
 
 def counts(rows: list[dict], model_type: str, dtype: torch.dtype) -> dict:
     return {"model_type": model_type, "dtype": str(dtype).removeprefix("torch."), "layers": len(rows),
-            "softmax_layers": sum(r["now"] != "gdn" for r in rows), "gdn_layers": sum(r["now"] == "gdn" for r in rows),
+            "softmax_layers": sum(r["now"] not in RECURRENT for r in rows), "gdn_layers": sum(r["now"] in RECURRENT for r in rows),
             "kv_bytes_per_token": sum(r["kv_bytes_per_token"] for r in rows), "state_bytes": sum(r["state_bytes"] for r in rows),
             "sites": rows}
 
@@ -73,7 +80,7 @@ COLUMNS = {"layer": "layer", "path": "path", "kind": "kind", "window": "window",
 def cell(row: dict, key: str) -> str:
     value = row[key]
     if key == "window":
-        return "-" if row["now"] == "gdn" else "full" if value is None else str(value)
+        return "-" if row["now"] in RECURRENT else "full" if value is None else str(value)
     return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
@@ -82,7 +89,7 @@ def layer_table(info: dict) -> Table:
     rows = info["sites"]
     heading = f"{info['model']}: {title(rows)} ({info['model_type']})"
     table = Table(title=heading, min_width=len(heading),  # the title on one line, however few the columns
-                  caption=f"KV cache {info['kv_bytes_per_token']:,} B per token (KV B/tok), GDN state {info['state_bytes']:,} B "
+                  caption=f"KV cache {info['kv_bytes_per_token']:,} B per token (KV B/tok), recurrent state {info['state_bytes']:,} B "
                           f"(state B), batch 1, {info['dtype']}; window: sliding window, or full")
     columns = {header: key for header, key in COLUMNS.items() if key in rows[0]}  # an export's rows say less than a graph's
     for header, key in columns.items():

@@ -1,7 +1,7 @@
 """replace: each selected attention site becomes one call to a module of the chosen mixer
-(tcal.mixers: gdn, the default; gla; kda; swa).
+(tcal.mixers: gdn, the default; gla; kda; mamba2; swa).
 
-A mixer that replaces the layer (gdn, gla, kda): the region from the Q/K/V projections through the attention
+A mixer that replaces the layer (gdn, gla, kda, mamba2): the region from the Q/K/V projections through the attention
 op to the output projection is cut out of the graph; the module takes the region's input (the normed
 hidden states) and its output replaces the output projection's. Q and O are copied, K and V
 GQA-expanded, fused QKV sliced, biases kept; the new parameters keep flash-linear-attention's default
@@ -23,6 +23,7 @@ from surgery.core.rewrite import ancestors, descendants, fork, nodes_by_name, pr
 from surgery.sites import AttentionSite
 from surgery.sites.ops import SDPA_OPS, SOFTMAX_OPS
 from tcal.gdn import GatedDeltaNet
+from tcal.kernels import fla_available
 from tcal.mixers import MIXERS, get_mixer
 
 from .op_mixer import op_module_for_site, splice_op_module, verify_op_modules
@@ -42,7 +43,7 @@ class ReplaceConfig(PassConfig):
                        held-out error (bench/RESULTS.md)
     backend            GDN kernel: auto (fla on CUDA when usable, chunked PyTorch otherwise), torch, fla
     seed               seeds the default initialisation of the new parameters
-    mixer              what a converted layer becomes: gdn (default), gla, kda, swa (tcal.mixers)
+    mixer              what a converted layer becomes: gdn (default), gla, kda, mamba2, swa (tcal.mixers)
     window             swa: the window a layer starts with (the copy-only baseline); calibrate
                        sets each layer's from the teacher (calibrate.window_quantile)"""
 
@@ -157,6 +158,13 @@ class Replace(Pass):
     runs_after = ("select",)
     not_after = ("replace",)
     structural = True
+
+    def preflight(self, graph: Graph) -> None:
+        """backend=fla where fla's kernels cannot run is refused before the pipeline's first pass."""
+        if self.config.backend == "fla" and not (graph.device.type == "cuda" and fla_available()):
+            where = f"this graph is on {graph.device}" + ("" if fla_available() else " and fla's kernels do not import here")
+            raise PassConfigError(f"backend 'fla' runs fla's Triton kernels on a CUDA device only; {where}.",
+                                  "Use replace.backend=auto (fla where it runs, PyTorch elsewhere) or replace.backend=torch.")
 
     def check(self, graph: Graph) -> None:
         selection = graph.meta.get("select")

@@ -210,6 +210,14 @@ class RecurrentLayer(nn.Module):
         beta_logit = p["b_proj"]
         return q, k, v, beta_logit, beta_logit.float().sigmoid()
 
+    def linear_attention_inputs(self, p: dict, cache: GDNCache | None):
+        """q, k (conv then SiLU when the layer has convolutions, else as projected) and v (its
+        activation): what a layer without the delta rule (tcal.mixers.gla, mamba2) feeds its kernel."""
+        conv_act = F.silu if self.use_short_conv else (lambda x: x)
+        q = self._stream(p["q_proj"], "q", conv_act, cache)
+        k = self._stream(p["k_proj"], "k", conv_act, cache)
+        return q, k, self._stream(p["v_proj"], "v", V_ACTIVATIONS[self.v_activation], cache)
+
     def gated_output(self, core: torch.Tensor, p: dict, dtype: torch.dtype | None = None) -> dict:
         """The output path every recurrent layer shares: the kernel's output core [B, T, H, Dv] (cast to
         dtype first when given) through o_norm gated by g_proj, then o_proj."""

@@ -97,10 +97,7 @@ def calibrate_layer(gdn: GatedDeltaNet, x: torch.Tensor, ctx: torch.Tensor, targ
     tcal.mixers.kda's) in place. x [N,T,hidden], ctx [N,T,H,D], target [N,T,hidden]."""
     report = {"rel_error_before": relative_error(gdn(x), target)}
     if opts.decay:
-        a_log, dt_bias = maps.decay_from_distance(stats["distance"], opts.min_rate, opts.max_rate)
-        gdn.set_decay(a_log, dt_bias, opts.a_proj_scale)
-        report["distance"] = stats["distance"].tolist()
-        report["alpha"] = torch.exp(-F.softplus(dt_bias.double())).tolist()
+        set_decay(gdn, stats, opts, report)
     if opts.write_gate:
         set_write_gate(gdn, x, stats, opts, report)
     if opts.value_scale:
@@ -108,6 +105,15 @@ def calibrate_layer(gdn: GatedDeltaNet, x: torch.Tensor, ctx: torch.Tensor, targ
     set_gate(gdn, x, ctx, opts, report)
     report["rel_error_after"] = relative_error(gdn(x), target)
     return report
+
+
+def set_decay(gdn: GatedDeltaNet, stats: dict, opts: Phase1Options, report: dict) -> None:
+    """Each head's decay from the attention distance (METHOD.md, Decay) through the layer's set_decay
+    (A_log, dt_bias per head): any layer whose decay is -exp(A_log) * softplus(proj + dt_bias) takes it."""
+    a_log, dt_bias = maps.decay_from_distance(stats["distance"], opts.min_rate, opts.max_rate)
+    gdn.set_decay(a_log, dt_bias, opts.a_proj_scale)
+    report["distance"] = stats["distance"].tolist()
+    report["alpha"] = torch.exp(-F.softplus(dt_bias.double())).tolist()
 
 
 def set_write_gate(gdn: GatedDeltaNet, x, stats: dict, opts: Phase1Options, report: dict) -> None:

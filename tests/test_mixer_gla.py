@@ -114,11 +114,12 @@ def test_gate_bias_halves_the_memory_after_the_distance():
     torch.testing.assert_close(alpha, torch.exp(-rate), atol=1e-12, rtol=1e-12)
 
 
-@pytest.mark.parametrize("mixer", ["gla", "kda"])
+@pytest.mark.parametrize("mixer", ["gla", "kda", "mamba2"])
 @pytest.mark.parametrize("name", SIX)
 def test_tiny_archs_convert_and_decode_exactly(tiny, name, mixer):
-    """gla and kda (tests/test_mixer_kda.py) on six architectures: the prompt of 19 tokens takes
-    the chunked kernels, the steps the token loop (and the static steps the in-place state)."""
+    """gla, kda and mamba2 (tests/test_mixer_kda.py, test_mixer_mamba2.py) on six architectures: the
+    prompt of 19 tokens takes the chunked kernels, the steps the token loop (and the static steps the
+    in-place state)."""
     entry = tiny(name)
     entry.require_sites()
     graph = convert(entry.graph.branch(), mixer=mixer)
@@ -155,7 +156,7 @@ def test_phase1_and_phase2_beat_the_copy_only_baseline(stories, stories_teacher,
         surgery.export(loaded, tmp_path / "hf")
 
 
-@pytest.mark.parametrize("mixer", ["gla", "kda"])
+@pytest.mark.parametrize("mixer", ["gla", "kda", "mamba2"])
 def test_distill_trains_the_converted_layers(stories, stories_teacher, files, tmp_path, mixer):
     """Stage l2 (each converted layer against the teacher's attention output) on one repeated batch:
     the loss falls at every step, and only the converted layers' parameters move."""

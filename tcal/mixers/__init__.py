@@ -4,7 +4,7 @@ Phase 1 sets, what Phase 2 trains, and the decode state it carries), how it ente
 its Phase 1.
 
 replaces  "layer": the module takes the attention block's input (the normed hidden states) and
-          returns its output; the teacher's Q/K/V/O projections are copied into it (gdn, gla, kda).
+          returns its output; the teacher's Q/K/V/O projections are copied into it (gdn, gla, kda, mamba2).
           "op": the module takes Q, K, V as the teacher's attention op receives them (after RoPE and
           any q/k norm) and returns the op's output; the projections stay the teacher's own (swa).
 phase1    "layer": phase1(module, x, ctx, target, stats, options) -> report;
@@ -21,6 +21,8 @@ from . import swa
 from .gla import GatedLinearAttention
 from .gla_phase1 import calibrate_gla_layer
 from .kda import KimiDeltaAttention
+from .mamba2 import Mamba2
+from .mamba2_phase1 import calibrate_mamba2_layer
 
 
 @dataclass(frozen=True)
@@ -41,6 +43,8 @@ MIXERS: dict[str, Mixer] = {
                  "gated linear attention: data-dependent decay per key channel, no delta rule"),
     "kda": Mixer("kda", KimiDeltaAttention, "layer", calibrate_layer,
                  "Kimi Delta Attention's recurrence: GDN with a decay per key channel"),
+    "mamba2": Mixer("mamba2", Mamba2, "layer", calibrate_mamba2_layer,
+                    "Mamba2's SSD: one decay per head, B/C from the teacher's K/Q, no delta rule"),
 }
 DEFAULT = "gdn"
 

@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..gdn import V_ACTIVATIONS, GDNCache, RecurrentLayer
+from ..gdn import GDNCache, RecurrentLayer
 from .gla_kernels import gla
 
 PARAMETER_ROLES = {
@@ -55,11 +55,7 @@ class GatedLinearAttention(RecurrentLayer):
         """Every intermediate of the forward pass; with a cache, continue the sequence it holds (the
         conv streams and the recurrent state are updated in it)."""
         p = self._input_projections(hidden_states, projection)
-        conv_act = F.silu if self.use_short_conv else (lambda x: x)
-        q = self._stream(p["q_proj"], "q", conv_act, cache)
-        k = self._stream(p["k_proj"], "k", conv_act, cache)
-        v_act = V_ACTIVATIONS[self.v_activation]
-        v = self._stream(p["v_proj"], "v", v_act, cache)
+        q, k, v = self.linear_attention_inputs(p, cache)
         g = self.decay(p["gk_proj.0"])
         state = None if cache is None else cache.recurrent
         core, final = gla(q, k, v, g, scale=self.head_dim ** -0.5, initial_state=state,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..kernels import fla_available
+from ..kernels import fla_available, fla_backward_supported
 
 RECURRENT_MAX_T = 16  # at or below this length the token loop is cheaper than chunk matrices
 
@@ -78,16 +78,27 @@ def _fla_gla(q, k, v, g, scale, initial_state, output_final_state):
     return chunk_gla(q, k, v, g, scale=scale, initial_state=initial_state, output_final_state=output_final_state)
 
 
+def run_kernel(name: str, backend: str, fla_run, recurrent, chunked, *args):
+    """What a mixer's kernel entry point does with its backend: "fla" calls fla_run(*args); "torch"
+    the token loop for short calls (<= RECURRENT_MAX_T tokens, such as one decoded token) and the
+    chunked form otherwise, the output cast to v's dtype; "auto" is fla on CUDA when it imports and,
+    when a gradient is needed, its backward is trustworthy on this Triton (as GDN's, tcal.kernels).
+    args: (q, k, v, ..., scale, initial_state, output_final_state) as the kernels take them."""
+    q, v = args[0], args[2]
+    if backend == "auto":
+        training = torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
+        backend = "fla" if q.is_cuda and fla_available() and (not training or fla_backward_supported()) else "torch"
+    if backend == "fla":
+        return fla_run(*args)
+    if backend != "torch":
+        raise ValueError(f"unknown {name} backend {backend!r}; use auto, torch or fla")
+    o, state = (recurrent if q.shape[1] <= RECURRENT_MAX_T else chunked)(*args)
+    return o.to(v.dtype), state
+
+
 def gla(q, k, v, g, scale=None, initial_state=None, output_final_state=False, backend="auto"):
     """(o [B, T, H, Dv], final state [B, H, Dk, Dv] or None). backend: "torch", "fla" (its Triton
     kernels), "auto" (fla on CUDA when it imports, else torch)."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    if backend == "auto":
-        backend = "fla" if q.is_cuda and fla_available() else "torch"
-    if backend == "fla":
-        return _fla_gla(q, k, v, g, scale, initial_state, output_final_state)
-    if backend != "torch":
-        raise ValueError(f"unknown GLA backend {backend!r}; use auto, torch or fla")
-    run = recurrent_gla_torch if q.shape[1] <= RECURRENT_MAX_T else chunked_gla_torch
-    o, state = run(q, k, v, g, scale, initial_state, output_final_state)
-    return o.to(v.dtype), state
+    return run_kernel("GLA", backend, _fla_gla, recurrent_gla_torch, chunked_gla_torch,
+                      q, k, v, g, scale, initial_state, output_final_state)

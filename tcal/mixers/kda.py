@@ -26,7 +26,7 @@ PARAMETER_ROLES = {
 }
 
 
-def _fla_channel_decay_init(num_heads: int, channels: int) -> tuple[torch.Tensor, torch.Tensor]:
+def fla_channel_decay_init(num_heads: int, channels: int) -> tuple[torch.Tensor, torch.Tensor]:
     """fla's KDA init: A ~ U(1, 16) per head; dt log-uniform in [1e-3, 0.1] per channel, floored at 1e-4."""
     a_log = torch.empty(num_heads, dtype=torch.float32).uniform_(1, 16).log()
     dt = torch.exp(torch.rand(channels) * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3)).clamp(min=1e-4)
@@ -51,7 +51,7 @@ class KimiDeltaAttention(RecurrentLayer):
         inner = num_heads * head_dim
         self.f_proj = nn.Sequential(nn.Linear(hidden_size, gate_low_rank_dim, bias=False), nn.Linear(gate_low_rank_dim, inner, bias=False))
         self.b_proj = nn.Linear(hidden_size, num_heads, bias=False)
-        a_log, dt_bias = _fla_channel_decay_init(num_heads, inner)
+        a_log, dt_bias = fla_channel_decay_init(num_heads, inner)
         self.A_log, self.dt_bias = nn.Parameter(a_log), nn.Parameter(dt_bias)
         self.A_log._no_weight_decay = self.dt_bias._no_weight_decay = True
         self._add_convs_and_output(conv_size, conv_identity_init, norm_eps, o_bias)

@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels import fla_available
-from .gla_kernels import RECURRENT_MAX_T, chunks_of, compute_dtype, initial_state_of
+from .gla_kernels import chunks_of, compute_dtype, initial_state_of, run_kernel
 
 
 def recurrent_kda_torch(q, k, v, g, beta, scale, initial_state=None, output_final_state=False):
@@ -77,12 +76,5 @@ def kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=Fal
     """(o [B, T, H, Dv], final state [B, H, Dk, Dv] or None). backend: "torch", "fla", "auto" (fla
     on CUDA when it imports, else torch)."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    if backend == "auto":
-        backend = "fla" if q.is_cuda and fla_available() else "torch"
-    if backend == "fla":
-        return _fla_kda(q, k, v, g, beta, scale, initial_state, output_final_state)
-    if backend != "torch":
-        raise ValueError(f"unknown KDA backend {backend!r}; use auto, torch or fla")
-    run = recurrent_kda_torch if q.shape[1] <= RECURRENT_MAX_T else chunked_kda_torch
-    o, state = run(q, k, v, g, beta, scale, initial_state, output_final_state)
-    return o.to(v.dtype), state
+    return run_kernel("KDA", backend, _fla_kda, recurrent_kda_torch, chunked_kda_torch,
+                      q, k, v, g, beta, scale, initial_state, output_final_state)
