@@ -75,6 +75,17 @@ def build_decode_graph(plan: DecodePlan, state: DecodeState, in_place: bool, dev
     return attention, gdn, regimes
 
 
+def static_step_graph(gm, gdn: dict, fuse_norms: bool | None, compiled: bool):
+    """(the static steps' own fork of gm, its fused projections): sibling linears as one matmul, each GDN
+    layer's input projections as one, and (fuse_norms; None: FUSED_NORMS_BY_DEFAULT; not when compiled,
+    inductor fuses them itself) each RMSNorm as one kernel."""
+    step_gm = fork(gm)
+    fused = fuse_sibling_linears(step_gm) + [m.fuse_projection() for m in gdn.values()]
+    if (FUSED_NORMS_BY_DEFAULT if fuse_norms is None else fuse_norms) and not compiled:
+        fuse_rms_norms(step_gm, in_place=True)
+    return step_gm, fused
+
+
 class Decoder:
     """Incremental decoding of a Graph (teacher or hybrid): reset, prefill, then step token by token.
 
@@ -114,13 +125,8 @@ class Decoder:
         self.gm = plan.gm
         self.cores = plan.attention
         self._warned = False
-        self.step_gm, self.fused = self.gm, []
-        if self.step_mode != "dynamic" and fuse_projections:  # static steps: sibling projections as one matmul
-            self.step_gm = fork(self.gm)
-            self.fused = fuse_sibling_linears(self.step_gm) + [m.fuse_projection() for m in self.gdn.values()]
-        fuse_norms = FUSED_NORMS_BY_DEFAULT if fuse_norms is None else fuse_norms
-        if fuse_norms and self.step_gm is not self.gm and not self.compiled:  # inductor fuses norms itself
-            fuse_rms_norms(self.step_gm, in_place=True)
+        static = self.step_mode != "dynamic" and fuse_projections
+        self.step_gm, self.fused = static_step_graph(self.gm, self.gdn, fuse_norms, self.compiled) if static else (self.gm, [])
         runner = CompiledGraph(self.step_gm, label="decode step") if self.compiled and self.step_mode != "dynamic" else None
         self._static = StaticStep(self, cuda_graph=self.step_mode == "cuda-graph", runner=runner)
         self.reset()
