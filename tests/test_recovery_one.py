@@ -1,0 +1,139 @@
+"""Issue 30's modes of bench/recovery.py on stories260K, CPU, tiny budgets: one init per call
+(--init) appending to one records file, the table of both (--table, a pure function of the records,
+checked against an independent interpolation), --resume only where the checkpoint is on this
+machine (else one "start over" line, exit 2), and the recipe study (--recipes)."""
+from __future__ import annotations
+
+import json
+import math
+import runpy
+import socket
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench import recovery_points as points  # noqa: E402
+
+STORIES = ROOT / "tests/assets/stories260k/stories260K.gguf"
+SAMPLE = ROOT / "surgery/data/calibration_sample.txt"
+FAST_TCAL = ["calibrate.samples=2", "calibrate.length=64", "align.samples=2", "align.length=64", "align.steps=2"]
+
+
+def bench(monkeypatch, capsys, *args: str) -> tuple[int, str]:
+    """bench/recovery.py ARGS in this process -> (exit code, stdout)."""
+    monkeypatch.setattr(sys, "argv", ["recovery.py", *map(str, args)])
+    code = 0
+    try:
+        runpy.run_path(str(ROOT / "bench/recovery.py"), run_name="__main__")
+    except SystemExit as stop:
+        code = stop.code if isinstance(stop.code, int) else 1
+        if not isinstance(stop.code, int) and stop.code is not None:
+            print(stop.code)
+    return code, capsys.readouterr().out
+
+
+def init_args(out: Path, init: str, *extra: str) -> list:
+    """A run of 3 steps of 4 x 32 tokens, evaluated every step; a target (0.5x) it cannot reach."""
+    return ["--init", init, "--model", STORIES, "--data", SAMPLE, "--eval", SAMPLE, "--tokens", 384, "--seq-len", 32,
+            "--global-batch", 4, "--eval-every", 128, "--eval-tokens", 256, "--passkey-lengths", "200,300", "--passkey-trials", 5,
+            "--lr", 3e-3, "--stop-multiple", 0.5, "--out", out, *extra]
+
+
+@pytest.fixture(scope="module")
+def both(tmp_path_factory):
+    """Both inits, one call each, into one records file."""
+    out = tmp_path_factory.mktemp("recovery")
+    with pytest.MonkeyPatch.context() as mp:
+        for init, extra in (("baseline", []), ("tcal", ["--set", *FAST_TCAL])):
+            mp.setattr(sys, "argv", ["recovery.py", *map(str, init_args(out, init, *extra))])
+            runpy.run_path(str(ROOT / "bench/recovery.py"), run_name="__main__")
+    return out, [json.loads(line) for line in (out / "recovery.jsonl").read_text().splitlines()]
+
+
+def reference_tokens(curve, target):
+    """Independent: where log-perplexity, linear between evaluations, first reaches log(target)."""
+    t = np.array([c[0] for c in curve], float)
+    lp = np.log([c[1] for c in curve])
+    below = np.nonzero(lp <= math.log(target))[0]
+    if not below.size:
+        return None
+    i = below[0]
+    return float(t[0]) if i == 0 else float(np.interp(math.log(target), lp[i - 1:i + 1][::-1], t[i - 1:i + 1][::-1]))
+
+
+def test_crossing_and_end_rate_against_references():
+    curve = [(0, 100.0), (10, 60.0), (20, 50.0), (30, 47.0)]
+    for target in (120.0, 80.0, 60.0, 55.0, 48.0, 40.0):
+        expected = reference_tokens(curve, target)
+        got = points.crossing(curve, target)
+        assert (got is None) == (expected is None) and (got is None or got == pytest.approx(expected))
+    slope = np.polyfit([10, 20, 30], [60.0, 50.0, 47.0], 1)[0]
+    assert points.end_rate(curve) == pytest.approx(slope * 1e7)
+    assert points.end_rate(curve[:1]) is None
+    row = points.target_rows(curve, 40.0, (1.0,))[0]
+    assert points.describe(row) == f"not reached in 3e-05M ({slope * 1e7:+.3g} ppl / 10M at 47.00)"
+
+
+def test_one_init_per_call_appends_and_the_table_compares(both, monkeypatch, capsys):
+    out, records = both
+    runs = points.latest_runs(records)
+    assert set(runs) == {"baseline", "tcal"} and len({r["run_id"] for r in runs.values()}) == 2
+    for run in runs.values():
+        assert run["stopped"] == "budget" and run["curve"][-1][0] == 384 and [t for t, _ in run["curve"]] == [0, 128, 256, 384]
+    assert points.differences(runs) == []  # same recipe, seed, layers and teacher: a fair comparison
+    # passkey rows: the teacher once, each init at init and at the end (crossings: none below 0.5x... unless at 1.5x / 1.3x)
+    pk = [(r["model"], r["point"]) for r in records if r["kind"] == "passkey"]
+    assert pk.count(("teacher", "teacher")) == 1
+    for init in ("baseline", "tcal"):
+        assert (init, "init") in pk and (init, "end") in pk
+        assert all(r["trials_per_length"] == 5 and set(r["by_length"]) == {"200", "300"} for r in records if r["kind"] == "passkey")
+    code, text = bench(monkeypatch, capsys, "--table", out / "recovery.jsonl")
+    assert code == 0
+    assert "\n".join(points.targets_table(records)) in text and "| model | point | tokens | 200 | 300 |" in text
+    teacher = runs["tcal"]["teacher_ppl"]
+    for m in points.MULTIPLES:
+        b, t = (reference_tokens(runs[i]["curve"], teacher * m) for i in ("baseline", "tcal"))
+        line = next(x for x in text.splitlines() if x.startswith(f"| {m}x"))
+        if b is not None and t:
+            assert f"{b / t:.2f}x" in line
+        if t is None:
+            assert "not reached in 0.000384M" in line.split("|")[3]
+
+
+def test_resume_only_on_this_machine(both, monkeypatch, capsys, tmp_path):
+    out, _ = both
+    code, text = bench(monkeypatch, capsys, *init_args(tmp_path / "elsewhere", "baseline", "--resume"))
+    assert code == 2 and text.strip().count("\n") == 0 and text.startswith("start over: no run of baseline")
+    marker = out / "distill-baseline.host.json"
+    saved = marker.read_text()
+    marker.write_text(json.dumps(json.loads(saved) | {"host": "another-machine"}))
+    try:
+        code, text = bench(monkeypatch, capsys, *init_args(out, "baseline", "--resume"))
+    finally:
+        marker.write_text(saved)
+    assert code == 2 and text.strip() == f"start over: the run in {out / 'distill-baseline'} was written on another-machine, this is {socket.gethostname()}"
+    code, text = bench(monkeypatch, capsys, *init_args(out, "baseline", "--resume"))  # finished here: resumes, nothing left to train
+    assert code == 0 and "baseline: stopped by budget after 384 tokens" in text
+
+
+def test_recipes_run_both_inits_at_equal_tokens(both, monkeypatch, capsys, tmp_path):
+    out, _ = both
+    recipes = tmp_path / "recipes.json"
+    recipes.write_text(json.dumps([{"name": "constant"}, {"name": "gates held", "freeze_gates_steps": 1, "schedule": "cosine"}]))
+    args = init_args(out, "baseline")[2:]  # the same recipe of the command line, no --init
+    code, text = bench(monkeypatch, capsys, "--recipes", recipes, *args, "--set", *FAST_TCAL, "--records", tmp_path / "r.jsonl")
+    assert code == 0, text
+    rows = [json.loads(line) for line in (tmp_path / "r.jsonl").read_text().splitlines()]
+    recipe_rows = [r for r in rows if r["kind"] == "recipe"]
+    assert [(r["recipe"], r["init"]) for r in recipe_rows] == [("constant", "baseline"), ("constant", "tcal"),
+                                                               ("gates held", "baseline"), ("gates held", "tcal")]
+    assert all(r["curve"][-1][0] == 384 for r in recipe_rows)
+    assert "\n".join(points.recipe_table(rows)) in text and "| gates held |" in text
+    recipes.write_text(json.dumps([{"name": "x", "tokens": 5}]))
+    code, text = bench(monkeypatch, capsys, "--recipes", recipes, *args)
+    assert code == 1 and "equal tokens" in text
