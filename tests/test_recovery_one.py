@@ -92,6 +92,9 @@ def test_one_init_per_call_appends_and_the_table_compares(both, monkeypatch, cap
     for init in ("baseline", "tcal"):
         assert (init, "init") in pk and (init, "end") in pk
         assert all(r["trials_per_length"] == 5 and set(r["by_length"]) == {"200", "300"} for r in records if r["kind"] == "passkey")
+    crossed = {(r["init"], r["point"]) for r in records if r["kind"] == "crossing"}
+    assert crossed and crossed <= set(pk)  # each crossing (Taylor-Calibrate's, here) has its passkey row
+    assert not list(out.glob("*snapshot*"))  # the weights saved at a crossing go once scored
     code, text = bench(monkeypatch, capsys, "--table", out / "recovery.jsonl")
     assert code == 0
     assert "\n".join(points.targets_table(records)) in text and "| model | point | tokens | 200 | 300 |" in text
