@@ -103,10 +103,11 @@ def passkey_row(graph, args, model: str, point: str, tokens: int | None) -> dict
             "trials_per_length": pk["trials"] // len(lengths), "seconds": seconds}
 
 
-def build_init(args, teacher, out: Path) -> tuple[Path, dict]:
-    """The init from the teacher, saved to out/INIT-init; (its directory, the select options)."""
+def build_init(args, teacher, out: Path, select: dict | None = None) -> tuple[Path, dict]:
+    """The init from the teacher, saved to out/INIT-init; (its directory, the select options: given,
+    or decided here by --select-policy)."""
     calibration = args.calibration or args.data
-    select = selection(args, teacher, calibration, {})
+    select = select or selection(args, teacher, calibration, {})
     configs = {"select": dict(select)}
     if args.init == "tcal":
         configs |= {"calibrate": {"calibration": calibration}, "align": {"calibration": calibration}}

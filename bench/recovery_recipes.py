@@ -58,10 +58,10 @@ def study(args, began: float) -> None:
         run_config(args, 0.0, **fields)
     cuda = torch.cuda.is_available()
     teacher = capture(args.model, device="cuda" if cuda else "cpu", dtype=torch.bfloat16 if cuda else torch.float32)
-    inits = {}
-    for init in INITS:
+    inits, select = {}, None
+    for init in INITS:  # the layers chosen once, for both
         args.init = init
-        inits[init], _ = build_init(args, teacher, out)
+        inits[init], select = build_init(args, teacher, out, select)
     longest = 0.0
     for index, (name, fields) in enumerate(recipes):
         left = args.deadline_s - (time.time() - began) if args.deadline_s else float("inf")

@@ -140,3 +140,19 @@ def test_recipes_run_both_inits_at_equal_tokens(both, monkeypatch, capsys, tmp_p
     recipes.write_text(json.dumps([{"name": "x", "tokens": 5}]))
     code, text = bench(monkeypatch, capsys, "--recipes", recipes, *args)
     assert code == 1 and "equal tokens" in text
+
+
+def test_the_shipped_recipe_study_is_valid():
+    """bench/recipes30.json (issue 30's study) parses and every recipe passes DistillConfig's checks
+    at the GPU command's scale (128 x 512 tokens a step, 4M tokens)."""
+    from types import SimpleNamespace
+
+    from bench.recovery_one import run_config
+    from bench.recovery_recipes import read_recipes
+
+    args = SimpleNamespace(seq_len=512, global_batch=128, tokens=4 * 2**20, schedule="constant", warmup=0.0, eval="wiki.test.raw",
+                           eval_tokens=32768, eval_every=262144, save_every=None, seed=0, lr=2e-4, lr_rest=1.4e-5, micro_batch=None)
+    recipes = read_recipes(str(ROOT / "bench/recipes30.json"))
+    configs = [run_config(args, 0.0, **fields) for _, fields in recipes]
+    assert len({name for name, _ in recipes}) == len(recipes) >= 6
+    assert {c.stage for c in configs} == {"kl", "both"} and any(c.freeze_gates_steps for c in configs)
