@@ -21,6 +21,11 @@ same model, for the "distillation reaches >= 40% of plain-step FLOP/s" check.
 both students convert exactly those (default: uniform spacing). --stop-at UNIX_TIME ends a
 --concurrent run's training at a deadline (a device budget), less the processes' start-up.
 
+Issue 30 (bench/recovery_one.py, recovery_recipes.py, recovery_points.py): --init baseline|tcal
+distils ONE init per GPU stay to 1.2x the teacher's perplexity or --deadline-s, appending to
+--records; --table RECORDS prints both inits' tokens to 1.5x / 1.3x / 1.2x and passkey rows;
+--recipes FILE.json runs the recipe study on both inits at equal tokens.
+
 --two-gpu also saves the Taylor-Calibrate init and the teacher and reruns that student's
 distillation with torchrun on 2 GPUs (same global batch, same data order), for tokens/s scaling and
 the curve.

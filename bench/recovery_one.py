@@ -224,6 +224,8 @@ def run_one(args, began: float) -> None:
     if args.resume and (why := resume_problem(out, args.init)):
         print(f"start over: {why}", flush=True)
         sys.exit(2)
+    if args.deadline_s is not None and args.deadline_s - (time.time() - began) <= (args.reserve_s or 0.0):
+        raise SystemExit(f"--deadline-s {args.deadline_s:g} is already past (less the --reserve-s kept for the passkey rows): raise it")
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
     teacher = capture(args.model, device=device, dtype=torch.bfloat16 if cuda else torch.float32)

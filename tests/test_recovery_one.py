@@ -124,6 +124,11 @@ def test_resume_only_on_this_machine(both, monkeypatch, capsys, tmp_path):
     assert code == 0 and "baseline: stopped by budget after 384 tokens" in text
 
 
+def test_a_deadline_already_past_fails_before_any_model_loads(monkeypatch, capsys, tmp_path):
+    code, text = bench(monkeypatch, capsys, *init_args(tmp_path, "baseline", "--deadline-s", 30, "--reserve-s", 3600))
+    assert code == 1 and text.strip().startswith("--deadline-s 30 is already past") and not (tmp_path / "recovery.jsonl").exists()
+
+
 def test_recipes_run_both_inits_at_equal_tokens(both, monkeypatch, capsys, tmp_path):
     out, _ = both
     recipes = tmp_path / "recipes.json"
