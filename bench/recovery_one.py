@@ -156,7 +156,8 @@ class Crossings:
             for m in SNAPSHOT_POINTS:
                 if m not in self.crossed and first["eval_ppl"] <= self.teacher_ppl * m:  # the init row is that point
                     self.crossed[m] = 0
-                    self.records.add(dict(self.init_row, point=f"{m}x", same_as="init"))
+                    if self.init_row:  # (a resume with another --records has none to copy)
+                        self.records.add(dict(self.init_row, point=f"{m}x", same_as="init"))
         for m in SNAPSHOT_POINTS:
             if m not in self.crossed and ppl <= self.teacher_ppl * m:
                 self.crossed[m] = record["tokens"]
@@ -232,6 +233,11 @@ def run_one(args, began: float) -> None:
     if args.resume:
         marker = json.loads(marker_path(out, args.init).read_text())
         records, init_dir = Records(Path(args.records), marker["run_id"]), out / f"{args.init}-init"
+        ended = [r for r in records.read() if r.get("kind") == "run" and r.get("run_id") == marker["run_id"] and r["stopped"] != "deadline"]
+        if ended:  # stopped by the target or the budget: resuming would only train past it
+            print(f"nothing to resume: {marker['run_id']} ended ({ended[-1]['stopped']}) after {ended[-1]['curve'][-1][0]:,} tokens; "
+                  f"--table {args.records} prints it", flush=True)
+            return
         log(f"resuming {marker['run_id']} from {RunDir(out / f'distill-{args.init}').last()[0]}")
     else:
         records, marker, init_dir = start(args, out, teacher)
@@ -242,8 +248,8 @@ def run_one(args, began: float) -> None:
     config = run_config(args, max(left, 0.0))
     run_out = out / f"distill-{args.init}"
     crossed = {float(r["point"][:-1]): r["tokens"] for r in earlier if r.get("run_id") == marker["run_id"] and r.get("kind") == "crossing"}
-    init_row = next(r for r in earlier if r.get("run_id") == marker["run_id"] and r.get("point") == "init")
-    hook = Crossings(args, run_out, records, crossed, {k: v for k, v in init_row.items() if k not in ("run_id", "host", "written")})
+    init_row = next((r for r in earlier if r.get("run_id") == marker["run_id"] and r.get("point") == "init"), None)
+    hook = Crossings(args, run_out, records, crossed, init_row and {k: v for k, v in init_row.items() if k not in ("run_id", "host", "written")})
     stopped = "budget"
     log(f"distilling {args.init} for up to {config.tokens:,} tokens" + (f", {left:.0f} s of training" if args.deadline_s else ""))
     try:

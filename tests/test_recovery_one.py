@@ -120,8 +120,19 @@ def test_resume_only_on_this_machine(both, monkeypatch, capsys, tmp_path):
     finally:
         marker.write_text(saved)
     assert code == 2 and text.strip() == f"start over: the run in {out / 'distill-baseline'} was written on another-machine, this is {socket.gethostname()}"
-    code, text = bench(monkeypatch, capsys, *init_args(out, "baseline", "--resume"))  # finished here: resumes, nothing left to train
-    assert code == 0 and "baseline: stopped by budget after 384 tokens" in text
+    code, text = bench(monkeypatch, capsys, *init_args(out, "baseline", "--resume"))  # it ended by its budget
+    assert code == 0 and text.startswith("nothing to resume: baseline-") and "ended (budget) after 384 tokens" in text
+    records = out / "recovery.jsonl"
+    kept = records.read_text()
+    lines = [line for line in kept.splitlines() if not ('"kind": "run"' in line and '"init": "baseline"' in line)]
+    records.write_text("\n".join(lines) + "\n")  # as if the call had been cut off before its run record
+    try:
+        code, text = bench(monkeypatch, capsys, *init_args(out, "baseline", "--resume"))
+        assert code == 0 and "baseline: stopped by budget after 384 tokens" in text
+        run = points.latest_runs([json.loads(line) for line in records.read_text().splitlines()])["baseline"]
+        assert run["curve"][-1][0] == 384 and run["run_id"] == json.loads(marker.read_text())["run_id"]
+    finally:
+        records.write_text(kept)
 
 
 def test_a_deadline_already_past_fails_before_any_model_loads(monkeypatch, capsys, tmp_path):
