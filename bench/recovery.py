@@ -444,6 +444,8 @@ def one_init_options(ap) -> None:
     ap.add_argument("--records", default=None, help="JSON-lines results both inits append to (default: OUT/recovery.jsonl)")
     ap.add_argument("--seed", type=int, default=0, help="data order (and passkey keys) of --init / --recipes runs")
     ap.add_argument("--passkey-trials", type=int, default=20, help="with --init: passkey trials per length (5 depths)")
+    ap.add_argument("--retrieval", default="passkey",
+                    help="with --init: retrieval tasks scored at each point, comma-separated: passkey, multikey, vartrack")
     ap.add_argument("--passkey-at", choices=("end", "crossing"), default="end",
                     help="with --init: score the 1.5x / 1.3x crossings after training from weights saved to disk, or at once")
     ap.add_argument("--reserve-s", type=float, default=None,
@@ -461,7 +463,7 @@ def one_init_modes(args, ap) -> None:
         if not Path(args.table).exists():
             ap.error(f"--table {args.table}: no such file (the --records of an --init run)")
         records = recovery_one.Records(Path(args.table)).read()
-        for line in [*recovery_points.targets_table(records), "", *recovery_points.passkey_table(records), "",
+        for line in [*recovery_points.targets_table(records), "", *recovery_points.retrieval_tables(records),
                      *recovery_points.recipe_table(records)]:
             print(line)
         return
@@ -469,6 +471,9 @@ def one_init_modes(args, ap) -> None:
     if missing:
         ap.error(f"--{'init' if args.init else 'recipes'} needs {', '.join(missing)}")
     args.lengths = [int(x) for x in (args.passkey_lengths or "1024,2048,4096,8192").split(",")]
+    args.retrieval = [t.strip() for t in args.retrieval.split(",") if t.strip()]
+    if not args.retrieval or set(args.retrieval) - set(recovery_points.RETRIEVAL):
+        ap.error(f"--retrieval {','.join(args.retrieval)}: choose among {', '.join(recovery_points.RETRIEVAL)}")
     if args.recipes:
         return recovery_recipes.study(args, STARTED)
     recovery_one.run_one(args, STARTED)

@@ -17,6 +17,8 @@ the run directory and a complete checkpoint in it. Otherwise one line, "start ov
 """
 from __future__ import annotations
 
+import argparse
+import importlib
 import json
 import socket
 import sys
@@ -28,10 +30,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from bench.recovery import median_rate, read_curve, selection
-from bench.recovery_points import MULTIPLES, targets_table, passkey_table, target_rows, describe
+from bench.recovery_points import describe, retrieval_tables, target_rows, targets_table
 from surgery import PassManager, capture, load, save
 from surgery.core.pipeline import parse_options
-from surgery.eval.passkey import passkey
 from surgery.train import DistillConfig, distill
 from surgery.train.run_dir import RunDir
 
@@ -89,18 +90,26 @@ def passkey_lengths(graph, lengths: list[int]) -> list[int]:
     return sorted({min(x, graph.max_length - ANSWER_ROOM) for x in lengths})
 
 
-def passkey_row(graph, args, model: str, point: str, tokens: int | None) -> dict:
-    """Passkey at each length, --passkey-trials per length (5 depths), timed."""
+def retrieval_rows(graph, args, model: str, point: str, tokens: int | None) -> list[dict]:
+    """Each --retrieval task (passkey; multikey, vartrack: surgery.eval.<task>) at each length,
+    --passkey-trials per length (5 depths), timed: one row per task, its kind the task's name."""
     lengths = passkey_lengths(graph, args.lengths)
-    depths = 5
-    t = time.perf_counter()
-    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16, enabled=torch.cuda.is_available()):
-        pk = passkey(graph, args.calibration or args.data, lengths, depths=depths, trials_per_depth=max(args.passkey_trials // depths, 1),
-                     seed=args.seed, batch_size=4)
-    seconds = time.perf_counter() - t
-    log(f"passkey {model} at {point}: {pk['by_length']} ({seconds:.1f} s)")
-    return {"kind": "passkey", "model": model, "point": point, "tokens": tokens, "by_length": pk["by_length"],
-            "trials_per_length": pk["trials"] // len(lengths), "seconds": seconds}
+    depths, rows = 5, []
+    for task in args.retrieval:
+        run = getattr(importlib.import_module(f"surgery.eval.{task}"), task)
+        t = time.perf_counter()
+        with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16, enabled=torch.cuda.is_available()):
+            result = run(graph, args.calibration or args.data, lengths, depths, max(args.passkey_trials // depths, 1), args.seed, batch_size=4)
+        seconds = time.perf_counter() - t
+        log(f"{task} {model} at {point}: {result['by_length']} ({seconds:.1f} s)")
+        rows.append({"kind": task, "model": model, "point": point, "tokens": tokens, "by_length": result["by_length"],
+                     "trials_per_length": result["trials"] // len(lengths), "seconds": seconds})
+    return rows
+
+
+def add_all(records: "Records", rows: list[dict], **changes) -> None:
+    for row in rows:
+        records.add(row | changes)
 
 
 def build_init(args, teacher, out: Path, select: dict | None = None) -> tuple[Path, dict]:
@@ -139,8 +148,8 @@ class Crossings:
     """The step hook: notes where the eval perplexity first crosses 1.5x and 1.3x the teacher's
     (weights to disk, or a passkey row at once), and stops the run at --stop-multiple."""
 
-    def __init__(self, args, run_out: Path, records: Records, crossed: dict, init_row: dict):
-        self.args, self.run_out, self.records, self.crossed, self.init_row = args, run_out, records, crossed, init_row
+    def __init__(self, args, run_out: Path, records: Records, crossed: dict, init_rows: list[dict]):
+        self.args, self.run_out, self.records, self.crossed, self.init_rows = args, run_out, records, crossed, init_rows
         self.student, self.teacher_ppl, self.snapshot_s = None, None, []
 
     def open(self, student) -> None:
@@ -156,8 +165,7 @@ class Crossings:
             for m in SNAPSHOT_POINTS:
                 if m not in self.crossed and first["eval_ppl"] <= self.teacher_ppl * m:  # the init row is that point
                     self.crossed[m] = 0
-                    if self.init_row:  # (a resume with another --records has none to copy)
-                        self.records.add(dict(self.init_row, point=f"{m}x", same_as="init"))
+                    add_all(self.records, self.init_rows, point=f"{m}x", same_as="init")
         for m in SNAPSHOT_POINTS:
             if m not in self.crossed and ppl <= self.teacher_ppl * m:
                 self.crossed[m] = record["tokens"]
@@ -167,7 +175,7 @@ class Crossings:
 
     def at_crossing(self, m: float, tokens: int) -> None:
         if self.args.passkey_at == "crossing":
-            self.records.add(passkey_row(self.student, self.args, self.args.init, f"{m}x", tokens))
+            add_all(self.records, retrieval_rows(self.student, self.args, self.args.init, f"{m}x", tokens))
             return
         t = time.perf_counter()
         save_file({k: v.detach().to("cpu", copy=True).contiguous() for k, v in self.student.gm.state_dict().items()},
@@ -183,23 +191,27 @@ def snapshot_path(run_out: Path, m: float) -> Path:
 def end_rows(args, hook: Crossings, records: Records, trained: int) -> None:
     """Passkey at the end, then at each crossing whose weights wait on disk (loaded into the same graph)."""
     graph = hook.student
-    records.add(passkey_row(graph, args, args.init, "end", trained))
+    add_all(records, retrieval_rows(graph, args, args.init, "end", trained))
     for m, tokens in sorted(hook.crossed.items(), reverse=True):
         path = snapshot_path(hook.run_out, m)
         if args.passkey_at == "end" and path.exists():
             t = time.perf_counter()
             graph.gm.load_state_dict({k: v.to(next(graph.gm.parameters()).device) for k, v in load_file(str(path)).items()})
-            row = passkey_row(graph, args, args.init, f"{m}x", tokens)
-            records.add(row | {"load_s": time.perf_counter() - t - row["seconds"]})
+            rows = retrieval_rows(graph, args, args.init, f"{m}x", tokens)
+            add_all(records, rows, load_s=time.perf_counter() - t - sum(r["seconds"] for r in rows))
             path.unlink()
+
+
+def args_with(args, **changes):
+    return argparse.Namespace(**(vars(args) | changes))
 
 
 def reserve_seconds(args, records: list[dict]) -> float:
     """Seconds kept after training for the passkey rows still to come (end, 1.5x, 1.3x)."""
     if args.reserve_s is not None:
         return args.reserve_s
-    timed = [r["seconds"] for r in records if r.get("kind") == "passkey" and r.get("point") == "init"]
-    return 3 * (timed[-1] if timed else UNKNOWN_PASSKEY_S) + 30.0
+    timed = {r["kind"]: r["seconds"] for r in records if r.get("kind") in args.retrieval and r.get("point") == "init"}
+    return 3 * sum(timed.get(task, UNKNOWN_PASSKEY_S) for task in args.retrieval) + 30.0
 
 
 def start(args, out: Path, teacher) -> tuple[Records, dict, Path]:
@@ -210,10 +222,11 @@ def start(args, out: Path, teacher) -> tuple[Records, dict, Path]:
     init_dir, select = build_init(args, teacher, out)
     marker["select"] = select
     marker_path(out, args.init).write_text(json.dumps(marker))
-    if not any(r.get("kind") == "passkey" and r["model"] == "teacher" for r in records.read()):
-        records.add(passkey_row(teacher, args, "teacher", "teacher", None))
+    done = {r.get("kind") for r in records.read() if r.get("model") == "teacher"}
+    args_missing = [task for task in args.retrieval if task not in done]  # the teacher once per records file and task
+    add_all(records, retrieval_rows(teacher, args_with(args, retrieval=args_missing), "teacher", "teacher", None))
     student = load(init_dir, device=teacher.device, dtype=torch.float32)
-    records.add(passkey_row(student, args, args.init, "init", 0))
+    add_all(records, retrieval_rows(student, args, args.init, "init", 0))
     del student
     return records, marker, init_dir
 
@@ -248,8 +261,9 @@ def run_one(args, began: float) -> None:
     config = run_config(args, max(left, 0.0))
     run_out = out / f"distill-{args.init}"
     crossed = {float(r["point"][:-1]): r["tokens"] for r in earlier if r.get("run_id") == marker["run_id"] and r.get("kind") == "crossing"}
-    init_row = next((r for r in earlier if r.get("run_id") == marker["run_id"] and r.get("point") == "init"), None)
-    hook = Crossings(args, run_out, records, crossed, init_row and {k: v for k, v in init_row.items() if k not in ("run_id", "host", "written")})
+    init_rows = [{k: v for k, v in r.items() if k not in ("run_id", "host", "written")} for r in earlier
+                 if r.get("run_id") == marker["run_id"] and r.get("point") == "init"]  # none on a resume with another --records
+    hook = Crossings(args, run_out, records, crossed, init_rows)
     stopped = "budget"
     log(f"distilling {args.init} for up to {config.tokens:,} tokens" + (f", {left:.0f} s of training" if args.deadline_s else ""))
     try:
@@ -285,5 +299,5 @@ def finish(args, hook: Crossings, records: Records, marker: dict, run_out: Path,
 
 
 def print_table(records: list[dict]) -> None:
-    for line in ["", *targets_table(records), "", *passkey_table(records)]:
+    for line in ["", *targets_table(records), "", *retrieval_tables(records)]:
         print(line, flush=True)

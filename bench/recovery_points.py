@@ -9,6 +9,7 @@ MULTIPLES = (1.5, 1.3, 1.2)            # the targets issue 30 asks for, multiple
 LADDER = (1.2, 1.3, 1.5, 2.0, 3.0, 5.0)  # the recipe study reads its ratio at the lowest one both inits reach
 RATE_POINTS = 3                        # evaluations the end rate is fitted over
 INITS = ("baseline", "tcal")
+RETRIEVAL = ("passkey", "multikey", "vartrack")  # the kinds of retrieval rows
 SAME = ("config", "layers", "teacher", "data", "eval", "teacher_ppl")  # what both runs of a table must share
 
 
@@ -102,22 +103,29 @@ def targets_table(records: list[dict]) -> list[str]:
     return lines
 
 
-def passkey_table(records: list[dict]) -> list[str]:
-    """Markdown: passkey accuracy per length for the teacher and each init at each point."""
+def passkey_table(records: list[dict], kind: str = "passkey") -> list[str]:
+    """Markdown: a retrieval task's accuracy per length (passkey; multikey, vartrack) for the teacher
+    and each init at each point."""
     rows = {}
     runs = latest_runs(records)
     for r in records:
-        if r.get("kind") == "passkey" and (r["model"] == "teacher" or r.get("run_id") == runs.get(r["model"], {}).get("run_id")):
+        if r.get("kind") == kind and (r["model"] == "teacher" or r.get("run_id") == runs.get(r["model"], {}).get("run_id")):
             rows[(r["model"], r["point"])] = r  # the latest per (model, point)
     if not rows:
         return []
     lengths = sorted({int(x) for r in rows.values() for x in r["by_length"]})
-    lines = ["| model | point | tokens | " + " | ".join(str(x) for x in lengths) + " |", "|---|---|---|" + "---|" * len(lengths)]
+    lines = [f"| {kind}: model | point | tokens | " + " | ".join(str(x) for x in lengths) + " |", "|---|---|---|" + "---|" * len(lengths)]
     for (model, point), r in rows.items():
         cells = [f"{r['by_length'][str(x)]:.0%}" if str(x) in r["by_length"] else "-" for x in lengths]
         tokens = "-" if r.get("tokens") is None else f"{r['tokens'] / 1e6:.3g}M"
         lines.append(f"| {model} | {point} | {tokens} | " + " | ".join(cells) + " |")
     return lines
+
+
+def retrieval_tables(records: list[dict]) -> list[str]:
+    """passkey_table for each retrieval task the records hold, a blank line after each."""
+    tables = [passkey_table(records, kind) for kind in RETRIEVAL]
+    return [line for table in tables if table for line in (*table, "")]
 
 
 def recipe_table(records: list[dict]) -> list[str]:

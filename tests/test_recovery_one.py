@@ -40,7 +40,7 @@ def bench(monkeypatch, capsys, *args: str) -> tuple[int, str]:
 def init_args(out: Path, init: str, *extra: str) -> list:
     """A run of 3 steps of 4 x 32 tokens, evaluated every step; a target (0.5x) it cannot reach."""
     return ["--init", init, "--model", STORIES, "--data", SAMPLE, "--eval", SAMPLE, "--tokens", 384, "--seq-len", 32,
-            "--global-batch", 4, "--eval-every", 128, "--eval-tokens", 256, "--passkey-lengths", "200,300", "--passkey-trials", 5,
+            "--global-batch", 4, "--eval-every", 128, "--eval-tokens", 256, "--passkey-lengths", "300,400", "--passkey-trials", 5,
             "--lr", 3e-3, "--stop-multiple", 0.5, "--out", out, *extra]
 
 
@@ -49,7 +49,7 @@ def both(tmp_path_factory):
     """Both inits, one call each, into one records file."""
     out = tmp_path_factory.mktemp("recovery")
     with pytest.MonkeyPatch.context() as mp:
-        for init, extra in (("baseline", []), ("tcal", ["--set", *FAST_TCAL])):
+        for init, extra in (("baseline", []), ("tcal", ["--retrieval", "passkey,multikey", "--set", *FAST_TCAL])):
             mp.setattr(sys, "argv", ["recovery.py", *map(str, init_args(out, init, *extra))])
             runpy.run_path(str(ROOT / "bench/recovery.py"), run_name="__main__")
     return out, [json.loads(line) for line in (out / "recovery.jsonl").read_text().splitlines()]
@@ -88,16 +88,17 @@ def test_one_init_per_call_appends_and_the_table_compares(both, monkeypatch, cap
     assert points.differences(runs) == []  # same recipe, seed, layers and teacher: a fair comparison
     # passkey rows: the teacher once, each init at init and at the end (crossings: none below 0.5x... unless at 1.5x / 1.3x)
     pk = [(r["model"], r["point"]) for r in records if r["kind"] == "passkey"]
+    assert {(r["model"], r["point"]) for r in records if r["kind"] == "multikey"} >= {("teacher", "teacher"), ("tcal", "init"), ("tcal", "end")}
     assert pk.count(("teacher", "teacher")) == 1
     for init in ("baseline", "tcal"):
         assert (init, "init") in pk and (init, "end") in pk
-        assert all(r["trials_per_length"] == 5 and set(r["by_length"]) == {"200", "300"} for r in records if r["kind"] == "passkey")
+        assert all(r["trials_per_length"] == 5 and set(r["by_length"]) == {"300", "400"} for r in records if r["kind"] in ("passkey", "multikey"))
     crossed = {(r["init"], r["point"]) for r in records if r["kind"] == "crossing"}
     assert crossed and crossed <= set(pk)  # each crossing (Taylor-Calibrate's, here) has its passkey row
     assert not list(out.glob("*snapshot*"))  # the weights saved at a crossing go once scored
     code, text = bench(monkeypatch, capsys, "--table", out / "recovery.jsonl")
     assert code == 0
-    assert "\n".join(points.targets_table(records)) in text and "| model | point | tokens | 200 | 300 |" in text
+    assert "\n".join(points.targets_table(records)) in text and "| passkey: model | point | tokens | 300 | 400 |" in text and "| multikey: model | point | tokens | 300 | 400 |" in text
     teacher = runs["tcal"]["teacher_ppl"]
     for m in points.MULTIPLES:
         b, t = (reference_tokens(runs[i]["curve"], teacher * m) for i in ("baseline", "tcal"))
