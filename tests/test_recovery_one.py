@@ -75,6 +75,10 @@ def test_crossing_and_end_rate_against_references():
     slope = np.polyfit([10, 20, 30], [60.0, 50.0, 47.0], 1)[0]
     assert points.end_rate(curve) == pytest.approx(slope * 1e7)
     assert points.end_rate(curve[:1]) is None
+    runs = {"baseline": {"teacher_ppl": 20.830001, "layers": [0, 1]}, "tcal": {"teacher_ppl": 20.83, "layers": [0, 1]}}
+    assert points.differences(runs) == []
+    runs["tcal"] |= {"teacher_ppl": 20.9, "layers": [0, 2]}
+    assert points.differences(runs) == ["layers", "teacher_ppl"]
     row = points.target_rows(curve, 40.0, (1.0,))[0]
     assert points.describe(row) == f"not reached in 3e-05M ({slope * 1e7:+.3g} ppl / 10M at 47.00)"
 
