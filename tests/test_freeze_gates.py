@@ -66,6 +66,8 @@ def test_freeze_checks_and_flag():
     for bad, match in ((4, "covers the whole run"), (-1, "freeze_gates_steps must be >= 0")):
         with pytest.raises(DistillError, match=match):
             DistillConfig(**base, freeze_gates_steps=bad).validate()
+    with pytest.raises(DistillError, match="not supported with fsdp"):
+        DistillConfig(**base, freeze_gates_steps=1, fsdp=True).validate()
     # a run saved before the field existed resumes: the missing field counts as its default
     saved = DistillConfig(**base).to_dict()
     del saved["freeze_gates_steps"]
