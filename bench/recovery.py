@@ -21,6 +21,11 @@ same model, for the "distillation reaches >= 40% of plain-step FLOP/s" check.
 both students convert exactly those (default: uniform spacing). --stop-at UNIX_TIME ends a
 --concurrent run's training at a deadline (a device budget), less the processes' start-up.
 
+Issue 30 (bench/recovery_one.py, recovery_recipes.py, recovery_points.py): --init baseline|tcal
+distils ONE init per GPU stay to 1.2x the teacher's perplexity or --deadline-s, appending to
+--records; --table RECORDS prints both inits' tokens to 1.5x / 1.3x / 1.2x and passkey rows;
+--recipes FILE.json runs the recipe study on both inits at equal tokens.
+
 --two-gpu also saves the Taylor-Calibrate init and the teacher and reruns that student's
 distillation with torchrun on 2 GPUs (same global batch, same data order), for tokens/s scaling and
 the curve.
@@ -57,6 +62,7 @@ from surgery.core.load import load_model  # noqa: E402
 from surgery.eval.passkey import passkey  # noqa: E402
 from surgery.core.pipeline import parse_options  # noqa: E402
 
+STARTED = time.time()  # --deadline-s counts from here: the start of the process
 LADDER = (1.2, 1.3, 1.5, 2.0, 3.0, 5.0)  # multiples of the teacher's perplexity (issue 17 asks for 1.5x, 1.3x and 1.2x)
 DISTILL_STARTUP_S = 60.0  # a `surgery distill` process on the H200 loads and captures teacher and student first
 
@@ -429,12 +435,56 @@ def summarize(args, report: dict, lengths: list[int], dump, results_dir: Path) -
             f"{report['distill_vs_plain_flops']:.0%}")
 
 
+def one_init_options(ap) -> None:
+    """Issue 30's modes: one init per stay (--init), the table of both (--table), the recipe study (--recipes)."""
+    ap.add_argument("--init", choices=("baseline", "tcal"), default=None,
+                    help="distil ONE init until --stop-multiple x the teacher's perplexity, --deadline-s or --tokens; append to --records")
+    ap.add_argument("--deadline-s", type=float, default=None, help="with --init/--recipes: seconds from the start of this process to be done in")
+    ap.add_argument("--stop-multiple", type=float, default=1.2, help="with --init: stop once the eval perplexity is this multiple of the teacher's")
+    ap.add_argument("--records", default=None, help="JSON-lines results both inits append to (default: OUT/recovery.jsonl)")
+    ap.add_argument("--seed", type=int, default=0, help="data order (and passkey keys) of --init / --recipes runs")
+    ap.add_argument("--passkey-trials", type=int, default=20, help="with --init: passkey trials per length (5 depths)")
+    ap.add_argument("--retrieval", default="passkey",
+                    help="with --init: retrieval tasks scored at each point, comma-separated: passkey, multikey, vartrack")
+    ap.add_argument("--passkey-at", choices=("end", "crossing"), default="end",
+                    help="with --init: score the 1.5x / 1.3x crossings after training from weights saved to disk, or at once")
+    ap.add_argument("--reserve-s", type=float, default=None,
+                    help="with --init: seconds kept after training for the passkey rows (default: 3 x the init's passkey time + 30)")
+    ap.add_argument("--table", default=None, metavar="RESULTS.jsonl", help="print the tables of a records file and exit")
+    ap.add_argument("--recipes", default=None, metavar="FILE.json",
+                    help="recipe study: a JSON list of DistillConfig field dicts (a 'name' each), each run for --tokens on both inits")
+
+
+def one_init_modes(args, ap) -> None:
+    """--table, --init, --recipes (bench/recovery_one.py, bench/recovery_recipes.py)."""
+    from bench import recovery_one, recovery_points, recovery_recipes
+
+    if args.table:
+        if not Path(args.table).exists():
+            ap.error(f"--table {args.table}: no such file (the --records of an --init run)")
+        records = recovery_one.Records(Path(args.table)).read()
+        for line in [*recovery_points.targets_table(records), "", *recovery_points.retrieval_tables(records),
+                     *recovery_points.recipe_table(records)]:
+            print(line)
+        return
+    missing = [f"--{k}" for k in ("model", "data", "eval", "out", "tokens") if getattr(args, k) is None]
+    if missing:
+        ap.error(f"--{'init' if args.init else 'recipes'} needs {', '.join(missing)}")
+    args.lengths = [int(x) for x in (args.passkey_lengths or "1024,2048,4096,8192").split(",")]
+    args.retrieval = [t.strip() for t in args.retrieval.split(",") if t.strip()]
+    if not args.retrieval or set(args.retrieval) - set(recovery_points.RETRIEVAL):
+        ap.error(f"--retrieval {','.join(args.retrieval)}: choose among {', '.join(recovery_points.RETRIEVAL)}")
+    if args.recipes:
+        return recovery_recipes.study(args, STARTED)
+    recovery_one.run_one(args, STARTED)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", required=True)
-    ap.add_argument("--data", nargs="+", required=True)
+    ap.add_argument("--model")
+    ap.add_argument("--data", nargs="+")
     ap.add_argument("--calibration", nargs="*", default=None, help="Taylor-Calibrate text (default: --data)")
-    ap.add_argument("--eval", required=True)
+    ap.add_argument("--eval")
     ap.add_argument("--keep-ratio", type=float, default=0.5)
     ap.add_argument("--select-policy", default="uniform", choices=("uniform", "ar", "greedy"),
                     help="which layers stay attention, the same for both students (ar, greedy: scored on the calibration text)")
@@ -450,7 +500,7 @@ def main() -> None:
     ap.add_argument("--lr-rest", type=float, default=None, help="stage-2 lr outside the GDN layers (default: DistillConfig's)")
     ap.add_argument("--eval-every", type=int, default=None, help="tokens (default: tokens / 10)")
     ap.add_argument("--eval-tokens", type=int, default=65536)
-    ap.add_argument("--passkey-lengths", default="1024,2048,4096")
+    ap.add_argument("--passkey-lengths", default=None, help="default 1024,2048,4096 (with --init: 1024,2048,4096,8192)")
     ap.add_argument("--plain-steps", type=int, default=5)
     ap.add_argument("--two-gpu", action="store_true")
     ap.add_argument("--two-gpu-tokens", type=int, default=None, help="default: half of --tokens")
@@ -474,9 +524,21 @@ def main() -> None:
     ap.add_argument("--save-every", type=int, default=None, help="with --concurrent: tokens between checkpoints (default: --eval-every)")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke run: skip passkey lengths the model cannot hold")
     ap.add_argument("--set", nargs="*", default=[], help="pass.key=value for the Taylor-Calibrate init (e.g. align.steps=30)")
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--out")
     ap.add_argument("--results", default=None, help="directory for the JSON and PNG (default: --out)")
+    one_init_options(ap)
     args = ap.parse_args()
+    if args.table or args.init or args.recipes:
+        from surgery.errors import SurgeryError
+
+        try:
+            return one_init_modes(args, ap)
+        except SurgeryError as exc:  # bad input (lengths, recipe fields): its one-line error and fix, no stack trace
+            raise SystemExit(str(exc)) from None
+    missing = [f"--{k}" for k in ("model", "data", "eval", "out") if getattr(args, k) is None]
+    if missing:
+        ap.error(f"the following arguments are required: {', '.join(missing)}")
+    args.passkey_lengths = args.passkey_lengths or "1024,2048,4096"
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
     torch.backends.cuda.matmul.allow_tf32 = True

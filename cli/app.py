@@ -219,6 +219,7 @@ def apply(
             emit_json({"model": model, "out": str(out_dir), "passes": results.info, "layer_kinds": graph.layer_kinds})
 
 
+RETRIEVAL = ("passkey", "multikey", "vartrack")  # surgery.eval.<task>.<task>(graph, text, lengths, depths, trials, seed, batch_size=)
 EVAL_COUNTS = {"chunk": (2, 2048), "batch_size": (1, 1), "depths": (1, 5), "trials": (1, 2)}  # (least, example)
 
 
@@ -227,8 +228,8 @@ def check_eval_options(task: str, text, lengths: str, **counts: int) -> list[int
     passkey lengths, and counts in range (a --chunk below 2 predicts no token). -> the lengths."""
     from surgery.data.text import check_text_file
 
-    if task not in ("perplexity", "passkey", "lm-eval"):
-        raise SurgeryError(f"Unknown task '{task}'.", "Use --task perplexity, passkey or lm-eval.")
+    if task not in ("perplexity", *RETRIEVAL, "lm-eval"):
+        raise SurgeryError(f"Unknown task '{task}'.", "Use --task perplexity, passkey, multikey, vartrack or lm-eval.")
     if task == "perplexity" and len(text or []) != 1:
         raise SurgeryError("Perplexity scores exactly one text file.", "Pass it with --text FILE.")
     for file in text or []:
@@ -242,7 +243,7 @@ def check_eval_options(task: str, text, lengths: str, **counts: int) -> list[int
         length_list = [int(x) for x in lengths.split(",") if x.strip()]
     except ValueError:
         raise SurgeryError(f"--lengths must be comma-separated integers, got '{lengths}'.", "e.g. --lengths 1024,2048,4096") from None
-    if task == "passkey" and (not length_list or min(length_list) < 1):
+    if task in RETRIEVAL and (not length_list or min(length_list) < 1):
         raise SurgeryError(f"--lengths must name positive prompt lengths, got '{lengths}'.", "e.g. --lengths 1024,2048,4096")
     return length_list
 
@@ -254,16 +255,16 @@ def evaluate(model: str = ModelOpt,
              text: Optional[List[Path]] = typer.Option(None, "--text", "-t", metavar="FILE",
                                                        help="perplexity: the one text file to score; passkey: corpus text for the filler, "
                                                             "--text again for more files (default: the built-in sample)."),
-             task: str = typer.Option("perplexity", "--task", help="perplexity, passkey or lm-eval."),
+             task: str = typer.Option("perplexity", "--task", help="perplexity, passkey, multikey (several keys, one asked), vartrack (a chain of assignments) or lm-eval."),
              tasks: str = typer.Option("surgery_next_sentence", "--tasks", help="lm-eval: shipped task name(s), comma-separated."),
              limit: Optional[int] = typer.Option(None, "--limit", help="lm-eval: score only the first N items of each task."),
              as_json: bool = JsonOpt,
              chunk: int = typer.Option(2048, "--chunk", help="perplexity: tokens per scored window (the model's context if shorter)."),
              batch_size: int = typer.Option(1, "--batch-size", help="Windows (perplexity), prompts (passkey) or items (lm-eval) per forward."),
-             lengths: str = typer.Option("1024,2048,4096", "--lengths", help="passkey: prompt lengths in tokens."),
-             depths: int = typer.Option(5, "--depths", help="passkey: evenly spaced needle depths per length."),
-             trials: int = typer.Option(2, "--trials", help="passkey: keys per (length, depth)."),
-             seed: int = typer.Option(0, "--seed", help="passkey: keys and filler offsets."),
+             lengths: str = typer.Option("1024,2048,4096", "--lengths", help="passkey, multikey, vartrack: prompt lengths in tokens."),
+             depths: int = typer.Option(5, "--depths", help="passkey, multikey, vartrack: evenly spaced needle depths per length."),
+             trials: int = typer.Option(2, "--trials", help="passkey, multikey, vartrack: keys per (length, depth)."),
+             seed: int = typer.Option(0, "--seed", help="passkey, multikey, vartrack: keys and filler offsets."),
              device: Optional[str] = DeviceOpt, dtype: Optional[str] = DtypeOpt, debug: bool = DebugOpt,
              compile: Optional[bool] = CompileOpt):
     """Perplexity on a text file (WikiText-2 protocol) or passkey retrieval, for a teacher or a saved hybrid."""
@@ -279,10 +280,11 @@ def evaluate(model: str = ModelOpt,
         dev, dt = placement(device, dtype)
         check_device_fits(paths[0], dev, dt)
         graph = open_runnable(model, device=dev, dtype=dt, debug=debug, compile=compile)  # an export: verified, run by its own code
-        if task == "passkey":
-            from surgery.eval.passkey import passkey
+        if task in RETRIEVAL:
+            import importlib
 
-            result = passkey(graph, text, length_list, depths, trials, seed, batch_size=batch_size) | {"model": model}
+            retrieval = getattr(importlib.import_module(f"surgery.eval.{task}"), task)
+            result = retrieval(graph, text, length_list, depths, trials, seed, batch_size=batch_size) | {"model": model}
             return emit_json(result) if as_json else render_passkey(result)
         ids = text_ids(text[0], graph.tokenizer)  # the WikiText-2 protocol: the whole file in one call, cached
         result = perplexity(graph, ids, chunk=chunk, batch_size=batch_size, compile=compile)  # progress: surgery.core.progress, on stderr
@@ -295,7 +297,7 @@ def evaluate(model: str = ModelOpt,
 
 def render_passkey(result: dict) -> None:
     """Accuracy per length, then each trial: the key and what greedy decoding answered."""
-    table = Table(title="passkey retrieval")
+    table = Table(title=f"{result['task']} retrieval")
     table.add_column("length")
     table.add_column("accuracy")
     per_length = result["trials"] // len(result["by_length"])

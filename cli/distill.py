@@ -49,6 +49,7 @@ def distill(
     lr_rest: Optional[float] = typer.Option(None, "--lr-rest", help="Learning rate outside the GDN layers in stage kl (default 7e-6; 0 freezes them)."),
     warmup: Optional[float] = typer.Option(None, "--warmup", help="Warmup as a fraction of each stage's steps (default 0.01)."),
     schedule: Optional[str] = typer.Option(None, "--schedule", help="cosine (default) or constant."),
+    freeze_gates_steps: Optional[int] = typer.Option(None, "--freeze-gates-steps", help="Hold the GDN gates (a/b/g_proj, A_log, dt_bias) still for the first N optimizer steps (default 0)."),
     eval_text: Optional[Path] = typer.Option(None, "--eval-text", help="Text file scored (perplexity) at the start, every --eval-every tokens and at the end."),
     eval_every: Optional[str] = typer.Option(None, "--eval-every", help="Evaluate every N tokens (default 0: at the start and the end only)."),
     eval_tokens: Optional[str] = typer.Option(None, "--eval-tokens", help="Tokens of --eval-text scored (default 32k)."),
@@ -76,7 +77,7 @@ def distill(
         given = {"stage": stage, "seq_len": seq_len, "global_batch": batch_size, "micro_batch": micro_batch, "warmup": warmup,
                  "schedule": schedule, "seed": seed, "eval_text": str(eval_text) if eval_text else None, "time_limit": time_limit,
                  "tokens": count(tokens, "--tokens"), "grad_checkpoint": grad_checkpoint, "compile": compile,
-                 "fsdp": fsdp, "fsdp_offload": fsdp_offload}
+                 "fsdp": fsdp, "fsdp_offload": fsdp_offload, "freeze_gates_steps": freeze_gates_steps}
         counts = {"l2_tokens": (l2_tokens, "--l2-tokens"), "eval_every": (eval_every, "--eval-every"),
                   "eval_tokens": (eval_tokens, "--eval-tokens"), "save_every": (save_every, "--save-every")}
         config = DistillConfig.from_dict(settings(given, counts, lr, lr_rest, options))

@@ -129,7 +129,12 @@ def passkey(graph, filler_files=None, lengths=(1024, 2048, 4096), depths: int = 
             seed: int = 0, batch_size: int = 8, compile: bool | None = None) -> dict:
     """Accuracy overall, per length and per (length, depth), and each trial's key and greedy answer."""
     trials = make_trials(graph.tokenizer, filler_files, list(lengths), depths, trials_per_depth, seed)
-    answers = greedy_answers(graph, trials, batch_size, compile)
+    return report("passkey", graph.tokenizer, trials, greedy_answers(graph, trials, batch_size, compile), seed)
+
+
+def report(task: str, tokenizer, trials: list[PasskeyTrial], answers: list[list[int]], seed: int) -> dict:
+    """A retrieval task's result (passkey, surgery.eval.multikey, surgery.eval.vartrack): accuracy
+    overall, per length and per (length, depth), and each trial's expected and greedy answer."""
     correct = [a == t.ids[t.answer_start:].tolist() for t, a in zip(trials, answers)]
     by_length: dict[int, list[bool]] = {}
     by_depth: dict[str, list[bool]] = {}
@@ -138,10 +143,10 @@ def passkey(graph, filler_files=None, lengths=(1024, 2048, 4096), depths: int = 
         by_depth.setdefault(f"{t.length}@{t.depth:.2f}", []).append(ok)
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
     return {
-        "task": "passkey", "accuracy": mean(correct), "trials": len(trials),
+        "task": task, "accuracy": mean(correct), "trials": len(trials),
         "by_length": {str(k): mean(v) for k, v in by_length.items()},
         "by_depth": {k: mean(v) for k, v in by_depth.items()},
-        "answers": [{"length": t.length, "depth": round(t.depth, 4), "expected": t.key, "answered": answered(graph.tokenizer, t, a), "correct": ok}
+        "answers": [{"length": t.length, "depth": round(t.depth, 4), "expected": t.key, "answered": answered(tokenizer, t, a), "correct": ok}
                     for t, a, ok in zip(trials, answers, correct)],
         "seed": seed,
     }

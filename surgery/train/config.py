@@ -33,6 +33,9 @@ class DistillConfig(PassConfig):
                    (everything outside the GDN layers; only stage kl can move it). 0 freezes a group.
                    Defaults from METHOD.md: stage 1 lr 1e-3 on the GDN layers; stage 2 1e-4 / 7e-6.
     warmup         fraction of each stage's steps with a linear warmup; schedule: cosine | constant
+    freeze_gates_steps  optimizer steps (of the whole run, from its first) during which the GDN gate
+                   parameters (tcal's "gates" role: a/b/g_proj, A_log, dt_bias) get no update: the
+                   gates Taylor-Calibrate set are held while the rest adapts (issue 30's recipe study)
     eval_every, save_every  in tokens; 0 = only at the start (eval) and at the end
     autocast       bf16 autocast (None: on CUDA); float32 master weights stay in the model's dtype
     time_limit     seconds of training in this process (0: none); when they are up the run writes a
@@ -60,6 +63,7 @@ class DistillConfig(PassConfig):
     lr_kl_rest: float = 7e-6
     warmup: float = 0.01
     schedule: str = "cosine"
+    freeze_gates_steps: int = 0
     min_lr_ratio: float = 0.0
     weight_decay: float = 0.01
     beta1: float = 0.9
@@ -95,7 +99,7 @@ class DistillConfig(PassConfig):
             bad("seq_len must be >= 2 tokens.", "Use e.g. --seq-len 512.")
         if self.micro_batch is not None and self.micro_batch < 1:
             bad(f"micro_batch must be >= 1, got {self.micro_batch}.", "Use a positive number, or leave it unset.")
-        for key in ("eval_every", "save_every", "weight_decay", "clip", "min_lr_ratio", "time_limit") + tuple(f.name for f in dataclasses.fields(self) if f.name.startswith("lr_")):
+        for key in ("eval_every", "save_every", "freeze_gates_steps", "weight_decay", "clip", "min_lr_ratio", "time_limit") + tuple(f.name for f in dataclasses.fields(self) if f.name.startswith("lr_")):
             if getattr(self, key) < 0:
                 bad(f"{key} must be >= 0, got {getattr(self, key)}.", "Use 0 or a positive number.")
         if not 0 <= self.warmup < 1:
@@ -110,6 +114,8 @@ class DistillConfig(PassConfig):
             bad(f"{'fsdp_offload' if self.fsdp_offload else 'fsdp_mixed'} only applies to a sharded run.", "Add --fsdp, or drop the option.")
         if self.fsdp and self.compile:
             bad("compile is not supported with fsdp yet.", "Drop --compile (or --fsdp).")
+        if self.fsdp and self.freeze_gates_steps:
+            bad("freeze_gates_steps is not supported with fsdp yet.", "Drop --freeze-gates-steps (or --fsdp).")
         if self.l2_tokens is not None and self.stage != "both":
             bad("l2_tokens only applies to --stage both.", "Drop --l2-tokens, or use --stage both.")
         for name, tokens in self.plan():
@@ -123,6 +129,11 @@ class DistillConfig(PassConfig):
                     "Check --tokens (e.g. 50M), or raise --batch-size / --seq-len.")
             if not any(v > 0 for v in self.learning_rates(name).values()):
                 bad(f"Every learning rate of stage {name} is 0: nothing would train.", f"Give stage {name} a positive learning rate (e.g. --lr).")
+
+        total = sum(steps for _, steps in self.steps())
+        if self.freeze_gates_steps >= total:
+            bad(f"freeze_gates_steps {self.freeze_gates_steps} covers the whole run ({total} optimizer steps): the gates would never train.",
+                "Use fewer steps (e.g. a tenth of the run), or --set lr_kl_new=0 to keep every new parameter fixed.")
 
     @property
     def tokens_per_step(self) -> int:
@@ -146,8 +157,10 @@ class DistillConfig(PassConfig):
     def differences(self, saved: dict) -> list[str]:
         """Fields (other than OPERATIONAL ones) whose value differs from a saved config."""
         now = self.to_dict()
+        defaults = type(self)().to_dict()  # a field newer than the saved run was at its default there
         keys = sorted((set(now) | set(saved)) - set(OPERATIONAL))
-        return [f"{k} (run: {saved.get(k)!r}, now: {now.get(k)!r})" for k in keys if saved.get(k) != now.get(k)]
+        was = {k: saved.get(k, defaults.get(k)) for k in keys}
+        return [f"{k} (run: {was[k]!r}, now: {now.get(k)!r})" for k in keys if was[k] != now.get(k)]
 
 
 def lr_factor(step: int, steps: int, warmup: float, schedule: str, min_ratio: float) -> float:

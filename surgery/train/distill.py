@@ -22,7 +22,7 @@ __all__ = ["DistillConfig", "distill"]
 
 def distill(model, data, out, config: DistillConfig, *, teacher=None, resume: bool = False, force: bool = False,
             device=None, dtype: torch.dtype | None = None, progress: bool = True,
-            on_step: Callable[[dict], None] | None = None) -> dict:
+            on_step: Callable[[dict], None] | None = None, on_open: Callable | None = None) -> dict:
     """Train the hybrid `model` (a saved-hybrid directory or a Graph) against its teacher on the text
     files `data`, writing checkpoints, log.jsonl and distill.json into `out`.
 
@@ -36,6 +36,8 @@ def distill(model, data, out, config: DistillConfig, *, teacher=None, resume: bo
               autocast and a teacher captured here (a source, or the recipe's) is held in bf16;
               a Graph or in-memory teacher keeps the dtype it has
     on_step   called with each step's log record after its checkpoint (if any) is written
+    on_open   called with the student Graph that trains (on resume, the checkpoint's) before the first
+              step: a caller can snapshot or score it between steps (bench/recovery.py)
     The run holds out's writer lock (surgery.io.lock; rank 0 under torchrun): a second writer of
     `out` gets OutputBusyError at once.
     Under torchrun (WORLD_SIZE > 1) each process runs this with the same arguments; it joins or starts
@@ -51,6 +53,8 @@ def distill(model, data, out, config: DistillConfig, *, teacher=None, resume: bo
     try:
         with output_lock(out) if place.main else contextlib.nullcontext():  # one writer per run directory
             job = open_job(place, model, data, out, config, teacher=teacher, resume=resume, force=force, dtype=dtype)
+            if on_open is not None and job.student is not None:
+                on_open(job.student)
             return Trainer(job, progress, on_step).run()
     finally:
         if place.owns_group:

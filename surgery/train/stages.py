@@ -34,6 +34,12 @@ def parameter_kinds(graph: Graph) -> dict[int, str]:
     return kinds
 
 
+def gate_parameters(graph: Graph) -> list[torch.nn.Parameter]:
+    """The GDN layers' gate parameters, as their modules file them (tcal's "gates" role): what
+    DistillConfig.freeze_gates_steps holds still at the start of a run."""
+    return [p for module in graph.gdn_modules().values() for _, p in module.param_groups().get("gates", [])]
+
+
 def param_groups(graph: Graph, lrs: dict[str, float], weight_decay: float, trained: dict | None = None) -> list[dict]:
     """AdamW groups per kind (new / copied / rest) with lr > 0; 1-D tensors and parameters marked
     _no_weight_decay (A_log, dt_bias) get no weight decay. Order follows named_parameters, which a

@@ -32,7 +32,7 @@ from .interrupt import Interrupts
 from .job import Job
 from .progress import Reporter
 from .sharding import ShardedStudent, clip_grad_norm, shard_student
-from .stages import Stage, gradient_checkpointing, param_groups, stage_kl, stage_l2
+from .stages import Stage, gate_parameters, gradient_checkpointing, param_groups, stage_kl, stage_l2
 from .state import rng_state, set_rng_state
 
 
@@ -80,10 +80,11 @@ def out_of_memory(exc: Exception, job: Job) -> DistillError:
                         f"Use {smaller}{checkpointing}.")
 
 
-def optimizer_step(job: Job, step: int, optimizer, stage: Stage, trainable) -> dict:
+def optimizer_step(job: Job, step: int, optimizer, stage: Stage, trainable, frozen=()) -> dict:
     """One optimizer step over this rank's share of the global batch, in micro-batches. Each
     micro-batch loss is weighted by micro/local, so after DDP averages over ranks the gradient is
-    the mean over the whole global batch."""
+    the mean over the whole global batch. frozen: parameters whose gradient is dropped before the
+    step (AdamW then leaves them, and their weight decay, alone)."""
     place, micro, local = job.place, job.micro, job.local
     batch = job.order.batch(step, place.rank, place.world).to(place.device)
     optimizer.zero_grad(set_to_none=True)
@@ -99,6 +100,8 @@ def optimizer_step(job: Job, step: int, optimizer, stage: Stage, trainable) -> d
     except torch.OutOfMemoryError as exc:
         optimizer.zero_grad(set_to_none=True)  # a caller that retries smaller gets the memory back
         raise out_of_memory(exc, job) from None
+    for p in frozen:
+        p.grad = None
     value = place.mean(total).item()
     if not math.isfinite(value):
         raise DistillError(f"The loss became {value} at step {step + 1}.", "Lower the learning rates (--lr), check the data, or use float32 (--dtype float32).")
@@ -203,7 +206,8 @@ class Trainer:
         """Global step `step` (0-based: its data is order.batch(step)) and its log record."""
         c, t = self.config, self.tally
         tick = time.perf_counter()
-        loss = optimizer_step(self.job, step, optimizer, built, trainable)
+        frozen = gate_parameters(self.job.student) if step < c.freeze_gates_steps else ()
+        loss = optimizer_step(self.job, step, optimizer, built, trainable, frozen)
         lrs = {g["kind"]: g["lr"] for g in reversed(optimizer.param_groups)}  # the ones this step used
         scheduler.step()
         seconds = time.perf_counter() - tick

@@ -1,0 +1,161 @@
+"""Tokens to a target perplexity read off a curve of evaluations, the rate at the end of a run that
+never got there, and issue 30's tables: pure functions of the JSON-line records bench/recovery.py
+writes (--init, --recipes), so `--table RESULTS.jsonl` prints the same table on any machine."""
+from __future__ import annotations
+
+import math
+
+MULTIPLES = (1.5, 1.3, 1.2)            # the targets issue 30 asks for, multiples of the teacher's perplexity
+LADDER = (1.2, 1.3, 1.5, 2.0, 3.0, 5.0)  # the recipe study reads its ratio at the lowest one both inits reach
+RATE_POINTS = 3                        # evaluations the end rate is fitted over
+INITS = ("baseline", "tcal")
+RETRIEVAL = ("passkey", "multikey", "vartrack")  # the kinds of retrieval rows
+SAME = ("config", "layers", "teacher", "data", "eval", "teacher_ppl")  # what both runs of a table must share
+
+
+def crossing(curve: list, target: float) -> float | None:
+    """Tokens at which the curve first reaches `target`: linear in log-perplexity between the two
+    evaluations either side of it; 0 when it starts there, None when it never gets there."""
+    before = None
+    for tokens, ppl in curve:
+        if ppl <= target:
+            if before is None:
+                return float(tokens)
+            t0, p0 = before
+            return t0 + (math.log(p0) - math.log(target)) / (math.log(p0) - math.log(ppl)) * (tokens - t0)
+        before = (tokens, ppl)
+    return None
+
+
+def end_rate(curve: list, points: int = RATE_POINTS) -> float | None:
+    """Perplexity change per 10M tokens at the end: the least-squares slope over the last `points`
+    evaluations (None with fewer than two)."""
+    tail = [(float(t), float(p)) for t, p in curve[-points:]]
+    if len(tail) < 2:
+        return None
+    mt, mp = sum(t for t, _ in tail) / len(tail), sum(p for _, p in tail) / len(tail)
+    spread = sum((t - mt) ** 2 for t, _ in tail)
+    return sum((t - mt) * (p - mp) for t, p in tail) / spread * 1e7 if spread else None
+
+
+def target_rows(curve: list, teacher_ppl: float, multiples=MULTIPLES) -> list[dict]:
+    """Per multiple: tokens to it (interpolated), or the tokens trained and the rate at the end."""
+    trained, last = curve[-1]
+    rate = end_rate(curve)
+    rows = []
+    for m in multiples:
+        tokens = crossing(curve, teacher_ppl * m)
+        rows.append({"multiple": m, "target_ppl": teacher_ppl * m, "tokens": tokens, "trained_tokens": trained,
+                     "ppl_end": last, "rate_per_10M": None if tokens is not None else rate})
+    return rows
+
+
+def describe(row: dict) -> str:
+    """'3.41M', or 'not reached in 65.5M (-0.42 ppl / 10M at 31.2)'."""
+    if row["tokens"] is not None:
+        return f"{row['tokens'] / 1e6:.3g}M"
+    rate = "rate unknown" if row["rate_per_10M"] is None else f"{row['rate_per_10M']:+.3g} ppl / 10M"
+    return f"not reached in {row['trained_tokens'] / 1e6:.3g}M ({rate} at {row['ppl_end']:.2f})"
+
+
+def ratio(base: dict, tc: dict) -> str:
+    """Baseline tokens over Taylor-Calibrate tokens; a bound where one of them never got there."""
+    b, t = base["tokens"], tc["tokens"]
+    if b is not None and t is not None:
+        return "both start there" if b == t == 0 else (f"{b / t:.2f}x" if t > 0 else "TC starts there")
+    if t is not None:
+        return f"> {base['trained_tokens'] / t:.2f}x (baseline not reached)" if t > 0 else "TC starts there; baseline not reached"
+    if b is not None:
+        return f"< {b / tc['trained_tokens']:.2f}x (TC not reached)"
+    return "neither reached"
+
+
+def latest_runs(records: list[dict], kind: str = "run") -> dict[str, dict]:
+    """The last record of `kind` per init (a rerun replaces an earlier one)."""
+    runs: dict[str, dict] = {}
+    for r in records:
+        if r.get("kind") == kind:
+            runs[r["init"]] = r
+    return runs
+
+
+def differences(runs: dict[str, dict]) -> list[str]:
+    """Fields the two runs should share but do not (another seed, data order, layers, teacher)."""
+    a, b = (runs[i] for i in INITS)
+    return [key for key in SAME if not same(a.get(key), b.get(key))]
+
+
+def same(x, y) -> bool:
+    """Equal, numbers to 1e-3 (the teacher's perplexity measured on two machines differs in the last bits)."""
+    if isinstance(x, float) and isinstance(y, float):
+        return math.isclose(x, y, rel_tol=1e-3)
+    return x == y
+
+
+def targets_table(records: list[dict]) -> list[str]:
+    """Markdown: tokens to 1.5x / 1.3x / 1.2x per init and their ratio, from the latest runs."""
+    runs = latest_runs(records)
+    missing = [i for i in INITS if i not in runs]
+    if missing:
+        return [f"no run of {', '.join(missing)} in the records yet: run bench/recovery.py --init {missing[0]} with the same --records"]
+    lines = [f"teacher perplexity {runs['tcal']['teacher_ppl']:.3f} (eval subset); "
+             + "; ".join(f"{i}: {runs[i]['curve'][-1][0] / 1e6:.3g}M tokens trained, stopped by {runs[i]['stopped']}, "
+                         f"{runs[i]['tokens_per_s']:,.0f} tokens/s" for i in INITS),
+             "| target | baseline tokens | Taylor-Calibrate tokens | ratio |", "|---|---|---|---|"]
+    for base, tc in zip(*(target_rows(runs[i]["curve"], runs[i]["teacher_ppl"]) for i in INITS)):
+        lines.append(f"| {base['multiple']}x ({tc['target_ppl']:.2f}) | {describe(base)} | {describe(tc)} | {ratio(base, tc)} |")
+    differ = differences(runs)
+    if differ:
+        lines.append(f"warning: the two runs differ in {', '.join(differ)}: the ratios compare different recipes")
+    return lines
+
+
+def passkey_table(records: list[dict], kind: str = "passkey") -> list[str]:
+    """Markdown: a retrieval task's accuracy per length (passkey; multikey, vartrack) for the teacher
+    and each init at each point."""
+    rows = {}
+    runs = latest_runs(records)
+    for r in records:
+        if r.get("kind") == kind and (r["model"] == "teacher" or r.get("run_id") == runs.get(r["model"], {}).get("run_id")):
+            rows[(r["model"], r["point"])] = r  # the latest per (model, point)
+    if not rows:
+        return []
+    lengths = sorted({int(x) for r in rows.values() for x in r["by_length"]})
+    lines = [f"| {kind}: model | point | tokens | " + " | ".join(str(x) for x in lengths) + " |", "|---|---|---|" + "---|" * len(lengths)]
+    for (model, point), r in rows.items():
+        cells = [f"{r['by_length'][str(x)]:.0%}" if str(x) in r["by_length"] else "-" for x in lengths]
+        tokens = "-" if r.get("tokens") is None else f"{r['tokens'] / 1e6:.3g}M"
+        lines.append(f"| {model} | {point} | {tokens} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def retrieval_tables(records: list[dict]) -> list[str]:
+    """passkey_table for each retrieval task the records hold, a blank line after each."""
+    tables = [passkey_table(records, kind) for kind in RETRIEVAL]
+    return [line for table in tables if table for line in (*table, "")]
+
+
+def recipe_table(records: list[dict]) -> list[str]:
+    """Markdown: per recipe, the ratio at the lowest target of LADDER both inits reached, and the
+    final perplexity of each (the records of the latest study per recipe name)."""
+    by_recipe: dict[str, dict[str, dict]] = {}
+    for r in records:
+        if r.get("kind") == "recipe":
+            by_recipe.setdefault(r["recipe"], {})[r["init"]] = r
+    if not by_recipe:
+        return []
+    lines = ["| recipe | target | baseline tokens | TC tokens | ratio | final ppl baseline | final ppl TC |", "|---|---|---|---|---|---|---|"]
+    for name, runs in by_recipe.items():
+        if any(i not in runs for i in INITS):
+            lines.append(f"| {name} | only {', '.join(runs)} ran | | | | | |")
+            continue
+        teacher = runs["tcal"]["teacher_ppl"]
+        rows = {i: target_rows(runs[i]["curve"], teacher, LADDER) for i in INITS}
+        reached = [(b, t) for b, t in zip(rows["baseline"], rows["tcal"]) if b["tokens"] is not None and t["tokens"] is not None]
+        closest = reached[0] if reached else (rows["baseline"][-1], rows["tcal"][-1])
+        b, t = closest
+        cut = [i for i in INITS if runs[i].get("stopped") == "deadline"]
+        name += f" (cut short by the deadline: {', '.join(cut)})" if cut else ""
+        lines.append(f"| {name} | {b['multiple']}x ({b['target_ppl']:.2f}) | {describe(b)} | {describe(t)} | {ratio(b, t)} | "
+                     f"{runs['baseline']['curve'][-1][1]:.3f} | {runs['tcal']['curve'][-1][1]:.3f} |")
+    return lines

@@ -1,0 +1,179 @@
+"""Issue 30's modes of bench/recovery.py on stories260K, CPU, tiny budgets: one init per call
+(--init) appending to one records file, the table of both (--table, a pure function of the records,
+checked against an independent interpolation), --resume only where the checkpoint is on this
+machine (else one "start over" line, exit 2), and the recipe study (--recipes)."""
+from __future__ import annotations
+
+import json
+import math
+import runpy
+import socket
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench import recovery_points as points  # noqa: E402
+
+STORIES = ROOT / "tests/assets/stories260k/stories260K.gguf"
+SAMPLE = ROOT / "surgery/data/calibration_sample.txt"
+FAST_TCAL = ["calibrate.samples=2", "calibrate.length=64", "align.samples=2", "align.length=64", "align.steps=2"]
+
+
+def bench(monkeypatch, capsys, *args: str) -> tuple[int, str]:
+    """bench/recovery.py ARGS in this process -> (exit code, stdout)."""
+    monkeypatch.setattr(sys, "argv", ["recovery.py", *map(str, args)])
+    code = 0
+    try:
+        runpy.run_path(str(ROOT / "bench/recovery.py"), run_name="__main__")
+    except SystemExit as stop:
+        code = stop.code if isinstance(stop.code, int) else 1
+        if not isinstance(stop.code, int) and stop.code is not None:
+            print(stop.code)
+    return code, capsys.readouterr().out
+
+
+def init_args(out: Path, init: str, *extra: str) -> list:
+    """A run of 3 steps of 4 x 32 tokens, evaluated every step; a target (0.5x) it cannot reach."""
+    return ["--init", init, "--model", STORIES, "--data", SAMPLE, "--eval", SAMPLE, "--tokens", 384, "--seq-len", 32,
+            "--global-batch", 4, "--eval-every", 128, "--eval-tokens", 256, "--passkey-lengths", "300,400", "--passkey-trials", 5,
+            "--lr", 3e-3, "--stop-multiple", 0.5, "--out", out, *extra]
+
+
+@pytest.fixture(scope="module")
+def both(tmp_path_factory):
+    """Both inits, one call each, into one records file."""
+    out = tmp_path_factory.mktemp("recovery")
+    with pytest.MonkeyPatch.context() as mp:
+        for init, extra in (("baseline", []), ("tcal", ["--retrieval", "passkey,multikey", "--set", *FAST_TCAL])):
+            mp.setattr(sys, "argv", ["recovery.py", *map(str, init_args(out, init, *extra))])
+            runpy.run_path(str(ROOT / "bench/recovery.py"), run_name="__main__")
+    return out, [json.loads(line) for line in (out / "recovery.jsonl").read_text().splitlines()]
+
+
+def reference_tokens(curve, target):
+    """Independent: where log-perplexity, linear between evaluations, first reaches log(target)."""
+    t = np.array([c[0] for c in curve], float)
+    lp = np.log([c[1] for c in curve])
+    below = np.nonzero(lp <= math.log(target))[0]
+    if not below.size:
+        return None
+    i = below[0]
+    return float(t[0]) if i == 0 else float(np.interp(math.log(target), lp[i - 1:i + 1][::-1], t[i - 1:i + 1][::-1]))
+
+
+def test_crossing_and_end_rate_against_references():
+    curve = [(0, 100.0), (10, 60.0), (20, 50.0), (30, 47.0)]
+    for target in (120.0, 80.0, 60.0, 55.0, 48.0, 40.0):
+        expected = reference_tokens(curve, target)
+        got = points.crossing(curve, target)
+        assert (got is None) == (expected is None) and (got is None or got == pytest.approx(expected))
+    slope = np.polyfit([10, 20, 30], [60.0, 50.0, 47.0], 1)[0]
+    assert points.end_rate(curve) == pytest.approx(slope * 1e7)
+    assert points.end_rate(curve[:1]) is None
+    runs = {"baseline": {"teacher_ppl": 20.830001, "layers": [0, 1]}, "tcal": {"teacher_ppl": 20.83, "layers": [0, 1]}}
+    assert points.differences(runs) == []
+    runs["tcal"] |= {"teacher_ppl": 20.9, "layers": [0, 2]}
+    assert points.differences(runs) == ["layers", "teacher_ppl"]
+    row = points.target_rows(curve, 40.0, (1.0,))[0]
+    assert points.describe(row) == f"not reached in 3e-05M ({slope * 1e7:+.3g} ppl / 10M at 47.00)"
+
+
+def test_one_init_per_call_appends_and_the_table_compares(both, monkeypatch, capsys):
+    out, records = both
+    runs = points.latest_runs(records)
+    assert set(runs) == {"baseline", "tcal"} and len({r["run_id"] for r in runs.values()}) == 2
+    for run in runs.values():
+        assert run["stopped"] == "budget" and run["curve"][-1][0] == 384 and [t for t, _ in run["curve"]] == [0, 128, 256, 384]
+    assert points.differences(runs) == []  # same recipe, seed, layers and teacher: a fair comparison
+    # passkey rows: the teacher once, each init at init and at the end (crossings: none below 0.5x... unless at 1.5x / 1.3x)
+    pk = [(r["model"], r["point"]) for r in records if r["kind"] == "passkey"]
+    assert {(r["model"], r["point"]) for r in records if r["kind"] == "multikey"} >= {("teacher", "teacher"), ("tcal", "init"), ("tcal", "end")}
+    assert pk.count(("teacher", "teacher")) == 1
+    for init in ("baseline", "tcal"):
+        assert (init, "init") in pk and (init, "end") in pk
+        assert all(r["trials_per_length"] == 5 and set(r["by_length"]) == {"300", "400"} for r in records if r["kind"] in ("passkey", "multikey"))
+    crossed = {(r["init"], r["point"]) for r in records if r["kind"] == "crossing"}
+    assert crossed and crossed <= set(pk)  # each crossing (Taylor-Calibrate's, here) has its passkey row
+    assert not list(out.glob("*snapshot*"))  # the weights saved at a crossing go once scored
+    code, text = bench(monkeypatch, capsys, "--table", out / "recovery.jsonl")
+    assert code == 0
+    assert "\n".join(points.targets_table(records)) in text and "| passkey: model | point | tokens | 300 | 400 |" in text and "| multikey: model | point | tokens | 300 | 400 |" in text
+    teacher = runs["tcal"]["teacher_ppl"]
+    for m in points.MULTIPLES:
+        b, t = (reference_tokens(runs[i]["curve"], teacher * m) for i in ("baseline", "tcal"))
+        line = next(x for x in text.splitlines() if x.startswith(f"| {m}x"))
+        if b is not None and t:
+            assert f"{b / t:.2f}x" in line
+        if t is None:
+            assert "not reached in 0.000384M" in line.split("|")[3]
+
+
+def test_resume_only_on_this_machine(both, monkeypatch, capsys, tmp_path):
+    out, _ = both
+    code, text = bench(monkeypatch, capsys, *init_args(tmp_path / "elsewhere", "baseline", "--resume"))
+    assert code == 2 and text.strip().count("\n") == 0 and text.startswith("start over: no run of baseline")
+    marker = out / "distill-baseline.host.json"
+    saved = marker.read_text()
+    marker.write_text(json.dumps(json.loads(saved) | {"host": "another-machine"}))
+    try:
+        code, text = bench(monkeypatch, capsys, *init_args(out, "baseline", "--resume"))
+    finally:
+        marker.write_text(saved)
+    assert code == 2 and text.strip() == f"start over: the run in {out / 'distill-baseline'} was written on another-machine, this is {socket.gethostname()}"
+    code, text = bench(monkeypatch, capsys, *init_args(out, "baseline", "--resume"))  # it ended by its budget
+    assert code == 0 and text.startswith("nothing to resume: baseline-") and "ended (budget) after 384 tokens" in text
+    records = out / "recovery.jsonl"
+    kept = records.read_text()
+    lines = [line for line in kept.splitlines() if not ('"kind": "run"' in line and '"init": "baseline"' in line)]
+    records.write_text("\n".join(lines) + "\n")  # as if the call had been cut off before its run record
+    try:
+        code, text = bench(monkeypatch, capsys, *init_args(out, "baseline", "--resume"))
+        assert code == 0 and "baseline: stopped by budget after 384 tokens" in text
+        run = points.latest_runs([json.loads(line) for line in records.read_text().splitlines()])["baseline"]
+        assert run["curve"][-1][0] == 384 and run["run_id"] == json.loads(marker.read_text())["run_id"]
+    finally:
+        records.write_text(kept)
+
+
+def test_a_deadline_already_past_fails_before_any_model_loads(monkeypatch, capsys, tmp_path):
+    code, text = bench(monkeypatch, capsys, *init_args(tmp_path, "baseline", "--deadline-s", 30, "--reserve-s", 3600))
+    assert code == 1 and text.strip().startswith("--deadline-s 30 is already past") and not (tmp_path / "recovery.jsonl").exists()
+
+
+def test_recipes_run_both_inits_at_equal_tokens(both, monkeypatch, capsys, tmp_path):
+    out, _ = both
+    recipes = tmp_path / "recipes.json"
+    recipes.write_text(json.dumps([{"name": "constant"}, {"name": "gates held", "freeze_gates_steps": 1, "schedule": "cosine"}]))
+    args = init_args(out, "baseline")[2:]  # the same recipe of the command line, no --init
+    code, text = bench(monkeypatch, capsys, "--recipes", recipes, *args, "--set", *FAST_TCAL, "--records", tmp_path / "r.jsonl")
+    assert code == 0, text
+    rows = [json.loads(line) for line in (tmp_path / "r.jsonl").read_text().splitlines()]
+    recipe_rows = [r for r in rows if r["kind"] == "recipe"]
+    assert [(r["recipe"], r["init"]) for r in recipe_rows] == [("constant", "baseline"), ("constant", "tcal"),
+                                                               ("gates held", "baseline"), ("gates held", "tcal")]
+    assert all(r["curve"][-1][0] == 384 for r in recipe_rows)
+    assert "\n".join(points.recipe_table(rows)) in text and "| gates held |" in text
+    recipes.write_text(json.dumps([{"name": "x", "tokens": 5}]))
+    code, text = bench(monkeypatch, capsys, "--recipes", recipes, *args)
+    assert code == 1 and "equal tokens" in text
+
+
+def test_the_shipped_recipe_study_is_valid():
+    """bench/recipes30.json (issue 30's study) parses and every recipe passes DistillConfig's checks
+    at the GPU command's scale (128 x 512 tokens a step, 4M tokens)."""
+    from types import SimpleNamespace
+
+    from bench.recovery_one import run_config
+    from bench.recovery_recipes import read_recipes
+
+    args = SimpleNamespace(seq_len=512, global_batch=128, tokens=4 * 2**20, schedule="constant", warmup=0.0, eval="wiki.test.raw",
+                           eval_tokens=32768, eval_every=262144, save_every=None, seed=0, lr=2e-4, lr_rest=1.4e-5, micro_batch=None)
+    recipes = read_recipes(str(ROOT / "bench/recipes30.json"))
+    configs = [run_config(args, 0.0, **fields) for _, fields in recipes]
+    assert len({name for name, _ in recipes}) == len(recipes) >= 6
+    assert {c.stage for c in configs} == {"kl", "both"} and any(c.freeze_gates_steps for c in configs)
