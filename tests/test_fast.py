@@ -323,3 +323,21 @@ def test_replay_that_fails_or_disagrees_warns_once(stories, monkeypatch, problem
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             assert_close(fast(input_ids=ids).logits, reference, "after the fallback")
+
+
+def test_long_inputs_run_eagerly(stories, monkeypatch):
+    """Inputs of more than REPLAY_MAX_TOKENS tokens are never captured (their host cost is small next to
+    the memory a kept graph holds)."""
+    import surgery.decode.replay as replay_module
+
+    graph = fresh(stories)
+    fast = FastGraph(graph.gm, "cpu", "eval", None, limit=graph.max_length)
+    captured = replaying_on_cpu(monkeypatch, fast)
+    monkeypatch.setattr(replay_module, "REPLAY_MAX_TOKENS", 40)
+    with torch.no_grad():
+        for _ in range(3):
+            fast(input_ids=ids_of(graph, 2, 21))  # 42 tokens
+        assert not captured and not fast.borrowed
+        for _ in range(2):
+            fast(input_ids=ids_of(graph, 2, 20))
+        assert len(captured) == 1 and fast.borrowed
