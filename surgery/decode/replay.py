@@ -12,10 +12,10 @@ from collections import OrderedDict
 import torch
 
 WARMUP = 1  # eager runs on a side stream before a capture (lazy initialisations must not be captured)
-# Inputs of more tokens (batch x length) run eagerly: the host's cost no longer shows there (32k x 1:
-# 90.3 ms eager, 86.9 replayed; 8k x 1: 60.7 against 19.6), while a graph keeps its activations,
-# the [B, T, V] logits included (3.2 GB at 32k for SmolLM2), for as long as it is kept.
-REPLAY_MAX_TOKENS = 16384
+# Inputs of more tokens (batch x length) run eagerly. Up to here replay was measured to pay (8k x 1: 60.7 ms
+# eager against 19.6 replayed; 32k x 1: 90.3 against 86.9), while a kept graph holds its activations, the
+# [B, T, V] logits included (3.2 GB at 32k for SmolLM2's vocabulary), so past it the gain cannot be worth it.
+REPLAY_MAX_TOKENS = 32768
 
 
 def capture(run, warmup: int = WARMUP):
