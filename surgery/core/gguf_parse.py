@@ -11,15 +11,14 @@ from pathlib import Path
 
 
 @cache
-def plain_reader_class():
-    """gguf.GGUFReader over a plain ndarray view of its memory map. The reader slices its map once or
+def plain_reader_class(base):
+    """`base` (gguf.GGUFReader) over a plain ndarray view of its memory map. The reader slices its map once or
     twice per value (~150k times for a 49k-token vocabulary) and a np.memmap runs Python code on every
     slice; the same bytes through an ndarray view parse in a third of the time. Views of a read-only
     map stay read-only."""
     import numpy as np
-    from gguf import GGUFReader
 
-    class PlainReader(GGUFReader):
+    class PlainReader(base):
         @property
         def data(self):
             return self.plain
@@ -33,7 +32,9 @@ def plain_reader_class():
 
 def read_gguf(path: Path):
     """The GGUF at `path` parsed (metadata and tensor table), as gguf.GGUFReader(path) parses it."""
-    return plain_reader_class()(path)
+    import gguf
+
+    return plain_reader_class(gguf.GGUFReader)(path)
 
 
 @contextmanager
