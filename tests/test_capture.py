@@ -492,3 +492,32 @@ def test_positions_stay_float32_under_autocast():
     good = (pinned.float() - eager.float()).abs().max().item()
     bad = (raw.float() - eager.float()).abs().max().item()
     assert good < 0.05 < bad
+
+
+class _GuardedLength(torch.nn.Module):
+    """A forward with a shape guard (length above 4) that torch.export refuses for a range from 1."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(40, 8)
+
+    def get_input_embeddings(self):
+        return self.embed
+
+    def forward(self, input_ids):
+        x = self.embed(input_ids)
+        return x * 2 if input_ids.shape[1] > 4 else x
+
+
+def test_a_second_trace_is_announced():
+    """When the named ranges are refused, export traces again with unnamed dimensions; the caller
+    hears of it (capture shows it in its progress line: a cold start pays both traces)."""
+    from surgery.core.capture import export_model
+
+    model, told = _GuardedLength().eval(), []
+    gm = export_model(model, 64, retrying=lambda: told.append("again"))
+    ids = torch.randint(0, 40, (2, 9))
+    assert told == ["again"] and torch.equal(gm(input_ids=ids), model(ids))
+    told.clear()
+    export_model(_RotaryLM().eval(), 64, retrying=lambda: told.append("again"))
+    assert told == []  # one trace: nothing said
