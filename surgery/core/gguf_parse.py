@@ -39,10 +39,7 @@ def read_gguf(path: Path):
 
 @contextmanager
 def swapped(owner, name: str, replacement):
-    """owner.name is `replacement` within the block (nothing when owner lacks the name)."""
-    if not hasattr(owner, name):
-        yield
-        return
+    """owner.name is `replacement` within the block."""
     original = getattr(owner, name)
     setattr(owner, name, replacement)
     try:
@@ -51,11 +48,9 @@ def swapped(owner, name: str, replacement):
         setattr(owner, name, original)
 
 
-def shared_reader(path: Path, reader):
-    """gguf.GGUFReader that returns `reader` (read-only memory maps, safe to share) for `path`."""
-    import gguf
-
-    original, target = gguf.GGUFReader, Path(path).resolve()
+def shared_reader(path: Path, reader, original):
+    """gguf.GGUFReader (`original`) that returns `reader` (read-only memory maps, safe to share) for `path`."""
+    target = Path(path).resolve()
 
     def open_reader(file, *args, **kwargs):
         return reader if not args and not kwargs and Path(file).resolve() == target else original(file, *args, **kwargs)
@@ -102,9 +97,11 @@ def one_gguf_parse(path: Path | None, reader):
     import gguf
     from transformers import modeling_gguf_pytorch_utils as hf_gguf
 
+    wrappers = ((gguf, "GGUFReader", lambda original: shared_reader(path, reader, original)),
+                (gguf, "get_tensor_name_map", memoized_name_maps),
+                (hf_gguf, "load_gguf_checkpoint", lambda original: memoized_metadata(path, original)))
     with ExitStack() as stack:
-        stack.enter_context(swapped(gguf, "GGUFReader", shared_reader(path, reader)))
-        stack.enter_context(swapped(gguf, "get_tensor_name_map", memoized_name_maps(gguf.get_tensor_name_map)))
-        if hasattr(hf_gguf, "load_gguf_checkpoint"):
-            stack.enter_context(swapped(hf_gguf, "load_gguf_checkpoint", memoized_metadata(path, hf_gguf.load_gguf_checkpoint)))
+        for owner, name, wrap in wrappers:
+            if hasattr(owner, name):  # another gguf or transformers version may lack one: it then parses as it always did
+                stack.enter_context(swapped(owner, name, wrap(getattr(owner, name))))
         yield
