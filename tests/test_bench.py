@@ -89,3 +89,19 @@ def test_quality_smoke(tmp_path, monkeypatch):
     assert saved["anchor"] == "in memory" and saved["ratio"] == pytest.approx(1.0, rel=5e-3)
     phase1 = by[("phase1", "calibration_sample.txt ppl, in memory")]
     assert phase1["anchor"] == "baseline" and phase1["ratio"] > 1  # Phase 1 beats the copy-only baseline
+
+
+def test_apply_phases_times_every_phase(tmp_path, stories_path):
+    """bench/apply_phases.py runs `surgery apply` as the CLI does and adds up each phase's time; the
+    phases and the rest add up to the total, and the hybrid is written."""
+    out = tmp_path / "hybrid"
+    done = subprocess.run([sys.executable, str(ROOT / "bench/apply_phases.py"), "--", "--model", str(stories_path),
+                           "--passes", "select,replace", "--layers", "1", "--out", str(out)],
+                          capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert done.returncode == 0, done.stderr
+    rows = {line[:28].strip(): line[28:].split() for line in done.stderr.split("phase")[-1].splitlines()[1:] if line.strip()}
+    for phase in ("import cli", "gguf header (check_gguf)", "transformers weights", "torch.export", "find_sites",
+                  "pass replace", "diff", "save", "other", "total"):
+        assert phase in rows, (phase, done.stderr[-2000:])
+    wall = [float(r[0]) for name, r in rows.items() if name != "total"]
+    assert sum(wall) == pytest.approx(float(rows["total"][0]), abs=0.1) and (out / "recipe.json").is_file()

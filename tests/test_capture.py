@@ -360,13 +360,52 @@ def test_a_gguf_is_parsed_once_per_load(stories_path, monkeypatch):
             made.append(path)
             super().__init__(path, *args, **kwargs)
 
+    from transformers import modeling_gguf_pytorch_utils as hf_gguf
+
+    parses, name_maps = [], []
+    original_parse, original_map = hf_gguf.load_gguf_checkpoint, gguf.get_tensor_name_map
+
+    def counted_parse(*args, **kwargs):
+        parses.append(kwargs.get("return_tensors", args[1] if len(args) > 1 else False))
+        return original_parse(*args, **kwargs)
+
+    def counted_map(*args):
+        name_maps.append(args)
+        return original_map(*args)
+
     monkeypatch.setattr(gguf, "GGUFReader", Counting)
+    monkeypatch.setattr(hf_gguf, "load_gguf_checkpoint", counted_parse)
+    monkeypatch.setattr(gguf, "get_tensor_name_map", counted_map)
     model, tokenizer, info = load_model(stories_path)
-    assert len(made) == 1 and gguf.GGUFReader is Counting and tokenizer is not None
+    # one reader; transformers' metadata parsed once for config and tokenizer, once more with the weights; one name table
+    assert len(made) == 1 and sorted(parses) == [False, True] and len(name_maps) == 1
+    assert gguf.GGUFReader is Counting and hf_gguf.load_gguf_checkpoint is counted_parse and gguf.get_tensor_name_map is counted_map
+    assert tokenizer is not None
     reference = transformers.AutoModelForCausalLM.from_pretrained(info["path"], gguf_file=info["gguf_file"])
-    assert len(made) > 2  # transformers alone: a parse for each of its readers
+    assert len(made) > 2 and len(name_maps) > 2  # transformers alone: a parse for each of its readers, a table per submodule
     ours, theirs = model.state_dict(), reference.state_dict()
     assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in theirs)
+    assert model.config.to_dict() == reference.config.to_dict()
+    their_tokenizer = transformers.AutoTokenizer.from_pretrained(info["path"], gguf_file=info["gguf_file"])
+    assert tokenizer.get_vocab() == their_tokenizer.get_vocab()
+
+
+def test_read_gguf_parses_what_gguf_parses(stories_path):
+    """read_gguf (an ndarray view of the map, faster) gives gguf.GGUFReader's fields and tensors, byte for byte."""
+    import gguf
+
+    from surgery.core.gguf_parse import read_gguf
+
+    ours, theirs = read_gguf(stories_path), gguf.GGUFReader(stories_path)
+    assert isinstance(ours, gguf.GGUFReader) and list(ours.fields) == list(theirs.fields) and len(ours.tensors) == len(theirs.tensors) > 0
+    for key, field in theirs.fields.items():
+        mine = ours.fields[key]
+        assert (mine.offset, mine.data, mine.types) == (field.offset, field.data, field.types)
+        assert [(p.dtype, p.shape, p.tobytes()) for p in mine.parts] == [(p.dtype, p.shape, p.tobytes()) for p in field.parts]
+    for mine, tensor in zip(ours.tensors, theirs.tensors):
+        assert (mine.name, mine.tensor_type, mine.data_offset, mine.data.dtype, mine.data.shape) == \
+            (tensor.name, tensor.tensor_type, tensor.data_offset, tensor.data.dtype, tensor.data.shape)
+        assert mine.data.tobytes() == tensor.data.tobytes() and not mine.data.flags.writeable
 
 
 def test_directory_with_config_but_no_weights(tmp_path):
@@ -453,3 +492,32 @@ def test_positions_stay_float32_under_autocast():
     good = (pinned.float() - eager.float()).abs().max().item()
     bad = (raw.float() - eager.float()).abs().max().item()
     assert good < 0.05 < bad
+
+
+class _GuardedLength(torch.nn.Module):
+    """A forward with a shape guard (length above 4) that torch.export refuses for a range from 1."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(40, 8)
+
+    def get_input_embeddings(self):
+        return self.embed
+
+    def forward(self, input_ids):
+        x = self.embed(input_ids)
+        return x * 2 if input_ids.shape[1] > 4 else x
+
+
+def test_a_second_trace_is_announced():
+    """When the named ranges are refused, export traces again with unnamed dimensions; the caller
+    hears of it (capture shows it in its progress line: a cold start pays both traces)."""
+    from surgery.core.capture import export_model
+
+    model, told = _GuardedLength().eval(), []
+    gm = export_model(model, 64, retrying=lambda: told.append("again"))
+    ids = torch.randint(0, 40, (2, 9))
+    assert told == ["again"] and torch.equal(gm(input_ids=ids), model(ids))
+    told.clear()
+    export_model(_RotaryLM().eval(), 64, retrying=lambda: told.append("again"))
+    assert told == []  # one trace: nothing said

@@ -65,3 +65,16 @@ def test_layer_ranges():
     assert layer_ranges([0, 1]) == "0,1"
     assert layer_ranges([4, 2, 3, "outside layers"]) == "2-4,outside layers"
     assert layer_ranges([]) == ""
+
+
+def test_same_tensor_is_one_tensor_only():
+    """diff skips reading a parameter both graphs share; anything else (a copy, another view of the
+    same memory) is compared by value."""
+    import torch
+
+    from surgery.eval.diff import same_tensor
+
+    x = torch.arange(12.0).reshape(3, 4)
+    assert same_tensor(x, x) and same_tensor(x, x.view(3, 4))
+    assert not same_tensor(x, x.clone()) and not same_tensor(x, x.t()) and not same_tensor(x, x[1:])
+    assert not same_tensor(x, x.view(4, 3)) and not same_tensor(x, x.to(torch.float64))

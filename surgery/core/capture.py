@@ -5,6 +5,7 @@ node.meta["nn_module_stack"], which is all the later passes need."""
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 
 import torch
 
@@ -25,8 +26,10 @@ def max_positions(config) -> int:
     return int(value) if isinstance(value, int) and value > 0 else UNBOUNDED_LENGTH
 
 
-def export_model(model: torch.nn.Module, max_length: int, debug: bool = False) -> torch.fx.GraphModule:
-    """torch.export the model's forward(input_ids) with symbolic batch and sequence length."""
+def export_model(model: torch.nn.Module, max_length: int, debug: bool = False,
+                 retrying: Callable[[], None] | None = None) -> torch.fx.GraphModule:
+    """torch.export the model's forward(input_ids) with symbolic batch and sequence length.
+    retrying() is called when the named ranges are refused and a second trace starts (a capture pays both)."""
     vocab = model.get_input_embeddings().weight.shape[0]
     ids = torch.randint(0, vocab, (CAPTURE_BATCH, min(CAPTURE_LENGTH, max_length)), device=_device(model))
     # use_cache=False keeps KV caches out of the graph; a model whose forward has no such argument
@@ -49,6 +52,8 @@ def export_model(model: torch.nn.Module, max_length: int, debug: bool = False) -
             failure = exc
             if "Constraints violated" not in str(exc):
                 break
+            if retrying is not None and dims is named:
+                retrying()
     if program is None:
         if debug:
             raise failure
@@ -133,7 +138,8 @@ def capture_graph(source, *, tokenizer=None, max_length: int | None = None, dtyp
         limit = max_length or max_positions(config)  # an explicit length may exceed the config (RoPE extrapolates)
         model.eval()
         bar.update(info="tracing with torch.export")
-        gm = export_model(model, limit, debug=debug)
+        gm = export_model(model, limit, debug=debug, retrying=lambda: bar.update(
+            info="tracing again with unnamed dimensions (torch.export refused the named ranges)"))
     graph = Graph(gm=gm, config=config, source=info, tokenizer=tokenizer or loaded_tokenizer)
     graph.meta["capture"] = {"max_length": limit, "dtype": str(dtype).removeprefix("torch.")}
     return graph

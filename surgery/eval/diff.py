@@ -70,6 +70,13 @@ def open_pair(a, b) -> tuple[Graph, Graph]:
     return open_model(a), open_model(b)
 
 
+def same_tensor(x: torch.Tensor, y: torch.Tensor) -> bool:
+    """x and y are one tensor (the same memory, shape, strides and dtype): equal without reading them.
+    A branch shares the teacher's weights, so most of a conversion's parameters are compared this way."""
+    return x is y or (not x.is_meta and x.dtype == y.dtype and x.device == y.device and x.shape == y.shape
+                      and x.stride() == y.stride() and x.data_ptr() == y.data_ptr())
+
+
 def diff(a, b, *, compare_values: bool = True) -> dict:
     """Per-layer differences from a to b (Graphs, or anything `surgery diff` takes); JSON-ready.
     compare_values: parameters of equal shape are compared by value too (else by shape only).
@@ -99,7 +106,7 @@ def diff(a, b, *, compare_values: bool = True) -> dict:
             x, y = pa[n], pb[n]
             if tuple(x.shape) != tuple(y.shape):
                 entry["params_changed"].append({"name": n, "shape": [list(x.shape), list(y.shape)], "what": "shape"})
-            elif compare_values and not torch.equal(x.detach().cpu().to(y.dtype), y.detach().cpu()):
+            elif compare_values and not same_tensor(x, y) and not torch.equal(x.detach().cpu().to(y.dtype), y.detach().cpu()):
                 entry["params_changed"].append({"name": n, "shape": list(x.shape), "what": "values"})
         entry["summary"] = _summary(entry)
         if entry["nodes_removed"] or entry["nodes_added"] or entry["params_removed"] or entry["params_added"] or entry["params_changed"] or entry["before"] != entry["after"]:
