@@ -14,7 +14,7 @@ from surgery.io import open_model
 
 from surgery.core import progress
 
-from .common import check_device_fits, emit_json, err, guard, model_inputs, more_files, out, placement
+from .common import check_device_fits, emit_json, err, guard, model_inputs, more_files, out, placement, wants_offload
 from .distill import distill as distill_command
 from .export import export as export_command
 from .generate import generate as generate_command
@@ -171,6 +171,10 @@ def apply(
     options: Optional[List[str]] = typer.Option(None, "--set", help="Pass option pass.key=value (repeatable), e.g. align.steps=100 (see `surgery passes`)."),
     device: Optional[str] = DeviceOpt, dtype: Optional[str] = DtypeOpt, debug: bool = DebugOpt, compile: Optional[bool] = CompileOpt,
     as_json: bool = typer.Option(False, "--json", help="Print the result (the passes' results, where the hybrid was saved) as JSON on stdout."),
+    offload_layers: Optional[bool] = typer.Option(
+        None, "--offload-layers/--no-offload-layers",
+        help="Capture on the meta device and read the teacher's safetensors a layer at a time (a teacher larger than the device); "
+             "default: when its weights exceed the device's free memory."),
 ):
     """Run passes on a model and save the hybrid."""
     from surgery import PassManager, capture, diff as graph_diff, save
@@ -197,9 +201,12 @@ def apply(
         paths = model_inputs(model)
         check_replaceable(out_dir, force=force, inputs=[model, *paths, *(calibration or [])])
         dev, dt = placement(device, dtype)
-        check_device_fits(paths[0], dev, dt)
-        err.print(f"loading and capturing {model} on {dev} ({str(dt).removeprefix('torch.')})")
-        graph = capture(model, device=dev, dtype=dt, debug=debug)
+        offload = wants_offload(paths[0], dev, dt, offload_layers)
+        if not offload:
+            check_device_fits(paths[0], dev, dt)
+        err.print(f"{'capturing on the meta device (weights stay in the files)' if offload else 'loading and capturing'} {model} "
+                  f"{'for' if offload else 'on'} {dev} ({str(dt).removeprefix('torch.')})")
+        graph = capture(model, device=dev, dtype=dt, debug=debug, offload=offload)
         err.print(f"found {graph.num_layers} attention layers")
         if any(p.name in ("calibrate", "align") for p in manager.passes) and not calibration:
             err.print("no --calibration given: using the built-in calibration sample")

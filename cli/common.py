@@ -127,6 +127,27 @@ def more_files(given, more, option: str) -> list | None:
     return [*(given or []), *(more or [])] or None
 
 
+def wants_offload(path, dev, dt, asked: bool | None) -> bool:
+    """Whether apply converts layer by layer (surgery.core.meta_capture): as --offload-layers says,
+    else when the teacher directory's safetensors exceed the memory free on `dev` (said in one line)."""
+    from pathlib import Path
+
+    from surgery.core.weight_files import INDEX, SINGLE, WeightFiles
+    from surgery.io.memory import available_bytes, describe_bytes
+
+    path = Path(path)
+    if asked is not None:
+        return asked
+    if not (path.is_dir() and (path / "config.json").is_file() and ((path / SINGLE).is_file() or (path / INDEX).is_file())):
+        return False
+    need, free = WeightFiles(path).nbytes(dt), available_bytes(dev)
+    if free is None or need <= free:
+        return False
+    err.print(f"the teacher's weights take {describe_bytes(need)} in {str(dt).removeprefix('torch.')}, more than the "
+              f"{describe_bytes(free)} free on {dev}: converting layer by layer (--offload-layers; --no-offload-layers refuses instead)")
+    return True
+
+
 def check_device_fits(path, dev, dt) -> None:
     """On an accelerator: the model at `path` fits its free memory in `dt`, before it loads."""
     if dev.type == "cuda":

@@ -16,7 +16,8 @@ from ..errors import SurgeryError
 from .json_safe import non_finite
 from .memory import available_bytes, describe_bytes
 
-MEMORY_FIX = "Load it where more memory is free or in a smaller --dtype (bfloat16 halves it); if a size was edited by hand, restore it."
+MEMORY_FIX = ("Load it where more memory is free or in a smaller --dtype (bfloat16 halves it), or convert it layer by layer "
+              "(`surgery apply --offload-layers`); if a size was edited by hand, restore it.")
 SIZE = re.compile(r"(^|_)(size|dim|embd|embeddings|positions|inner|layers?|heads?|experts?|window)$|^(num|n)_")
 RATE = re.compile(r"(^|_)(dropout|pdrop)$")
 EPS = re.compile(r"(^|_)(eps|epsilon)$")

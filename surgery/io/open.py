@@ -9,6 +9,7 @@ import torch
 
 from ..core.capture import capture_graph
 from ..core.graph import Graph
+from ..core.meta_capture import capture_offloaded
 from ..sites import find_sites
 from ..errors import CheckpointError
 from .checkpoint import load
@@ -17,10 +18,16 @@ from .outdir import LAST, RUN_FILE
 
 
 def capture(source, *, tokenizer=None, max_length: int | None = None, dtype: torch.dtype | None = None,
-            device: str | torch.device | None = None, find: bool = True, debug: bool = False) -> Graph:
+            device: str | torch.device | None = None, find: bool = True, debug: bool = False, offload: bool = False) -> Graph:
     """Any model source (a loaded model, a directory, a .gguf, a short name) -> Graph with its
-    attention sites found (find=False skips discovery)."""
-    graph = capture_graph(source, tokenizer=tokenizer, max_length=max_length, dtype=dtype, device=device, debug=debug)
+    attention sites found (find=False skips discovery). offload: a model directory captured on the
+    meta device, its weights read from its safetensors files a layer at a time (core.meta_capture)."""
+    if offload:
+        graph = capture_offloaded(source, device=device or "cpu", dtype=dtype, max_length=max_length, debug=debug)
+        if tokenizer is not None:
+            graph.tokenizer = tokenizer
+    else:
+        graph = capture_graph(source, tokenizer=tokenizer, max_length=max_length, dtype=dtype, device=device, debug=debug)
     if find:
         graph.sites = find_sites(graph)
     return graph

@@ -1,0 +1,96 @@
+"""Capture a teacher that does not fit the compute device: the model is built and traced on the meta
+device (shapes only, no weight bytes), and its weights stay in the teacher's files (WeightFiles),
+read a layer at a time by the layer-streamed run (surgery.core.streamed).
+
+Only what no file holds is made real: the buffers a model computes in __init__ (RoPE frequencies),
+recomputed by transformers' own initialisation as its from_pretrained does after a meta build."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ..errors import ModelLoadError, first_line
+from . import progress
+from .capture import export_model, max_positions
+from .graph import Graph
+from .load import folder_tokenizer, resolve
+from .weight_files import WeightFiles
+
+META = torch.device("meta")
+
+
+def meta_model(folder: Path, attn_implementation: str = "sdpa"):
+    """The teacher's architecture from its config.json with every parameter on meta and its computed
+    (non-persistent) buffers real on the CPU."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        config = AutoConfig.from_pretrained(folder)
+    except Exception as exc:
+        raise ModelLoadError(f"transformers cannot read '{folder}/config.json': {first_line(exc)}", "Check that the directory holds a complete model.") from exc
+    with torch.device(META):
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation)
+    for key, buffer in list(model.named_non_persistent_buffers()):
+        owner, _, name = key.rpartition(".")
+        model.get_submodule(owner)._buffers[name] = torch.empty_like(buffer, device="cpu")
+    model.initialize_weights()  # parameters on meta cost nothing; the buffers get their values
+    return model.eval()
+
+
+def tied_aliases(model: torch.nn.Module) -> dict[str, str]:
+    """name -> every other name of the same parameter object (tied embeddings), both ways."""
+    groups: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(p), []).append(name)
+    return {a: b for names in groups.values() for a in names for b in names if a != b}
+
+
+def retarget(gm: torch.fx.GraphModule, device: torch.device) -> int:
+    """Replace the meta device that export baked into arange/to/... by the compute device."""
+    moved = 0
+
+    def swap(value):
+        nonlocal moved
+        if isinstance(value, torch.device) and value.type == "meta":
+            moved += 1
+            return device
+        return value
+
+    for n in gm.graph.nodes:
+        n.args = tuple(swap(a) for a in n.args)
+        n.kwargs = {k: swap(v) for k, v in n.kwargs.items()}
+    gm.recompile()
+    return moved
+
+
+def capture_offloaded(source, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
+                      max_length: int | None = None, debug: bool = False) -> Graph:
+    """A model directory (config.json + safetensors) -> Graph whose parameters are meta tensors and
+    whose weights are read on demand (graph.cache["weights"]); graph.meta["offload"] records the
+    compute device and dtype the streamed run uses."""
+    path = resolve(source)
+    if not (path.is_dir() and (path / "config.json").is_file()):
+        raise ModelLoadError(f"'{source}' is not a model directory with config.json: layer-by-layer conversion reads a transformers directory.",
+                             "Pass the teacher's directory (config.json + *.safetensors), or drop --offload-layers.")
+    device, dtype = torch.device(device), dtype or torch.float32
+    with progress.task("capture") as bar:
+        bar.update(info="building the architecture on the meta device")
+        model = meta_model(path)
+        buffers = {k: b.to(device) for k, b in model.named_buffers()}
+        weights = WeightFiles(path, tied_aliases(model))
+        model.to(device=META, dtype=dtype)  # the dtype the graph bakes in, as capture's model.to(dtype)
+        bar.update(info="tracing with torch.export")
+        limit = max_length or max_positions(model.config)
+        gm = export_model(model, limit, debug=debug)
+    retarget(gm, device)
+    for key, value in buffers.items():
+        owner, _, name = key.rpartition(".")
+        if key in dict(gm.named_buffers()):
+            gm.get_submodule(owner)._buffers[name] = value.to(dtype) if value.is_floating_point() else value
+    info = {"kind": "dir", "path": str(path.resolve()), "gguf_file": None, "name": str(source)}
+    graph = Graph(gm=gm, config=model.config, source=info, tokenizer=folder_tokenizer(path, None))
+    graph.meta["capture"] = {"max_length": limit, "dtype": str(dtype).removeprefix("torch.")}
+    graph.meta["offload"] = {"device": str(device), "dtype": str(dtype).removeprefix("torch.")}
+    graph.cache["weights"] = weights
+    return graph
