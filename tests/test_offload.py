@@ -130,3 +130,18 @@ def test_offload_needs_a_safetensors_directory(stories_path, tmp_path):
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(ModelLoadError, match="holds no model.safetensors"):
         WeightFiles(tmp_path)
+
+
+def test_bench_offload_section_smoke(capsys):
+    """bench/speed.py's offload section (the 70B-shaped run the lead makes on the GPU) at its smoke shape."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parents[1]))
+    from bench import speed
+
+    rows = speed.main(["--smoke", "--sections", "offload", "--offload-layers", "1", "--offload-text", "2x16", "--offload-steps", "1"])
+    metrics = {r["metric"]: r for r in rows.rows}
+    peak = metrics["peak memory on cpu"]
+    assert 0 < peak["value"] < peak["anchor_value"] / 20  # one of 80 layers' weights (plus activations), not the teacher
+    assert metrics["calibrate per layer"]["value"] > 0 and metrics["align per layer"]["value"] > 0

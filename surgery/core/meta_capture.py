@@ -21,14 +21,21 @@ META = torch.device("meta")
 
 
 def meta_model(folder: Path, attn_implementation: str = "sdpa"):
-    """The teacher's architecture from its config.json with every parameter on meta and its computed
-    (non-persistent) buffers real on the CPU."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    """The teacher's architecture from its config.json (meta_model_of)."""
+    from transformers import AutoConfig
 
     try:
         config = AutoConfig.from_pretrained(folder)
     except Exception as exc:
         raise ModelLoadError(f"transformers cannot read '{folder}/config.json': {first_line(exc)}", "Check that the directory holds a complete model.") from exc
+    return meta_model_of(config, attn_implementation)
+
+
+def meta_model_of(config, attn_implementation: str = "sdpa"):
+    """A causal LM of `config` with every parameter on meta and its computed (non-persistent)
+    buffers real on the CPU."""
+    from transformers import AutoModelForCausalLM
+
     with torch.device(META):
         model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation)
     for key, buffer in list(model.named_non_persistent_buffers()):
@@ -66,30 +73,40 @@ def retarget(gm: torch.fx.GraphModule, device: torch.device) -> int:
 
 def capture_offloaded(source, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
                       max_length: int | None = None, debug: bool = False) -> Graph:
-    """A model directory (config.json + safetensors) -> Graph whose parameters are meta tensors and
-    whose weights are read on demand (graph.cache["weights"]); graph.meta["offload"] records the
-    compute device and dtype the streamed run uses."""
+    """A model directory (config.json + safetensors) -> Graph whose parameters are meta tensors,
+    read from the files on demand (capture_meta)."""
     path = resolve(source)
     if not (path.is_dir() and (path / "config.json").is_file()):
         raise ModelLoadError(f"'{source}' is not a model directory with config.json: layer-by-layer conversion reads a transformers directory.",
                              "Pass the teacher's directory (config.json + *.safetensors), or drop --offload-layers.")
-    device, dtype = torch.device(device), dtype or torch.float32
     with progress.task("capture") as bar:
         bar.update(info="building the architecture on the meta device")
         model = meta_model(path)
-        buffers = {k: b.to(device) for k, b in model.named_buffers()}
         weights = WeightFiles(path, tied_aliases(model))
-        model.to(device=META, dtype=dtype)  # the dtype the graph bakes in, as capture's model.to(dtype)
-        bar.update(info="tracing with torch.export")
-        limit = max_length or max_positions(model.config)
+    info = {"kind": "dir", "path": str(path.resolve()), "gguf_file": None, "name": str(source)}
+    return capture_meta(model, weights, device=device, dtype=dtype, max_length=max_length, debug=debug,
+                        source=info, tokenizer=folder_tokenizer(path, None))
+
+
+def capture_meta(model, weights, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
+                 max_length: int | None = None, debug: bool = False, source: dict | None = None, tokenizer=None) -> Graph:
+    """A model built on meta (meta_model_of) -> Graph whose parameters stay meta; `weights` (WeightFiles,
+    or any source with `in`, stored_name, load(name, device, dtype) and nbytes) serves them, kept in
+    graph.cache["weights"]; graph.meta["offload"] records the compute device and dtype."""
+    device, dtype = torch.device(device), dtype or torch.float32
+    buffers = {k: b.to(device) for k, b in model.named_buffers() if not b.is_meta}
+    model.to(device=META, dtype=dtype)  # the dtype the graph bakes in, as capture's model.to(dtype)
+    limit = max_length or max_positions(model.config)
+    with progress.task("capture") as bar:
+        bar.update(info="tracing with torch.export on the meta device")
         gm = export_model(model, limit, debug=debug)
     retarget(gm, device)
+    held = dict(gm.named_buffers())
     for key, value in buffers.items():
         owner, _, name = key.rpartition(".")
-        if key in dict(gm.named_buffers()):
+        if key in held:
             gm.get_submodule(owner)._buffers[name] = value.to(dtype) if value.is_floating_point() else value
-    info = {"kind": "dir", "path": str(path.resolve()), "gguf_file": None, "name": str(source)}
-    graph = Graph(gm=gm, config=model.config, source=info, tokenizer=folder_tokenizer(path, None))
+    graph = Graph(gm=gm, config=model.config, source=source or {"kind": "module", "class": type(model).__name__}, tokenizer=tokenizer)
     graph.meta["capture"] = {"max_length": limit, "dtype": str(dtype).removeprefix("torch.")}
     graph.meta["offload"] = {"device": str(device), "dtype": str(dtype).removeprefix("torch.")}
     graph.cache["weights"] = weights

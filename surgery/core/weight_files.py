@@ -4,6 +4,7 @@ index), so a model larger than the compute device is never loaded whole: the lay
 from __future__ import annotations
 
 import json
+import zlib
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -80,6 +81,34 @@ class WeightFiles:
         stored = self.stored_name(name)
         piece = self.handle(self.where[stored]).get_slice(stored)
         return piece.get_shape(), _DTYPES[piece.get_dtype()]
+
+
+class RandomWeights:
+    """A meta-built model's parameters drawn on demand on the device (normal, std 0.02, seeded by name;
+    1-D ones: norm scales): a teacher of any shape with no files, for benchmarks of the streamed run."""
+
+    def __init__(self, model: torch.nn.Module, std: float = 0.02):
+        self.where = {name: tuple(p.shape) for name, p in model.named_parameters()}
+        self.aliases = {}
+        self.std = std
+
+    def stored_name(self, name: str) -> str | None:
+        return name if name in self.where else None
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.where
+
+    def load(self, name: str, device, dtype: torch.dtype | None = None) -> torch.Tensor:
+        shape, dtype = self.where[name], dtype or torch.float32
+        if len(shape) == 1:
+            return torch.ones(shape, device=device, dtype=dtype)
+        generator = torch.Generator(device=device).manual_seed(zlib.crc32(name.encode()))
+        return (torch.randn(shape, generator=generator, device=device, dtype=torch.float32) * self.std).to(dtype)
+
+    def nbytes(self, dtype: torch.dtype | None = None) -> int:
+        return sum(int(torch.Size(shape).numel()) for shape in self.where.values()) * (dtype or torch.float32).itemsize
+
+    params = WeightFiles.params
 
 
 class FileParams(Mapping):
