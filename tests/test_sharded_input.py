@@ -128,6 +128,28 @@ def test_a_rank_killed_mid_save_leaves_the_last_complete_checkpoint(student, sto
     assert (out / "last").resolve().name == "checkpoint-00000001"
     reopened = surgery.open_model(out)
     assert reopened.meta["distill"]["step"] == 1
+    # 3 processes cannot split its batch of 4: the layout it was written in and the counts that fit
+    results = on_ranks(3, lambda rank: distill(student, [train_file], out, config, teacher=stories_teacher, resume=True,
+                                               progress=False, device="cpu"), tmp_path)
+    for code, message in results:
+        assert code == 1 and message.startswith(f"The run in '{out}' was written by 2 processes, DDP; this run has 3 processes, "
+                                                "which cannot split its global batch of 4 sequences."), message
+        assert "divides 4 (1, 2, 4)" in message
     summary = distill(student, [train_file], out, config, teacher=stories_teacher, resume=True, progress=False, device="cpu")
     assert summary["steps"] == 3
     assert json.loads((out / "last" / "trainer_state.json").read_text())["step"] == 3
+
+
+def test_a_checkpoint_of_per_rank_shards_is_named(tmp_path, train_file, stories_teacher):
+    """A torch.distributed.checkpoint directory (what FSDP trainers write): its layout and surgery's."""
+    from surgery.errors import CheckpointError
+
+    shards = tmp_path / "dcp"
+    shards.mkdir()
+    for rank in range(4):
+        (shards / f"__{rank}_0.distcp").write_bytes(b"\0")
+    (shards / ".metadata").write_bytes(b"\0")
+    for attempt in (lambda: surgery.load(shards), lambda: surgery.open_model(shards)):
+        with pytest.raises(CheckpointError, match=r"is a torch\.distributed\.checkpoint sharded over 4 ranks .*; surgery reads gathered safetensors") as info:
+            attempt()
+        assert "save_file" in info.value.fix and "any world size" in info.value.fix

@@ -22,6 +22,7 @@ from ..core.graph import Graph
 from ..errors import CheckpointError, SurgeryError, first_line
 from . import recipe as recipes
 from .json_safe import read_json
+from .layouts import refuse_sharded
 from .lock import holds_output
 from .pinned import read_one_version
 from .outdir import EXTRA_FILES, check_replaceable, clean_stale_staging, describe_os_error, hybrid_leftovers, staging_prefix
@@ -182,6 +183,7 @@ def read_recipe(path: str | Path, folder: Path | None = None) -> dict:
     path = Path(path)
     file, shown = Path(folder or path) / "recipe.json", path / "recipe.json"
     if not file.exists():
+        refuse_sharded(path)
         raise CheckpointError(f"'{path}' has no recipe.json.", "Point at a directory written by `surgery apply --out`.")
     recipe = read_json(file, CheckpointError, "The checkpoint is corrupt; write it again.", name=shown)
     recipes.check(recipe, str(path))

@@ -13,6 +13,7 @@ from ..core.meta_capture import capture_offloaded
 from ..sites import find_sites
 from ..errors import CheckpointError
 from .checkpoint import load
+from .layouts import refuse_sharded
 from .export_manifest import export_refusal, is_export
 from .outdir import LAST, RUN_FILE
 
@@ -56,6 +57,8 @@ def open_model(source, *, device=None, dtype: torch.dtype | None = None, debug: 
         source = latest_checkpoint(Path(source))
     if is_hybrid(source):
         return load(source, device=device, dtype=dtype)
+    if isinstance(source, (str, Path)):
+        refuse_sharded(source, "model")
     if isinstance(source, (str, Path)) and is_export(source):
         raise export_refusal(source)  # transformers would run its code; surgery runs the hybrid it came from
     return capture(source, device=device, dtype=dtype, debug=debug)
