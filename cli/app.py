@@ -14,7 +14,7 @@ from surgery.io import open_model
 
 from surgery.core import progress
 
-from .common import check_device_fits, emit_json, err, guard, model_inputs, more_files, out, placement, wants_offload
+from .common import check_device_fits, emit_json, err, guard, model_inputs, more_files, out, placement, choose_offload
 from .distill import distill as distill_command
 from .export import export as export_command
 from .generate import generate as generate_command
@@ -201,11 +201,8 @@ def apply(
         paths = model_inputs(model)
         check_replaceable(out_dir, force=force, inputs=[model, *paths, *(calibration or [])])
         dev, dt = placement(device, dtype)
-        offload = wants_offload(paths[0], dev, dt, offload_layers)
-        if not offload:
-            check_device_fits(paths[0], dev, dt)
-        err.print(f"{'capturing on the meta device (weights stay in the files)' if offload else 'loading and capturing'} {model} "
-                  f"{'for' if offload else 'on'} {dev} ({str(dt).removeprefix('torch.')})")
+        offload = choose_offload(paths[0], dev, dt, offload_layers)  # else the teacher must fit the device (checked)
+        err.print(f"{'capturing on the meta device for' if offload else 'loading and capturing on'} {dev} ({str(dt).removeprefix('torch.')}): {model}")
         graph = capture(model, device=dev, dtype=dt, debug=debug, offload=offload)
         err.print(f"found {graph.num_layers} attention layers")
         if any(p.name in ("calibrate", "align") for p in manager.passes) and not calibration:

@@ -127,9 +127,18 @@ def more_files(given, more, option: str) -> list | None:
     return [*(given or []), *(more or [])] or None
 
 
-def wants_offload(path, dev, dt, asked: bool | None) -> bool:
+def choose_offload(path, dev, dt, asked: bool | None) -> bool:
     """Whether apply converts layer by layer (surgery.core.meta_capture): as --offload-layers says,
-    else when the teacher directory's safetensors exceed the memory free on `dev` (said in one line)."""
+    else when the teacher directory's safetensors exceed the memory free on `dev` (said in one line).
+    A teacher loaded whole is checked to fit the device (check_device_fits)."""
+    offload = wants_offload(path, dev, dt, asked)
+    if not offload:
+        check_device_fits(path, dev, dt)
+    return offload
+
+
+def wants_offload(path, dev, dt, asked: bool | None) -> bool:
+    """choose_offload's decision."""
     from pathlib import Path
 
     from surgery.core.weight_files import INDEX, SINGLE, WeightFiles
