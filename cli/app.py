@@ -198,7 +198,7 @@ def apply(
         manager.validate()
         for file in calibration or []:
             check_text_file(file, "Calibration file")
-        paths = model_inputs(model)
+        paths = model_inputs(model, memory=offload_layers is not True)
         check_replaceable(out_dir, force=force, inputs=[model, *paths, *(calibration or [])])
         dev, dt = placement(device, dtype)
         offload = choose_offload(paths[0], dev, dt, offload_layers)  # else the teacher must fit the device (checked)

@@ -104,7 +104,7 @@ def placement(device: Optional[str], dtype: Optional[str]):
     return dev, dt
 
 
-def model_inputs(source: str) -> list:
+def model_inputs(source: str, memory: bool = True) -> list:
     """The path a --model names (a short name resolved), checked to exist before anything loads; a
     model directory's config.json is checked too (its numbers, and that the model fits in memory), and
     an export directory is verified (surgery verify-export) before anything could run its code."""
@@ -113,7 +113,7 @@ def model_inputs(source: str) -> list:
     from surgery.io.export_manifest import is_export, verify_export
 
     path = resolve(source)
-    check_model_dir(path)
+    check_model_dir(path, memory=memory)  # memory=False: apply --offload-layers never holds the teacher whole
     if is_export(path):
         verify_export(path)
     return [path]

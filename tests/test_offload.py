@@ -102,10 +102,21 @@ def test_offloaded_conversion_writes_the_same_hybrid(teacher_dir, tmp_path):
     assert hybrid.device == torch.device("cpu") and "offload" not in hybrid.meta
 
 
-def test_apply_offload_layers_from_the_cli(teacher_dir, tmp_path):
+def test_apply_offload_layers_from_the_cli(teacher_dir, tmp_path, monkeypatch):
+    """With 1000 bytes free, apply refuses the whole teacher (naming --offload-layers) and converts it
+    layer by layer with the flag."""
+    import surgery.io.config_check as config_check
+    import surgery.io.memory as memory
+
     out = tmp_path / "h"
-    result = invoke(CliRunner(), "apply", "-m", str(teacher_dir), "-o", str(out), "--passes", "select,replace",
-                    "--layers", "2", "--device", "cpu", "--offload-layers")
+    args = ["apply", "-m", str(teacher_dir), "-o", str(out), "--passes", "select,replace", "--layers", "2", "--device", "cpu"]
+    with monkeypatch.context() as patch:
+        for module in (memory, config_check):
+            patch.setattr(module, "available_bytes", lambda device: 1000)
+        refused = invoke(CliRunner(), *args)
+        result = invoke(CliRunner(), *args, "--offload-layers")
+    assert refused.exit_code != 0 and "more than the 1000 B of memory free" in refused.output
+    assert "--offload-layers" in " ".join(refused.output.split())
     assert result.exit_code == 0, result.output
     assert "capturing on the meta device" in result.output
     assert surgery.load(out).layer_kinds[2] == "gdn"
