@@ -160,7 +160,7 @@ def collect(graph, layers: list[int], ids: torch.Tensor, *, with_stats: bool, ba
 
             def on_attn(_, l=l, s=s, seen=seen):
                 b = batch["index"]
-                stats[l].update_from_qk(seen.pop(("q", b)), seen.pop(("k", b)), scale=s.scale, mask=seen.get(("mask", b)),
+                stats[l].update_from_qk(seen.pop(("q", b)), seen.pop(("k", b)), scale=s.scale, mask=seen.pop(("mask", b), None),
                                         softcap=s.softcap, query_chunk=query_chunk)
 
             add(s.attn_node, on_attn)
