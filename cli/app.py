@@ -173,8 +173,8 @@ def apply(
     as_json: bool = typer.Option(False, "--json", help="Print the result (the passes' results, where the hybrid was saved) as JSON on stdout."),
     offload_layers: Optional[bool] = typer.Option(
         None, "--offload-layers/--no-offload-layers",
-        help="Capture on the meta device and read the teacher's safetensors a layer at a time (a teacher larger than the device); "
-             "default: when its weights exceed the device's free memory."),
+        help="Capture on the meta device and read the teacher's files (safetensors or GGUF) a layer at a time (a teacher larger "
+             "than the device); default: when a model directory's safetensors exceed the device's free memory."),
 ):
     """Run passes on a model and save the hybrid."""
     from surgery import PassManager, capture, diff as graph_diff, save

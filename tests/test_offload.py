@@ -91,11 +91,14 @@ def convert(graph):
     return graph
 
 
-def test_offloaded_conversion_writes_the_same_hybrid(teacher_dir, tmp_path):
+@pytest.mark.parametrize("kind", ["safetensors", "gguf"])
+def test_offloaded_conversion_writes_the_same_hybrid(kind, teacher_dir, stories_path, stories, tmp_path):
     """select, replace (projections read from the files), calibrate, align and save (the teacher's
-    tensors written a shard at a time from its files): the same bytes as the in-memory conversion."""
-    a = surgery.save(convert(surgery.capture(teacher_dir)), tmp_path / "a")
-    b = surgery.save(convert(surgery.capture(teacher_dir, offload=True)), tmp_path / "b")
+    tensors written a shard at a time from its files): the same bytes as the in-memory conversion.
+    A GGUF's tensors are dequantized one at a time by transformers' own processors."""
+    whole, source = (surgery.capture(teacher_dir), teacher_dir) if kind == "safetensors" else (stories(), stories_path)
+    a = surgery.save(convert(whole), tmp_path / "a")
+    b = surgery.save(convert(surgery.capture(source, offload=True)), tmp_path / "b")
     assert (a / "model.safetensors").read_bytes() == (b / "model.safetensors").read_bytes()
     hybrid = surgery.load(b)
     assert hybrid.layer_kinds == ["attention", "gdn", "attention", "gdn", "attention"]
@@ -135,9 +138,10 @@ def test_offload_is_chosen_when_the_weights_exceed_free_memory(teacher_dir, monk
     assert not wants_offload(teacher_dir, torch.device("cpu"), torch.float32, None)
 
 
-def test_offload_needs_a_safetensors_directory(stories_path, tmp_path):
-    with pytest.raises(ModelLoadError, match="not a model directory with config.json"):
-        capture_offloaded(stories_path)
+def test_offload_needs_a_model_directory_or_gguf(stories_path, tmp_path):
+    (tmp_path / "notes.txt").write_text("not a model")
+    with pytest.raises(ModelLoadError, match="neither a model directory with config.json nor a .gguf file"):
+        capture_offloaded(tmp_path)
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(ModelLoadError, match="holds no model.safetensors"):
         WeightFiles(tmp_path)

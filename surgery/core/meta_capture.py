@@ -1,5 +1,6 @@
 """Capture a teacher that does not fit the compute device: the model is built and traced on the meta
-device (shapes only, no weight bytes), and its weights stay in the teacher's files (WeightFiles),
+device (shapes only, no weight bytes), and its weights stay in the teacher's files (WeightFiles for
+safetensors, GGUFWeights for a .gguf),
 read a layer at a time by the layer-streamed run (surgery.core.streamed).
 
 Only what no file holds is made real: the buffers a model computes in __init__ (RoPE frequencies),
@@ -14,21 +15,23 @@ from ..errors import ModelLoadError, first_line
 from . import progress
 from .capture import export_model, max_positions
 from .graph import Graph
-from .load import folder_tokenizer, resolve
+from .gguf_weights import GGUFWeights
+from .load import check_gguf, folder_tokenizer, gguf_adds_bos, one_gguf_parse, resolve
 from .weight_files import WeightFiles
 
 META = torch.device("meta")
 
 
-def meta_model(folder: Path, attn_implementation: str = "sdpa"):
-    """The teacher's architecture from its config.json (meta_model_of)."""
+def meta_model(folder: Path, gguf: str | None = None):
+    """The teacher's architecture from its config.json or GGUF metadata (meta_model_of)."""
     from transformers import AutoConfig
 
     try:
-        config = AutoConfig.from_pretrained(folder)
+        config = AutoConfig.from_pretrained(folder, **({"gguf_file": gguf} if gguf else {}))
     except Exception as exc:
-        raise ModelLoadError(f"transformers cannot read '{folder}/config.json': {first_line(exc)}", "Check that the directory holds a complete model.") from exc
-    return meta_model_of(config, attn_implementation)
+        what = f"the GGUF file '{folder / gguf}'" if gguf else f"'{folder}/config.json'"
+        raise ModelLoadError(f"transformers cannot read {what}: {first_line(exc)}", "Check that the file holds a complete model.") from exc
+    return meta_model_of(config)
 
 
 def meta_model_of(config, attn_implementation: str = "sdpa"):
@@ -37,7 +40,10 @@ def meta_model_of(config, attn_implementation: str = "sdpa"):
     from transformers import AutoModelForCausalLM
 
     with torch.device(META):
-        model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation)
+        try:
+            model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation)
+        except ValueError:  # a class without SDPA: eager, as load_model falls back
+            model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
     for key, buffer in list(model.named_non_persistent_buffers()):
         owner, _, name = key.rpartition(".")
         model.get_submodule(owner)._buffers[name] = torch.empty_like(buffer, device="cpu")
@@ -73,19 +79,30 @@ def retarget(gm: torch.fx.GraphModule, device: torch.device) -> int:
 
 def capture_offloaded(source, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
                       max_length: int | None = None, debug: bool = False) -> Graph:
-    """A model directory (config.json + safetensors) -> Graph whose parameters are meta tensors,
-    read from the files on demand (capture_meta)."""
+    """A model directory (config.json + safetensors) or a .gguf -> Graph whose parameters are meta
+    tensors, read from the files on demand (capture_meta)."""
     path = resolve(source)
-    if not (path.is_dir() and (path / "config.json").is_file()):
-        raise ModelLoadError(f"'{source}' is not a model directory with config.json: layer-by-layer conversion reads a transformers directory.",
-                             "Pass the teacher's directory (config.json + *.safetensors), or drop --offload-layers.")
-    with progress.task("capture") as bar:
+    single = _gguf_of(path)
+    if single is None and not (path.is_dir() and (path / "config.json").is_file()):
+        raise ModelLoadError(f"'{source}' is neither a model directory with config.json nor a .gguf file: layer-by-layer conversion reads one of them.",
+                             "Pass the teacher's directory (config.json + *.safetensors) or its .gguf, or drop --offload-layers.")
+    folder, gguf = (single.parent, single.name) if single is not None else (path, None)
+    reader = check_gguf(single) if single is not None else None
+    with progress.task("capture") as bar, one_gguf_parse(single, reader):
         bar.update(info="building the architecture on the meta device")
-        model = meta_model(path)
-        weights = WeightFiles(path, tied_aliases(model))
-    info = {"kind": "dir", "path": str(path.resolve()), "gguf_file": None, "name": str(source)}
-    return capture_meta(model, weights, device=device, dtype=dtype, max_length=max_length, debug=debug,
-                        source=info, tokenizer=folder_tokenizer(path, None))
+        model = meta_model(folder, gguf)
+        weights = GGUFWeights(single, reader, model, tied_aliases(model)) if gguf else WeightFiles(folder, tied_aliases(model))
+        tokenizer = folder_tokenizer(folder, gguf, gguf_adds_bos(reader))
+    info = {"kind": "gguf" if gguf else "dir", "path": str(folder.resolve()), "gguf_file": gguf, "name": str(source)}
+    return capture_meta(model, weights, device=device, dtype=dtype, max_length=max_length, debug=debug, source=info, tokenizer=tokenizer)
+
+
+def _gguf_of(path: Path) -> Path | None:
+    """The .gguf a path names (the file, or the only one in a directory without config.json)."""
+    if path.is_file() and path.suffix == ".gguf":
+        return path
+    found = sorted(path.glob("*.gguf")) if path.is_dir() and not (path / "config.json").exists() else []
+    return found[0] if len(found) == 1 else None
 
 
 def capture_meta(model, weights, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,

@@ -4,6 +4,7 @@ index), so a model larger than the compute device is never loaded whole: the lay
 from __future__ import annotations
 
 import json
+from abc import ABC, abstractmethod
 import zlib
 from collections.abc import Mapping
 from pathlib import Path
@@ -16,9 +17,46 @@ INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 
 
-class WeightFiles:
-    """name -> tensor on demand. `aliases` maps a name the graph uses to the one the files hold (tied
-    weights are stored once: lm_head.weight is embed_tokens.weight in the files)."""
+class TensorSource(ABC):
+    """What a layer-streamed run reads a teacher's tensors from. `where` holds the stored names;
+    `aliases` maps a name the graph uses to the one stored (tied weights are stored once:
+    lm_head.weight is embed_tokens.weight in the files). A subclass reads one stored tensor (read)."""
+
+    folder: Path
+    where: dict
+    aliases: dict
+
+    def stored_name(self, name: str) -> str | None:
+        """The name under which `name`'s tensor is stored, or None (a buffer the model computes itself)."""
+        if name in self.where:
+            return name
+        alias = self.aliases.get(name)
+        return alias if alias in self.where else None
+
+    def __contains__(self, name: str) -> bool:
+        return self.stored_name(name) is not None
+
+    @abstractmethod
+    def read(self, stored: str) -> torch.Tensor:
+        """The stored tensor `stored`, on the CPU."""
+
+    def load(self, name: str, device, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The tensor `name` on `device`, floating point cast to `dtype` (as from_pretrained(dtype=) does)."""
+        stored = self.stored_name(name)
+        if stored is None:
+            raise ModelLoadError(f"The teacher's files in '{self.folder}' hold no tensor '{name}'.", "Check that the weight files are complete.")
+        tensor = self.read(stored)
+        if dtype is not None and tensor.is_floating_point():
+            tensor = tensor.to(dtype)
+        return tensor.to(device)
+
+    def params(self, device, dtype: torch.dtype | None = None) -> "FileParams":
+        """A read-only name -> tensor mapping over these files, each tensor read when asked for."""
+        return FileParams(self, device, dtype)
+
+
+class WeightFiles(TensorSource):
+    """A model directory's safetensors (one file, or shards and their index), memory-mapped."""
 
     def __init__(self, folder: str | Path, aliases: dict[str, str] | None = None):
         self.folder = Path(folder)
@@ -35,29 +73,8 @@ class WeightFiles:
                                  "Convert the teacher to safetensors (transformers' save_pretrained writes them), or drop --offload-layers.")
         self.handles: dict[str, object] = {}
 
-    def stored_name(self, name: str) -> str | None:
-        """The name under which `name`'s tensor is stored, or None (a buffer the model computes itself)."""
-        if name in self.where:
-            return name
-        alias = self.aliases.get(name)
-        return alias if alias in self.where else None
-
-    def __contains__(self, name: str) -> bool:
-        return self.stored_name(name) is not None
-
-    def load(self, name: str, device, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """The tensor `name` on `device`, floating point cast to `dtype` (as from_pretrained(dtype=) does)."""
-        stored = self.stored_name(name)
-        if stored is None:
-            raise ModelLoadError(f"The teacher's files in '{self.folder}' hold no tensor '{name}'.", "Check that the weight files are complete.")
-        tensor = self.handle(self.where[stored]).get_tensor(stored)
-        if dtype is not None and tensor.is_floating_point():
-            tensor = tensor.to(dtype)
-        return tensor.to(device)
-
-    def params(self, device, dtype: torch.dtype | None = None) -> "FileParams":
-        """A read-only name -> tensor mapping over these files, each tensor read when asked for."""
-        return FileParams(self, device, dtype)
+    def read(self, stored: str) -> torch.Tensor:
+        return self.handle(self.where[stored]).get_tensor(stored)
 
     def handle(self, file: str):
         """The open safetensors file (memory-mapped; a tensor is read when asked for)."""
@@ -83,20 +100,14 @@ class WeightFiles:
         return piece.get_shape(), _DTYPES[piece.get_dtype()]
 
 
-class RandomWeights:
+class RandomWeights(TensorSource):
     """A meta-built model's parameters drawn on demand on the device (normal, std 0.02, seeded by name;
     1-D ones: norm scales): a teacher of any shape with no files, for benchmarks of the streamed run."""
 
     def __init__(self, model: torch.nn.Module, std: float = 0.02):
         self.where = {name: tuple(p.shape) for name, p in model.named_parameters()}
-        self.aliases = {}
+        self.aliases, self.folder = {}, Path("<random>")
         self.std = std
-
-    def stored_name(self, name: str) -> str | None:
-        return name if name in self.where else None
-
-    def __contains__(self, name: str) -> bool:
-        return name in self.where
 
     def load(self, name: str, device, dtype: torch.dtype | None = None) -> torch.Tensor:
         shape, dtype = self.where[name], dtype or torch.float32
@@ -105,16 +116,17 @@ class RandomWeights:
         generator = torch.Generator(device=device).manual_seed(zlib.crc32(name.encode()))
         return (torch.randn(shape, generator=generator, device=device, dtype=torch.float32) * self.std).to(dtype)
 
+    def read(self, stored: str) -> torch.Tensor:
+        return self.load(stored, "cpu")
+
     def nbytes(self, dtype: torch.dtype | None = None) -> int:
         return sum(int(torch.Size(shape).numel()) for shape in self.where.values()) * (dtype or torch.float32).itemsize
-
-    params = WeightFiles.params
 
 
 class FileParams(Mapping):
     """What named_parameters() gives for an in-memory teacher, for one whose weights stay in files."""
 
-    def __init__(self, files: WeightFiles, device, dtype):
+    def __init__(self, files: TensorSource, device, dtype):
         self.files, self.device, self.dtype = files, device, dtype
 
     def __getitem__(self, name: str) -> torch.Tensor:

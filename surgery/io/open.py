@@ -21,8 +21,8 @@ from .outdir import LAST, RUN_FILE
 def capture(source, *, tokenizer=None, max_length: int | None = None, dtype: torch.dtype | None = None,
             device: str | torch.device | None = None, find: bool = True, debug: bool = False, offload: bool = False) -> Graph:
     """Any model source (a loaded model, a directory, a .gguf, a short name) -> Graph with its
-    attention sites found (find=False skips discovery). offload: a model directory captured on the
-    meta device, its weights read from its safetensors files a layer at a time (core.meta_capture)."""
+    attention sites found (find=False skips discovery). offload: a model directory or .gguf captured
+    on the meta device, its weights read from its files a layer at a time (core.meta_capture)."""
     if offload:
         graph = capture_offloaded(source, device=device or "cpu", dtype=dtype, max_length=max_length, debug=debug)
         if tokenizer is not None:
