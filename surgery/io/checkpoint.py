@@ -38,7 +38,10 @@ def unique_state(gm: torch.nn.Module, weights=None) -> tuple[dict, dict]:
     them a shard at a time) and are told apart by the tensor the files hold."""
     state, aliases, seen = {}, {}, {}
     for name, tensor in gm.state_dict(keep_vars=False).items():
-        if tensor.device.type == "meta" and weights is not None:
+        if tensor.device.type == "meta" and weights is None:
+            raise CheckpointError(f"The tensor '{name}' has no values here (a teacher converted layer by layer keeps its weights in its files).",
+                                  "Save the hybrid with surgery.save (it reads them from the files) and export or load the saved directory.")
+        if tensor.device.type == "meta":
             key = ("file", weights.stored_name(name))
         else:
             key = (tensor.data_ptr(), tensor.dtype, tuple(tensor.shape), tensor.stride()) if tensor.numel() else None
