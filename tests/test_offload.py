@@ -166,3 +166,13 @@ def test_bench_offload_section_smoke(capsys):
     peak = metrics["peak memory on cpu"]
     assert 0 < peak["value"] < peak["anchor_value"] / 20  # one of 80 layers' weights (plus activations), not the teacher
     assert metrics["calibrate per layer"]["value"] > 0 and metrics["align per layer"]["value"] > 0
+
+
+def test_select_by_attention_removal_scores_the_offloaded_teacher_alike(offloaded, in_memory):
+    """select's ar policy scores each layer's removal by perplexity: every forward streamed."""
+    config = {"select": {"policy": "ar", "keep_count": 2, "samples": 2, "length": 16}}
+    a, b = offloaded.branch(), in_memory.branch()
+    info_a = PassManager(["select"], config)(a).info["select"]
+    info_b = PassManager(["select"], config)(b).info["select"]
+    assert a.meta["select"].convert == b.meta["select"].convert
+    assert info_a["scores"] == info_b["scores"]
