@@ -4,6 +4,8 @@ loaded whole and converted the usual way; every comparison is bit for bit (the s
 same mini-batches in the same order, only the weights arrive later)."""
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from typer.testing import CliRunner
@@ -26,7 +28,7 @@ def teacher_dir(tmp_path_factory, stories_eager, stories_teacher):
     from transformers import AutoModelForCausalLM
 
     folder = tmp_path_factory.mktemp("stories-safetensors")
-    config = stories_eager.config
+    config = copy.deepcopy(stories_eager.config)  # the session's model keeps its own
     if hasattr(config, "quantization_config"):
         delattr(config, "quantization_config")  # a GGUF-loaded model refuses save_pretrained; a plain copy does not
     plain = AutoModelForCausalLM.from_config(config)
