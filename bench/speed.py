@@ -365,6 +365,7 @@ def offloaded_conversion(args, rows: Rows) -> None:
         graph = capture_meta(model, weights, device=device, dtype=dtype, max_length=max(length, 64))
         graph.sites = find_sites(graph)
         rows.add("offloaded conversion", label, "capture on meta + sites", time.perf_counter() - start, "s")
+        peaks = {"capture + sites": peak_bytes(device, live)}  # the teacher alone: a layer (or the embedding) at a time
         graph.tokenizer = load_model(str(STORIES))[1]  # random weights have no tokenizer; stories260K's ids fit the vocabulary
         text = {"samples": samples, "length": length, "batch_size": 4}
         results = PassManager(["select", "replace", "calibrate", "align"], {
@@ -375,9 +376,20 @@ def offloaded_conversion(args, rows: Rows) -> None:
             live.__exit__(None, None, None)
     for name in ("calibrate", "align"):
         rows.add("offloaded conversion", label, f"{name} per layer", results.info[name]["seconds"] / args.offload_layers, "s")
-    peak = live.peak if live is not None else torch.cuda.max_memory_allocated(device)
-    rows.add("offloaded conversion", label, f"peak memory on {device}", peak / 2**30, "GiB",
-             (f"whole {depth}-layer teacher's weights", whole / 2**30))
+    peaks["select .. align"] = peak_bytes(device, live)  # plus the GDN layers, their teacher data and align's optimizer
+    for phase, peak in peaks.items():
+        rows.add("offloaded conversion", label, f"peak memory on {device}, {phase}", peak / 2**30, "GiB",
+                 (f"whole {depth}-layer teacher's weights", whole / 2**30))
+
+
+def peak_bytes(device, live) -> int:
+    """The peak since the last call (CUDA: the allocator's; the CPU: LiveTensors'), then reset."""
+    if live is not None:
+        peak, live.peak = live.peak, live.now
+        return peak
+    peak = torch.cuda.max_memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    return peak
 
 
 def main(argv=None) -> Rows:

@@ -114,7 +114,7 @@ class RandomWeights(TensorSource):
         if len(shape) == 1:
             return torch.ones(shape, device=device, dtype=dtype)
         generator = torch.Generator(device=device).manual_seed(zlib.crc32(name.encode()))
-        return (torch.randn(shape, generator=generator, device=device, dtype=torch.float32) * self.std).to(dtype)
+        return torch.randn(shape, generator=generator, device=device, dtype=dtype).mul_(self.std)  # in place: no second copy
 
     def read(self, stored: str) -> torch.Tensor:
         return self.load(stored, "cpu")
