@@ -202,7 +202,7 @@ def apply(
         check_replaceable(out_dir, force=force, inputs=[model, *paths, *(calibration or [])])
         dev, dt = placement(device, dtype)
         offload = choose_offload(paths[0], dev, dt, offload_layers)  # else the teacher must fit the device (checked)
-        err.print(f"{'capturing on the meta device for' if offload else 'loading and capturing on'} {dev} ({str(dt).removeprefix('torch.')}): {model}")
+        err.print(f"{'capturing on the meta device' if offload else 'loading and capturing'} {model} {'for' if offload else 'on'} {dev} ({str(dt).removeprefix('torch.')})")
         graph = capture(model, device=dev, dtype=dt, debug=debug, offload=offload)
         err.print(f"found {graph.num_layers} attention layers")
         if any(p.name in ("calibrate", "align") for p in manager.passes) and not calibration:
