@@ -179,3 +179,14 @@ def test_select_by_attention_removal_scores_the_offloaded_teacher_alike(offloade
     info_b = PassManager(["select"], config)(b).info["select"]
     assert a.meta["select"].convert == b.meta["select"].convert
     assert info_a["scores"] == info_b["scores"]
+
+
+def test_a_mixer_that_replaces_the_op_converts_the_offloaded_teacher_alike(offloaded, in_memory):
+    """swa (replace checks each site's Q, K, V on a probe, calibrate reads them): the same windows and logits."""
+    config = {"select": {"policy": "convert", "layers": [1, 3]}, "replace": {"mixer": "swa"}, "calibrate": {"samples": 2, "length": 16}}
+    ids = torch.randint(0, 512, (2, 9), generator=torch.Generator().manual_seed(0))
+    graphs = [offloaded.branch(), in_memory.branch()]
+    for graph in graphs:
+        PassManager(["select", "replace", "calibrate"], config)(graph)
+    assert [int(m.window) for m in graphs[0].gdn_modules().values()] == [int(m.window) for m in graphs[1].gdn_modules().values()]
+    assert torch.equal(graphs[0].logits(ids), graphs[1].logits(ids))
