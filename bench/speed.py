@@ -11,6 +11,10 @@
             its own generate against the teacher there: prefill ms and decode tokens/s
   distill   surgery.distill tokens/s of the 50% hybrid at --distill-shape, compiled against eager
   apply     `surgery apply` wall seconds with empty kernel caches (cold) against the same again (warm)
+  offload   a teacher larger than the device (issue 32): capture on meta + select/replace/calibrate/align
+            of --offload-layers layers of a Llama-70B-shaped random teacher whose layers are streamed to
+            the device (surgery.core.meta_capture); peak memory per device against the full 80-layer
+            teacher's bytes, seconds per layer (offloaded_conversion)
 
 Only public API (surgery.capture/save/load/export/generate/distill, Decoder, graph.logits, the CLI),
 so it measures whatever the library's default paths are. Rows: bench.harness.Rows.
@@ -44,13 +48,14 @@ from bench.harness import (STORIES, SAMPLE, Rows, check_names, common_args, medi
 from surgery import Decoder, DistillConfig, PassManager, capture, distill, export, fast_logits, generate, load, save  # noqa: E402
 from surgery.errors import SurgeryError  # noqa: E402
 
-SECTIONS = ("prefill", "generate", "decode", "export", "distill", "apply")
+SECTIONS = ("prefill", "generate", "decode", "export", "distill", "apply", "offload")
 LOGITS_BUDGET = 4 << 30  # bytes of logits one Decoder.prefill call may return (a 64k x 16 prompt is prefilled in pieces)
 # the caches a cold `surgery apply` starts without: Triton's kernels (fla's autotuning too), Inductor's, surgery's tokens
 COLD_CACHES = ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "SURGERY_CACHE")
 SMOKE = {"shapes": "48x1,48x2", "generate_lengths": "48", "decode_context": 40, "decode_batches": "1,2", "decode_steps": 3,
          "export_contexts": "32", "new_tokens": 4, "distill_shape": "2x64", "distill_steps": 4, "repeats": 2,
-         "apply_args": "--set align.steps=2 --set calibrate.samples=2 --set align.samples=2"}
+         "apply_args": "--set align.steps=2 --set calibrate.samples=2 --set align.samples=2",
+         "offload_shape": "128x256x4x2x512x80", "offload_layers": 2, "offload_text": "2x32", "offload_steps": 2}
 
 
 def arguments(argv=None) -> argparse.Namespace:
@@ -72,12 +77,17 @@ def arguments(argv=None) -> argparse.Namespace:
     ap.add_argument("--distill-modes", default="eager,compiled")
     ap.add_argument("--apply-args", default="", help="more `surgery apply` options, e.g. '--set align.steps=60'")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--offload-shape", default="8192x28672x64x8x128256x80",
+                    help="offload: HIDDENxINTERMEDIATExHEADSxKV_HEADSxVOCABxLAYERS of the Llama-shaped teacher (default: Llama-3-70B)")
+    ap.add_argument("--offload-layers", type=int, default=4, help="offload: decoder layers built and converted")
+    ap.add_argument("--offload-text", default="16x256", help="offload: calibration SAMPLESxLENGTH")
+    ap.add_argument("--offload-steps", type=int, default=20, help="offload: align steps")
     args = parse(ap, argv, {"model": str(STORIES), **SMOKE})
     if args.smoke:
         import surgery.core.compiled
 
         surgery.core.compiled.BACKEND = "aot_eager"  # as the tests compile: inductor's C++ builds take minutes on the CPU
-    if not args.model and not args.random:
+    if not args.model and not args.random and set(args.sections.split(",")) - {"offload"}:  # offload builds its own teacher
         ap.error("name a teacher with --model, or pass --random (SmolLM2-135M's shapes, random weights)")
     check_names(ap, args.sections, SECTIONS, "section(s)")
     return args
@@ -320,6 +330,68 @@ def apply_wall(args, work: Path, rows: Rows) -> None:
     rows.add("surgery apply", "cold against warm", "wall", cold, "s", ("warm", warm))
 
 
+# ---- offload (issue 32): a teacher larger than one device, converted layer by layer -------------------
+
+def offloaded_conversion(args, rows: Rows) -> None:
+    """Capture on meta and convert every one of --offload-layers layers of a random teacher of
+    --offload-shape, its weights drawn on the device a layer at a time (RandomWeights: no files).
+    Peak memory on each device (CUDA: the allocator's peak; the CPU: bytes of tensors alive, LiveTensors)
+    against the whole teacher at its real depth in the same dtype."""
+    from transformers import LlamaConfig
+
+    from surgery.core.live_tensors import LiveTensors
+    from surgery.core.load import load_model
+    from surgery.core.meta_capture import capture_meta, meta_model_of
+    from surgery.core.weight_files import RandomWeights
+    from surgery.sites import find_sites
+
+    device, dtype = placement(args)
+    hidden, inter, heads, kv, vocab, depth = (int(x) for x in args.offload_shape.split("x"))
+    samples, length = (int(x) for x in args.offload_text.split("x"))
+    shape = dict(hidden_size=hidden, intermediate_size=inter, num_attention_heads=heads, num_key_value_heads=kv, vocab_size=vocab,
+                 max_position_embeddings=max(length, 8192), rope_theta=500000.0, tie_word_embeddings=False)
+    whole = RandomWeights(meta_model_of(LlamaConfig(**shape, num_hidden_layers=depth))).nbytes(dtype)
+    model = meta_model_of(LlamaConfig(**shape, num_hidden_layers=args.offload_layers))
+    label = f"Llama {args.offload_shape}, {args.offload_layers} layers, {str(dtype).removeprefix('torch.')}"
+    live = LiveTensors() if device.type == "cpu" else None
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    weights = RandomWeights(model)
+    if live is not None:
+        weights.load = lambda *a, read=weights.load, **k: live.track(read(*a, **k))
+        live.__enter__()
+    try:
+        start = time.perf_counter()
+        graph = capture_meta(model, weights, device=device, dtype=dtype, max_length=max(length, 64))
+        graph.sites = find_sites(graph)
+        rows.add("offloaded conversion", label, "capture on meta + sites", time.perf_counter() - start, "s")
+        peaks = {"capture + sites": peak_bytes(device, live)}  # the teacher alone: a layer (or the embedding) at a time
+        graph.tokenizer = load_model(str(STORIES))[1]  # random weights have no tokenizer; stories260K's ids fit the vocabulary
+        text = {"samples": samples, "length": length, "batch_size": 4}
+        results = PassManager(["select", "replace", "calibrate", "align"], {
+            "select": {"policy": "convert", "layers": list(range(args.offload_layers))}, "calibrate": text,
+            "align": {**text, "steps": args.offload_steps, "progress": False}})(graph)
+    finally:
+        if live is not None:
+            live.__exit__(None, None, None)
+    for name in ("calibrate", "align"):
+        rows.add("offloaded conversion", label, f"{name} per layer", results.info[name]["seconds"] / args.offload_layers, "s")
+    peaks["select .. align"] = peak_bytes(device, live)  # plus the GDN layers, their teacher data and align's optimizer
+    for phase, peak in peaks.items():
+        rows.add("offloaded conversion", label, f"peak memory on {device}, {phase}", peak / 2**30, "GiB",
+                 (f"whole {depth}-layer teacher's weights", whole / 2**30))
+
+
+def peak_bytes(device, live) -> int:
+    """The peak since the last call (CUDA: the allocator's; the CPU: LiveTensors'), then reset."""
+    if live is not None:
+        peak, live.peak = live.peak, live.now
+        return peak
+    peak = torch.cuda.max_memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    return peak
+
+
 def main(argv=None) -> Rows:
     args = arguments(argv)
     rows = Rows(args.json)
@@ -332,6 +404,8 @@ def main(argv=None) -> Rows:
             start = time.perf_counter()
             if section == "apply":
                 apply_wall(args, work, rows)
+            elif section == "offload":
+                offloaded_conversion(args, rows)
             else:
                 runs[section](setup, rows)
             print(f"# {section}: {time.perf_counter() - start:.1f} s", flush=True)

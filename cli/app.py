@@ -14,7 +14,7 @@ from surgery.io import open_model
 
 from surgery.core import progress
 
-from .common import check_device_fits, emit_json, err, guard, model_inputs, more_files, out, placement
+from .common import check_device_fits, emit_json, err, guard, model_inputs, more_files, out, placement, choose_offload
 from .distill import distill as distill_command
 from .export import export as export_command
 from .generate import generate as generate_command
@@ -171,6 +171,10 @@ def apply(
     options: Optional[List[str]] = typer.Option(None, "--set", help="Pass option pass.key=value (repeatable), e.g. align.steps=100 (see `surgery passes`)."),
     device: Optional[str] = DeviceOpt, dtype: Optional[str] = DtypeOpt, debug: bool = DebugOpt, compile: Optional[bool] = CompileOpt,
     as_json: bool = typer.Option(False, "--json", help="Print the result (the passes' results, where the hybrid was saved) as JSON on stdout."),
+    offload_layers: Optional[bool] = typer.Option(
+        None, "--offload-layers/--no-offload-layers",
+        help="Capture on the meta device and read the teacher's files (safetensors or GGUF) a layer at a time (a teacher larger "
+             "than the device); default: when a model directory's safetensors exceed the device's free memory."),
 ):
     """Run passes on a model and save the hybrid."""
     from surgery import PassManager, capture, diff as graph_diff, save
@@ -194,12 +198,12 @@ def apply(
         manager.validate()
         for file in calibration or []:
             check_text_file(file, "Calibration file")
-        paths = model_inputs(model)
+        paths = model_inputs(model, memory=offload_layers is not True)
         check_replaceable(out_dir, force=force, inputs=[model, *paths, *(calibration or [])])
         dev, dt = placement(device, dtype)
-        check_device_fits(paths[0], dev, dt)
-        err.print(f"loading and capturing {model} on {dev} ({str(dt).removeprefix('torch.')})")
-        graph = capture(model, device=dev, dtype=dt, debug=debug)
+        offload = choose_offload(paths[0], dev, dt, offload_layers)  # else the teacher must fit the device (checked)
+        err.print(f"{'capturing on the meta device' if offload else 'loading and capturing'} {model} {'for' if offload else 'on'} {dev} ({str(dt).removeprefix('torch.')})")
+        graph = capture(model, device=dev, dtype=dt, debug=debug, offload=offload)
         err.print(f"found {graph.num_layers} attention layers")
         if any(p.name in ("calibrate", "align") for p in manager.passes) and not calibration:
             err.print("no --calibration given: using the built-in calibration sample")

@@ -104,7 +104,7 @@ def placement(device: Optional[str], dtype: Optional[str]):
     return dev, dt
 
 
-def model_inputs(source: str) -> list:
+def model_inputs(source: str, memory: bool = True) -> list:
     """The path a --model names (a short name resolved), checked to exist before anything loads; a
     model directory's config.json is checked too (its numbers, and that the model fits in memory), and
     an export directory is verified (surgery verify-export) before anything could run its code."""
@@ -113,7 +113,7 @@ def model_inputs(source: str) -> list:
     from surgery.io.export_manifest import is_export, verify_export
 
     path = resolve(source)
-    check_model_dir(path)
+    check_model_dir(path, memory=memory)  # memory=False: apply --offload-layers never holds the teacher whole
     if is_export(path):
         verify_export(path)
     return [path]
@@ -125,6 +125,36 @@ def more_files(given, more, option: str) -> list | None:
     if more and not given:
         raise SurgeryError(f"Unexpected argument(s): {', '.join(map(str, more))}.", f"Give them after {option} (e.g. {option} a.txt b.txt).")
     return [*(given or []), *(more or [])] or None
+
+
+def choose_offload(path, dev, dt, asked: bool | None) -> bool:
+    """Whether apply converts layer by layer (surgery.core.meta_capture): as --offload-layers says,
+    else when the teacher directory's safetensors exceed the memory free on `dev` (said in one line).
+    A teacher loaded whole is checked to fit the device (check_device_fits)."""
+    offload = wants_offload(path, dev, dt, asked)
+    if not offload:
+        check_device_fits(path, dev, dt)
+    return offload
+
+
+def wants_offload(path, dev, dt, asked: bool | None) -> bool:
+    """choose_offload's decision."""
+    from pathlib import Path
+
+    from surgery.core.weight_files import INDEX, SINGLE, WeightFiles
+    from surgery.io.memory import available_bytes, describe_bytes
+
+    path = Path(path)
+    if asked is not None:
+        return asked
+    if not (path.is_dir() and (path / "config.json").is_file() and ((path / SINGLE).is_file() or (path / INDEX).is_file())):
+        return False
+    need, free = WeightFiles(path).nbytes(dt), available_bytes(dev)
+    if free is None or need <= free:
+        return False
+    err.print(f"the teacher's weights take {describe_bytes(need)} in {str(dt).removeprefix('torch.')}, more than the "
+              f"{describe_bytes(free)} free on {dev}: converting layer by layer (--offload-layers; --no-offload-layers refuses instead)")
+    return True
 
 
 def check_device_fits(path, dev, dt) -> None:

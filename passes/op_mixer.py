@@ -44,7 +44,7 @@ def verify_op_modules(graph, layers: list[int], config) -> None:
         elif site.scores_bias:
             refused.append(f"layer {layer}: its scores carry a position bias (ALiBi), which a window of softmax attention drops")
     if not refused:
-        run = ValueRun(graph.gm, vocab_size(graph.config, graph.gm))
+        run = ValueRun(graph.gm, vocab_size(graph.config, graph.gm), graph)  # an offloaded teacher: read a layer at a time
         nodes = nodes_by_name(graph.gm)
         for layer in layers:
             site = graph.sites[layer]

@@ -176,8 +176,9 @@ class Replace(Pass):
     def run(self, graph: Graph) -> PassResult:
         convert = graph.meta["select"].convert
         teacher = graph.gm
-        params = dict(teacher.named_parameters(remove_duplicate=False))
         device, dtype = graph.device, graph.dtype
+        # an offloaded teacher (surgery.core.meta_capture): each copied projection is read from its files
+        params = graph.weights.params(device, dtype) if graph.weights is not None else dict(teacher.named_parameters(remove_duplicate=False))
         mixer = get_mixer(self.config.mixer)
         hybrid = fork(teacher)
         modules, copies = {}, []

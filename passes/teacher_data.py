@@ -10,8 +10,9 @@ import torch
 
 from surgery.core import progress
 from surgery.core.pipeline import PassConfig
-from surgery.core.rewrite import nodes_by_name
+from surgery.core.rewrite import ancestors, nodes_by_name
 from surgery.core.run import interpret, placeholder_values
+from surgery.core.streamed import run_streamed
 from surgery.data.windows import calibration_ids
 from surgery.errors import CalibrationError, PassConfigError
 from tcal.stats import AttentionStats, StatsError
@@ -75,14 +76,39 @@ def op_layers(graph) -> list[int]:
     return [int(l) for l in sorted(modules, key=int) if get_mixer(modules[l].get("mixer", "gdn")).replaces == "op"]
 
 
-def run_with_taps(gm, ids: torch.Tensor, callbacks: dict) -> None:
-    """Run gm on ids, handing the value of each node named in `callbacks` to its functions."""
+def tap(callbacks: dict):
+    """on_value for the interpreters: hands the value of each node named in `callbacks` to its functions."""
     def on_value(n, value):
         for fn in callbacks.get(n.name, ()):
             fn(value)
+    return on_value
 
+
+def run_with_taps(gm, ids: torch.Tensor, callbacks: dict) -> None:
+    """Run gm on ids, handing the value of each node named in `callbacks` to its functions."""
     with torch.no_grad():
-        interpret(gm, placeholder_values(gm, ids), on_value=on_value, keep=lambda n: False)
+        interpret(gm, placeholder_values(gm, ids), on_value=tap(callbacks), keep=lambda n: False)
+
+
+def read_teacher(graph, gm, ids: torch.Tensor, batch_size: int, callbacks: dict, batch: dict) -> None:
+    """Run the teacher over ids in mini-batches with the taps; batch["index"] names the mini-batch at
+    work. An offloaded teacher (graph.weights) runs layer by layer: each site's layer weights are read
+    once for all mini-batches (surgery.core.streamed), and nothing past the last tap is run."""
+    starts = range(0, ids.shape[0], batch_size)
+    with progress.task("reading the teacher", ids.shape[0], "windows") as bar:
+        if graph.weights is None:
+            for i, start in enumerate(starts):
+                batch["index"] = i
+                run_with_taps(gm, ids[start:start + batch_size].to(graph.device), callbacks)
+                bar.update(min(start + batch_size, ids.shape[0]))
+            return
+        nodes = nodes_by_name(gm)
+        taps = {nodes[name] for name in callbacks}
+        only = set().union(*(ancestors(n) for n in taps)) | taps
+        cuts = [nodes[s.output_node] for s in graph.sites if s.output_node in nodes]
+        run_streamed(gm, graph.weights, [ids[start:start + batch_size] for start in starts], cuts, device=graph.device,
+                     dtype=graph.dtype, on_value=tap(callbacks), on_batch=lambda i: batch.__setitem__("index", i), only=only)
+        bar.update(ids.shape[0])
 
 
 @dataclass
@@ -107,6 +133,7 @@ def collect(graph, layers: list[int], ids: torch.Tensor, *, with_stats: bool, ba
     store = {l: {"x": [], "target": [], "ctx": [], "q": [], "k": [], "v": []} for l in layers}
     stats = {l: AttentionStats(graph.sites[l].num_heads) for l in layers} if with_stats else {}
     callbacks: dict = {}
+    batch = {"index": 0}
 
     def add(name, fn):
         if name not in nodes:
@@ -124,22 +151,20 @@ def collect(graph, layers: list[int], ids: torch.Tensor, *, with_stats: bool, ba
         if with_stats and s.probs_node:
             heads = s.num_heads  # an eager layer may softmax over [B*H, T, T] (XGLM's bmm form)
             add(s.probs_node, lambda v, l=l, h=heads: stats[l].update_from_probs(v.detach().reshape(-1, h, *v.shape[-2:]), query_chunk=query_chunk))
-        elif with_stats:
+        elif with_stats:  # keyed by mini-batch: a layer-streamed run sees the shared mask of every batch first
             seen = {}
-            add(s.q_node, lambda v, seen=seen: seen.__setitem__("q", v.detach()))
+            add(s.q_node, lambda v, seen=seen: seen.__setitem__(("q", batch["index"]), v.detach()))
             if s.mask_node:
-                add(s.mask_node, lambda v, seen=seen: seen.__setitem__("mask", v.detach()))
-            add(s.k_node, lambda v, seen=seen: seen.__setitem__("k", v.detach()))
+                add(s.mask_node, lambda v, seen=seen: seen.__setitem__(("mask", batch["index"]), v.detach()))
+            add(s.k_node, lambda v, seen=seen: seen.__setitem__(("k", batch["index"]), v.detach()))
 
             def on_attn(_, l=l, s=s, seen=seen):
-                stats[l].update_from_qk(seen["q"], seen["k"], scale=s.scale, mask=seen.get("mask"), softcap=s.softcap, query_chunk=query_chunk)
-                seen.clear()
+                b = batch["index"]
+                stats[l].update_from_qk(seen.pop(("q", b)), seen.pop(("k", b)), scale=s.scale, mask=seen.pop(("mask", b), None),
+                                        softcap=s.softcap, query_chunk=query_chunk)
 
             add(s.attn_node, on_attn)
-    with progress.task("reading the teacher", ids.shape[0], "windows") as bar:
-        for start in range(0, ids.shape[0], batch_size):
-            run_with_taps(gm, ids[start:start + batch_size].to(graph.device), callbacks)
-            bar.update(min(start + batch_size, ids.shape[0]))
+    read_teacher(graph, gm, ids, batch_size, callbacks, batch)
     out = {}
     for l in layers:
         data = LayerData(*(torch.cat(store[l][k]) for k in ("x", "target", "ctx")))

@@ -7,6 +7,7 @@ from typing import Any
 import torch
 
 from .run import run_graph
+from .streamed import streamed_logits
 
 
 @dataclass
@@ -38,7 +39,8 @@ class Graph:
         """A new Graph over the same teacher (shared weights, shared activation cache) with no passes
         applied: cheap what-if conversions without capturing again."""
         return Graph(gm=self.teacher_gm, config=self.config, source=self.source, tokenizer=self.tokenizer,
-                     sites=self.sites, meta={"capture": dict(self.meta.get("capture", {}))}, cache=self.cache)
+                     sites=self.sites, meta={"capture": dict(self.meta.get("capture", {})), **{k: dict(v) for k, v in self.meta.items() if k == "offload"}},
+                     cache=self.cache)
 
     @property
     def teacher_gm(self) -> torch.fx.GraphModule:
@@ -65,13 +67,24 @@ class Graph:
         return [modules.get(str(i), {}).get("mixer", "gdn") if i in replaced else "attention" for i in range(self.num_layers)]
 
     @property
+    def weights(self):
+        """The teacher's files its meta parameters are read from (surgery.core.meta_capture), or None:
+        every weight is in memory."""
+        return self.cache.get("weights") if "offload" in self.meta else None
+
+    @property
     def device(self) -> torch.device:
+        """Where the graph computes (an offloaded graph: the device its layers are streamed to)."""
+        if "offload" in self.meta:
+            return torch.device(self.meta["offload"]["device"])
         for p in self.gm.parameters():
             return p.device
         return torch.device("cpu")
 
     @property
     def dtype(self) -> torch.dtype:
+        if "offload" in self.meta:
+            return getattr(torch, self.meta["offload"]["dtype"])
         for p in self.gm.parameters():
             if p.is_floating_point():
                 return p.dtype
@@ -84,6 +97,8 @@ class Graph:
     def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Run the graph on token ids [B, T] and return logits [B, T, V]: the captured graph eagerly, the
         reference every check compares with (surgery.fast_logits takes the device's fast route)."""
+        if self.weights is not None:
+            return streamed_logits(self, input_ids)
         return run_graph(self, input_ids)
 
     __call__ = logits

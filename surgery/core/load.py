@@ -131,7 +131,7 @@ def load_model(source, *, dtype: torch.dtype = torch.float32, attn_implementatio
     info = {"kind": "gguf" if gguf else "dir", "path": str(folder.resolve()), "gguf_file": gguf, "name": str(source)}
     with one_gguf_parse(folder / gguf if gguf else None, reader):
         model = _from_pretrained(folder, gguf, dtype, attn_implementation)
-        return model, _tokenizer(folder, gguf, gguf_adds_bos(reader)), info
+        return model, folder_tokenizer(folder, gguf, gguf_adds_bos(reader)), info
 
 
 def _from_pretrained(folder: Path, gguf: str | None, dtype, attn_implementation):
@@ -165,7 +165,7 @@ def gguf_adds_bos(reader) -> bool | None:
     return bool(field.parts[-1].tolist()[0]) if field is not None else None
 
 
-def _tokenizer(folder: Path, gguf: str | None, wanted_bos: bool | None = None):
+def folder_tokenizer(folder: Path, gguf: str | None, wanted_bos: bool | None = None):
     from transformers import AutoTokenizer
 
     try:

@@ -172,7 +172,9 @@ def fast_runner(graph, compile: bool | None = None, *, use: str = "eval", label:
     """ids [B, T] -> logits [B, T, V] of `graph` on the fast route for its device and `use`
     (fast_graph), with graph.logits's input checks. On the CPU by default this is graph.logits's own
     computation. On CUDA a caller reads each call's logits before the next call (they may live in a
-    CUDA graph's pool)."""
+    CUDA graph's pool). An offloaded teacher (graph.weights) runs layer by layer: graph.logits."""
+    if graph.weights is not None:
+        return graph.logits
     fast = fast_graph(graph, compile, use=use, label=label, report=report)
     return lambda input_ids: run_graph(graph, input_ids, fast)
 

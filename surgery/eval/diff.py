@@ -61,6 +61,11 @@ def _params(graph: Graph, prefixes) -> dict:
     return per
 
 
+def valued(graph: Graph, name: str, p: torch.Tensor) -> torch.Tensor:
+    """A parameter's values: an offloaded teacher's (meta) read from its files."""
+    return graph.weights.load(name, "cpu", p.dtype) if p.is_meta and graph.weights is not None else p
+
+
 def open_pair(a, b) -> tuple[Graph, Graph]:
     """What `surgery diff A B` takes: Graphs, or model names, paths, saved hybrids and run
     directories (both checked to exist before either loads)."""
@@ -103,10 +108,11 @@ def diff(a, b, *, compare_values: bool = True) -> dict:
             "params_changed": [],
         }
         for n in sorted(set(pa) & set(pb)):
-            x, y = pa[n], pb[n]
+            shared = same_tensor(pa[n], pb[n])  # unchanged without reading (an offloaded teacher's are meta)
+            x, y = (pa[n], pb[n]) if shared else (valued(a, n, pa[n]), valued(b, n, pb[n]))
             if tuple(x.shape) != tuple(y.shape):
                 entry["params_changed"].append({"name": n, "shape": [list(x.shape), list(y.shape)], "what": "shape"})
-            elif compare_values and not same_tensor(x, y) and not torch.equal(x.detach().cpu().to(y.dtype), y.detach().cpu()):
+            elif compare_values and not shared and not torch.equal(x.detach().cpu().to(y.dtype), y.detach().cpu()):
                 entry["params_changed"].append({"name": n, "shape": list(x.shape), "what": "values"})
         entry["summary"] = _summary(entry)
         if entry["nodes_removed"] or entry["nodes_added"] or entry["params_removed"] or entry["params_added"] or entry["params_changed"] or entry["before"] != entry["after"]:

@@ -22,6 +22,7 @@ from ..core.graph import Graph
 from ..errors import CheckpointError, SurgeryError, first_line
 from . import recipe as recipes
 from .json_safe import read_json
+from .layouts import refuse_sharded
 from .lock import holds_output
 from .pinned import read_one_version
 from .outdir import EXTRA_FILES, check_replaceable, clean_stale_staging, describe_os_error, hybrid_leftovers, staging_prefix
@@ -31,17 +32,25 @@ DEFAULT_SHARD_BYTES = 2 * 1024**3
 INDEX = "model.safetensors.index.json"
 
 
-def unique_state(gm: torch.nn.Module) -> tuple[dict, dict]:
-    """(state, aliases): one entry per distinct tensor (tied embeddings are stored once)."""
+def unique_state(gm: torch.nn.Module, weights=None) -> tuple[dict, dict]:
+    """(state, aliases): one entry per distinct tensor (tied embeddings are stored once). With the
+    files of an offloaded teacher (Graph.weights), its meta tensors stay meta (write_weights reads
+    them a shard at a time) and are told apart by the tensor the files hold."""
     state, aliases, seen = {}, {}, {}
     for name, tensor in gm.state_dict(keep_vars=False).items():
-        key = (tensor.data_ptr(), tensor.dtype, tuple(tensor.shape), tensor.stride()) if tensor.numel() else None
+        if tensor.device.type == "meta" and weights is None:
+            raise CheckpointError(f"The tensor '{name}' has no values here (a teacher converted layer by layer keeps its weights in its files).",
+                                  "Save the hybrid with surgery.save (it reads them from the files) and export or load the saved directory.")
+        if tensor.device.type == "meta":
+            key = ("file", weights.stored_name(name))
+        else:
+            key = (tensor.data_ptr(), tensor.dtype, tuple(tensor.shape), tensor.stride()) if tensor.numel() else None
         if key is not None and key in seen:
             aliases[name] = seen[key]
             continue
         if key is not None:
             seen[key] = name
-        state[name] = tensor.detach().contiguous().cpu()
+        state[name] = tensor.detach() if tensor.device.type == "meta" else tensor.detach().contiguous().cpu()
     return state, aliases
 
 
@@ -101,26 +110,33 @@ def write_staged(out: Path, write: Callable[[Path], None], what: str = "Saving t
 
 def write_hybrid(graph: Graph, folder: Path, shard_bytes: int = DEFAULT_SHARD_BYTES) -> None:
     """The weights (sharded past shard_bytes), recipe.json and tokenizer/ into `folder`."""
-    state, aliases = unique_state(graph.gm)
-    files = write_weights(state, folder, shard_bytes)
+    state, aliases = unique_state(graph.gm, graph.weights)
+    read = (lambda name: graph.weights.load(name, "cpu", graph.dtype)) if graph.weights is not None else None
+    files = write_weights(state, folder, shard_bytes, read=read)
     weights = {"files": files, "aliases": aliases, "tensors": len(state)}
     (folder / "recipe.json").write_text(json.dumps(recipes.build(graph, weights), indent=1, allow_nan=False))
     if graph.tokenizer is not None:
         save_tokenizer(graph.tokenizer, folder / "tokenizer")  # reloaded and compared: a mismatch saves nothing
 
 
-def write_weights(state: dict, folder: Path, shard_bytes: int = DEFAULT_SHARD_BYTES, index_metadata: dict | None = None) -> dict:
-    """model.safetensors, or shards and their index past shard_bytes; returns {file: sha256}."""
+def write_weights(state: dict, folder: Path, shard_bytes: int = DEFAULT_SHARD_BYTES, index_metadata: dict | None = None,
+                  read: Callable[[str], torch.Tensor] | None = None) -> dict:
+    """model.safetensors, or shards and their index past shard_bytes; returns {file: sha256}.
+    read(name) gives the values of meta tensors, one shard's at a time (an offloaded teacher)."""
     shards = _shards(state, shard_bytes)
+
+    def fill(shard: dict) -> dict:
+        return shard if read is None else {k: read(k) if t.device.type == "meta" else t for k, t in shard.items()}
+
     files = {}
     if len(shards) == 1:
-        save_file(shards[0], folder / "model.safetensors", metadata={"format": "pt"})
+        save_file(fill(shards[0]), folder / "model.safetensors", metadata={"format": "pt"})
         files["model.safetensors"] = sha256_file(folder / "model.safetensors")
         return files
     index = {}
     for i, shard in enumerate(shards, 1):
         name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, folder / name, metadata={"format": "pt"})
+        save_file(fill(shard), folder / name, metadata={"format": "pt"})
         files[name] = sha256_file(folder / name)
         index.update({k: name for k in shard})
     head = {"metadata": index_metadata} if index_metadata is not None else {}
@@ -170,6 +186,7 @@ def read_recipe(path: str | Path, folder: Path | None = None) -> dict:
     path = Path(path)
     file, shown = Path(folder or path) / "recipe.json", path / "recipe.json"
     if not file.exists():
+        refuse_sharded(path)
         raise CheckpointError(f"'{path}' has no recipe.json.", "Point at a directory written by `surgery apply --out`.")
     recipe = read_json(file, CheckpointError, "The checkpoint is corrupt; write it again.", name=shown)
     recipes.check(recipe, str(path))

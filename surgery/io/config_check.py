@@ -16,7 +16,8 @@ from ..errors import SurgeryError
 from .json_safe import non_finite
 from .memory import available_bytes, describe_bytes
 
-MEMORY_FIX = "Load it where more memory is free or in a smaller --dtype (bfloat16 halves it); if a size was edited by hand, restore it."
+MEMORY_FIX = ("Load it where more memory is free or in a smaller --dtype (bfloat16 halves it), or convert it layer by layer "
+              "(`surgery apply --offload-layers`); if a size was edited by hand, restore it.")
 SIZE = re.compile(r"(^|_)(size|dim|embd|embeddings|positions|inner|layers?|heads?|experts?|window)$|^(num|n)_")
 RATE = re.compile(r"(^|_)(dropout|pdrop)$")
 EPS = re.compile(r"(^|_)(eps|epsilon)$")
@@ -92,9 +93,9 @@ def check_fits(config, config_dict: dict, defaults: dict, dtype: torch.dtype, er
 
 
 def check_config(config_dict: dict, model_type, dtype: torch.dtype, error: type[SurgeryError], where: str, fix: str,
-                 device: torch.device | str = "cpu") -> None:
-    """check_numbers, then check_fits on the config transformers builds from it (a model type or
-    field transformers does not know is left to the loader, which names it)."""
+                 device: torch.device | str = "cpu", memory: bool = True) -> None:
+    """check_numbers, then check_fits (memory=False: not) on the config transformers builds from it
+    (a model type or field transformers does not know is left to the loader, which names it)."""
     from transformers import AutoConfig
 
     try:
@@ -106,12 +107,14 @@ def check_config(config_dict: dict, model_type, dtype: torch.dtype, error: type[
         config = AutoConfig.for_model(model_type, **{k: v for k, v in config_dict.items() if k != "model_type"})
     except Exception:
         return
-    check_fits(config, config_dict, defaults, dtype, error, where, fix, device)
+    if memory:
+        check_fits(config, config_dict, defaults, dtype, error, where, fix, device)
 
 
-def check_model_dir(path) -> None:
+def check_model_dir(path, memory: bool = True) -> None:
     """A teacher directory's config.json (not a hybrid's or a run's: their recipes are checked at
-    load), read with the safe reader and checked in the dtype it names (float32 when it names none)."""
+    load), read with the safe reader and checked in the dtype it names (float32 when it names none);
+    memory=False: not against the memory free (a teacher converted layer by layer is never whole)."""
     from pathlib import Path
 
     from ..errors import ModelLoadError
@@ -128,7 +131,7 @@ def check_model_dir(path) -> None:
     named = config.get("dtype") or config.get("torch_dtype")
     dtype = getattr(torch, named, None) if isinstance(named, str) else None
     check_config(config, config.get("model_type"), dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else torch.float32,
-                 ModelLoadError, str(file), fix)
+                 ModelLoadError, str(file), fix, memory=memory)
 
 
 def check_fits_on(path, device, dtype: torch.dtype) -> None:

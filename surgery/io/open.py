@@ -9,18 +9,26 @@ import torch
 
 from ..core.capture import capture_graph
 from ..core.graph import Graph
+from ..core.meta_capture import capture_offloaded
 from ..sites import find_sites
 from ..errors import CheckpointError
 from .checkpoint import load
+from .layouts import refuse_sharded
 from .export_manifest import export_refusal, is_export
 from .outdir import LAST, RUN_FILE
 
 
 def capture(source, *, tokenizer=None, max_length: int | None = None, dtype: torch.dtype | None = None,
-            device: str | torch.device | None = None, find: bool = True, debug: bool = False) -> Graph:
+            device: str | torch.device | None = None, find: bool = True, debug: bool = False, offload: bool = False) -> Graph:
     """Any model source (a loaded model, a directory, a .gguf, a short name) -> Graph with its
-    attention sites found (find=False skips discovery)."""
-    graph = capture_graph(source, tokenizer=tokenizer, max_length=max_length, dtype=dtype, device=device, debug=debug)
+    attention sites found (find=False skips discovery). offload: a model directory or .gguf captured
+    on the meta device, its weights read from its files a layer at a time (core.meta_capture)."""
+    if offload:
+        graph = capture_offloaded(source, device=device or "cpu", dtype=dtype, max_length=max_length, debug=debug)
+        if tokenizer is not None:
+            graph.tokenizer = tokenizer
+    else:
+        graph = capture_graph(source, tokenizer=tokenizer, max_length=max_length, dtype=dtype, device=device, debug=debug)
     if find:
         graph.sites = find_sites(graph)
     return graph
@@ -49,6 +57,8 @@ def open_model(source, *, device=None, dtype: torch.dtype | None = None, debug: 
         source = latest_checkpoint(Path(source))
     if is_hybrid(source):
         return load(source, device=device, dtype=dtype)
+    if isinstance(source, (str, Path)):
+        refuse_sharded(source, "model")
     if isinstance(source, (str, Path)) and is_export(source):
         raise export_refusal(source)  # transformers would run its code; surgery runs the hybrid it came from
     return capture(source, device=device, dtype=dtype, debug=debug)

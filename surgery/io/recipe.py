@@ -49,7 +49,7 @@ def build(graph: Graph, weights: dict) -> dict:
         "capture": capture_record(graph),
         "passes": graph.history,
         "decisions": {name: _jsonable(graph.meta[name]) for name in dict.fromkeys(structural) if name in graph.meta},
-        "results": {k: _jsonable(v) for k, v in graph.meta.items() if k not in ("capture",) and k not in structural},
+        "results": {k: _jsonable(v) for k, v in graph.meta.items() if k not in ("capture", "offload") and k not in structural},
         "layers": layer_map(graph),
         "sites": [s.to_dict() for s in graph.sites],
         "weights": weights,

@@ -15,7 +15,6 @@ import torch
 from torch.fx import Node
 
 from ..core.rewrite import ancestors, descendants
-from ..core.run import run_graph
 from ..errors import NoAttentionError, SiteError
 from .attention_op import AttentionOp, find_attention_ops, op_scale, softcap_and_scale
 from .ops import (SHAPE_OPS, SOFTMAX_OPS, SDPA_OPS, bias_add, mask_mode as sdpa_mask_mode, module_path, param_names, path_params,
@@ -168,7 +167,7 @@ def find_sites(graph) -> list[AttentionSite]:
     """All softmax-attention sites of a captured graph, in execution order."""
     gm = graph.gm
     vocab = vocab_size(graph.config, gm)
-    run = ValueRun(gm, vocab)
+    run = ValueRun(gm, vocab, graph)
     params = param_names(gm)
     cores = find_attention_ops(gm, run)
     if not cores:
@@ -200,7 +199,7 @@ def check_causal(graph, vocab: int) -> None:
     other = ids.clone()
     other[0, -1] = (other[0, -1] + 1) % vocab
     with torch.no_grad():
-        a, b = run_graph(graph, ids), run_graph(graph, other)
+        a, b = graph.logits(ids), graph.logits(other)
     if not torch.allclose(a[:, :-1].float(), b[:, :-1].float(), atol=1e-4, rtol=1e-3):
         raise NoAttentionError(
             "The model is not causal: changing the last token changes the predictions for earlier positions (an encoder?).",

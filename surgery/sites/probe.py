@@ -7,7 +7,8 @@ from torch.fx import Node
 from torch.fx.node import map_arg
 
 from ..core.rewrite import ancestors, descendants
-from ..core.run import interpret, placeholder_values
+from ..core.run import attribute, interpret, placeholder_values
+from ..core.streamed import file_backed, run_streamed, weight_readers
 from ..errors import SiteError
 from .ops import SHAPE_OPS
 
@@ -18,11 +19,19 @@ PROBE_LENGTH = 7  # odd and prime: never a head_dim, so K^T [.., D, T] is told f
 class ValueRun:
     """Every node's value for one small input: gives concrete shapes and the non-probed operands."""
 
-    def __init__(self, gm: torch.fx.GraphModule, vocab: int):
-        device = next(gm.parameters()).device
-        ids = torch.randint(0, vocab, (1, PROBE_LENGTH), generator=torch.Generator().manual_seed(0)).to(device)
+    def __init__(self, gm: torch.fx.GraphModule, vocab: int, graph=None):
+        """graph: the Graph gm belongs to, when its weights may be offloaded (read from files as needed;
+        a file-backed parameter's node then holds its meta tensor: shape and dtype, no values)."""
+        ids = torch.randint(0, vocab, (1, PROBE_LENGTH), generator=torch.Generator().manual_seed(0))
+        weights = graph.weights if graph is not None else None
         with torch.no_grad():
-            self.env: dict[Node, object] = interpret(gm, placeholder_values(gm, ids))
+            if weights is None:
+                self.env: dict[Node, object] = interpret(gm, placeholder_values(gm, ids.to(next(gm.parameters()).device)))
+                return
+            self.env = {n: attribute(gm, n.target) for n in file_backed(gm, weights)}
+            run_streamed(gm, weights, [ids], weight_readers(gm, weights), device=graph.device, dtype=graph.dtype,
+                         on_value=self.env.__setitem__)
+            self.env.update(zip([n for n in gm.graph.nodes if n.op == "placeholder"], placeholder_values(gm, ids.to(graph.device))))
 
     def __getitem__(self, n):
         return self.env[n]

@@ -16,7 +16,7 @@ from ..errors import DistillError
 from .config import DistillConfig
 from .models import check_lengths, open_student, open_teacher, teacher_dtype
 from .placement import Placement
-from .run_dir import RunDir
+from .run_dir import RunDir, read_run
 from .sharding import precision
 
 
@@ -48,10 +48,27 @@ class Job:
         return sum(s for _, s in self.config.steps())
 
 
+def shares(place: Placement, config: DistillConfig, out: Path, resume: bool) -> tuple[int, int]:
+    """place.shares; a resumed run that cannot split its batch over this many processes is told the
+    layout the run was written in and the process counts that can resume it."""
+    try:
+        return place.shares(config.global_batch, config.micro_batch)
+    except DistillError as exc:
+        run = read_run(out) if resume else None
+        if not isinstance(run, dict) or not isinstance(run.get("world"), int):
+            raise
+        world, fsdp = run["world"], bool(run.get("config", {}).get("fsdp"))
+        layout = f"{world} process{'es' if world > 1 else ''}" + (", FSDP-sharded" if fsdp else ", DDP" if world > 1 else "")
+        fits = [w for w in range(1, config.global_batch + 1) if config.global_batch % w == 0]
+        raise DistillError(f"The run in '{out}' was written by {layout}; this run has {place.world} processes, which cannot split its global batch "
+                           f"of {config.global_batch} sequences.", f"Resume with a number of processes that divides {config.global_batch} "
+                           f"({', '.join(map(str, fits[:8]))}): checkpoints are gathered, so any of them resumes it, with or without --fsdp.") from exc
+
+
 def open_job(place: Placement, model, data, out, config: DistillConfig, *, teacher, resume: bool, force: bool, dtype) -> Job:
     c = config
     digests = [sha256_file(p) for p in check_files(data)]
-    local, micro = place.shares(c.global_batch, c.micro_batch)
+    local, micro = shares(place, c, Path(out), resume)
     run_dir = RunDir(out)
     inputs = [p for p in (model, teacher, *data, c.eval_text) if isinstance(p, (str, Path))]
     run_dir.prepare(model, c, digests, resume, force, inputs)

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import DistillError
+from .rendezvous import join
 
 T = TypeVar("T")
 
@@ -97,7 +98,7 @@ def placement(device=None, group: bool = False) -> Placement:
     if (world > 1 or group) and not dist.is_initialized():
         backend = "nccl" if dev.type == "cuda" else "gloo"
         if world > 1:
-            dist.init_process_group(backend=backend)
+            join(backend, int(os.environ.get("RANK", local)), world)  # names a rank that never starts
         else:
             dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
         owns = True

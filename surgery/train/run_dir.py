@@ -32,6 +32,14 @@ def logged_step(line: str) -> float:
         return float("inf")
 
 
+def read_run(out: Path) -> dict | None:
+    """The run's distill.json, or None where it is missing or unreadable (prepare says which)."""
+    try:
+        return json.loads((out / RUN_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+
+
 class RunDir:
     """saved: the distill.json of the run being resumed (None for a new run)."""
 
