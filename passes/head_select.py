@@ -1,0 +1,86 @@
+"""select at KV-head granularity (select.granularity=head): which KV heads (each with the query heads
+that share it under GQA) stay softmax attention, over all layers at once. A KV head is what the cache
+stores, so a budget of kept KV heads is a budget of KV bytes: keep_ratio 0.5 of the KV heads keeps
+the same bytes as keep_ratio 0.5 of the layers (when every layer has as many KV heads).
+
+Policies score each KV head from the teacher's per-head attention statistics on calibration text
+(tcal.stats, the statistics Phase 1 reads), averaged over its query group, and keep the best:
+distance  the mean attention distance: a long-range head is what a fixed-size state serves worst
+entropy   the attention entropy: a head spread over many keys is what a decaying state loses first
+keep      keep exactly `heads` ({layer: [KV heads]}); layers not named are converted whole."""
+from __future__ import annotations
+
+from surgery.data.windows import calibration_ids
+from surgery.errors import PassConfigError
+
+from .kv_budget import kv_report
+from .selection import LayerSelection
+from .teacher_data import collect
+
+HEAD_POLICIES = ("distance", "entropy", "keep")
+HEAD_METRICS = {"distance": "mean attention distance of the KV head's query group (higher: keep)",
+                "entropy": "mean attention entropy of the KV head's query group (higher: keep)"}
+
+
+def head_count(config, total: int) -> int:
+    """How many KV heads are kept: keep_count, else round(keep_ratio * total)."""
+    k = config.keep_count if config.keep_count is not None else round(config.keep_ratio * total)
+    if k >= total:
+        raise PassConfigError(f"select keeps {k} of the model's {total} KV heads: nothing would be converted.",
+                              f"Keep fewer KV heads (keep_count < {total} or keep_ratio < 1).")
+    return k
+
+
+def named_heads(config, sites) -> dict[int, list[int]]:
+    """policy keep: {layer: [KV heads kept]} from `heads`, checked against the model."""
+    out = {}
+    for key, heads in (config.heads or {}).items():
+        layer = int(key)
+        if not 0 <= layer < len(sites):
+            raise PassConfigError(f"select.heads names layer {layer}; this model has {len(sites)} attention layers.", "Name layers inside that range.")
+        bad = [h for h in heads if not 0 <= h < sites[layer].num_kv_heads]
+        if bad:
+            raise PassConfigError(f"select.heads names KV heads {bad} of layer {layer}, which has {sites[layer].num_kv_heads}.",
+                                  f"Name KV heads 0..{sites[layer].num_kv_heads - 1}.")
+        out[layer] = sorted(set(heads))
+    return out
+
+
+def head_scores(graph, config) -> tuple[list[dict], int]:
+    """Per KV head of every layer its score (the policy's statistic averaged over its query group),
+    from the teacher on the select text; and the number of tokens read."""
+    ids = calibration_ids(graph, config.calibration, config.samples, min(config.length, graph.max_length), config.seed)
+    data = collect(graph, list(range(graph.num_layers)), ids, with_stats=True, batch_size=config.batch_size)
+    rows = []
+    for site in graph.sites:
+        stat = data[site.layer].stats[config.policy].tolist()
+        for j in range(site.num_kv_heads):
+            group = [stat[h] for h in range(site.num_heads) if site.kv_map[h] == j]
+            rows.append({"layer": site.layer, "kv_head": j, "score": sum(group) / len(group)})
+    return rows, int(ids.numel())
+
+
+def head_selection(graph, config) -> LayerSelection:
+    """The selection at KV-head granularity (module docstring)."""
+    sites = graph.sites
+    extra = {}
+    if config.policy == "keep":
+        kept = named_heads(config, sites)
+    else:
+        rows, tokens = head_scores(graph, config)
+        ranked = sorted(rows, key=lambda r: (-r["score"], r["layer"], r["kv_head"]))
+        for rank, row in enumerate(ranked, 1):
+            row["rank"] = rank
+        k = head_count(config, len(rows))
+        kept = {}
+        for row in ranked[:k]:
+            kept.setdefault(row["layer"], []).append(row["kv_head"])
+        extra = {"keep_count": k, "metric": HEAD_METRICS[config.policy], "tokens": tokens, "scores": rows}
+    kept = {l: sorted(h) for l, h in kept.items() if h}
+    whole = [l for l, h in kept.items() if len(h) == sites[l].num_kv_heads]
+    convert = [l for l in range(len(sites)) if l not in whole]
+    if not convert:
+        raise PassConfigError("select.heads keeps every KV head of every layer: nothing would be converted.", "Keep fewer heads.")
+    split = {str(l): h for l, h in sorted(kept.items()) if l not in whole}
+    return LayerSelection(config.policy, convert, sorted(whole), **extra, granularity="head", kept_heads=split,
+                          kv_cache=kv_report(graph, convert, kept_heads={int(l): h for l, h in split.items()}))
