@@ -35,6 +35,9 @@ def named_heads(config, sites) -> dict[int, list[int]]:
     """policy keep: {layer: [KV heads kept]} from `heads`, checked against the model."""
     out = {}
     for key, heads in (config.heads or {}).items():
+        if not str(key).isdigit() or not isinstance(heads, list) or not all(isinstance(h, int) and not isinstance(h, bool) for h in heads):
+            raise PassConfigError(f"select.heads maps {key!r} to {heads!r}, not a layer number to a list of KV head numbers.",
+                                  'Write e.g. select.heads={"1": [0, 2]}.')
         layer = int(key)
         if not 0 <= layer < len(sites):
             raise PassConfigError(f"select.heads names layer {layer}; this model has {len(sites)} attention layers.", "Name layers inside that range.")
@@ -44,6 +47,22 @@ def named_heads(config, sites) -> dict[int, list[int]]:
                                   f"Name KV heads 0..{sites[layer].num_kv_heads - 1}.")
         out[layer] = sorted(set(heads))
     return out
+
+
+def check_heads(config, sites) -> None:
+    """select's check at granularity head: the named heads exist, or the count leaves a head to convert."""
+    if config.policy == "keep":
+        named_heads(config, sites)
+    else:
+        head_count(config, sum(s.num_kv_heads for s in sites))
+
+
+def split_problem(selection: LayerSelection, sites) -> str | None:
+    """What is wrong with a selection's split layers (None: each keeps some but not all KV heads of a converted layer)."""
+    for layer, heads in selection.split_layers().items():
+        if layer not in selection.convert or not 0 < len(heads) < sites[layer].num_kv_heads:
+            return f"layer {layer} keeps KV heads {heads}: not some but not all heads of a converted layer."
+    return None
 
 
 def head_scores(graph, config) -> tuple[list[dict], int]:

@@ -39,7 +39,7 @@ from surgery.eval.ablation import keep_one_scores, removal_scores
 
 from .teacher_data import TeacherDataConfig, check_text
 from .align import AlignConfig
-from .head_select import HEAD_POLICIES, head_count, head_selection, named_heads
+from .head_select import HEAD_POLICIES, check_heads, head_selection, split_problem
 from .kv_budget import GLOBAL, WINDOW, kv_report, layer_kinds, layer_windows
 from .calibrate import CalibrateConfig
 from .replace import ReplaceConfig
@@ -229,11 +229,7 @@ class Select(Pass):
         if not graph.sites:
             raise PassConfigError("The graph has no attention sites to select from.", "Capture the model with site discovery on.")
         if self.config.granularity == "head":
-            if self.config.policy == "keep":
-                named_heads(self.config, graph.sites)
-            else:
-                head_count(self.config, sum(s.num_kv_heads for s in graph.sites))
-            return
+            return check_heads(self.config, graph.sites)
         converts = graph.num_layers - self.keep_count(graph.num_layers) if self.config.policy in SCORED else len(self.decide(graph.num_layers))
         if not converts:
             raise PassConfigError(f"The selection converts no layer (policy {self.config.policy}).", "Lower the keep ratio or name layers to convert.")
@@ -290,9 +286,8 @@ class Select(Pass):
         s = graph.meta["select"]
         if sorted(s.convert + s.keep) != list(range(graph.num_layers)):
             raise self.broken(f"convert {s.convert} and keep {s.keep} do not split the {graph.num_layers} layers.")
-        for layer, heads in s.split_layers().items():
-            if layer not in s.convert or not 0 < len(heads) < graph.sites[layer].num_kv_heads:
-                raise self.broken(f"layer {layer} keeps KV heads {heads}: not some but not all heads of a converted layer.")
+        if split_problem(s, graph.sites):
+            raise self.broken(split_problem(s, graph.sites))
 
     def init_passes(self) -> list[str]:
         return list(DEFAULT_INIT if self.config.init is None else self.config.init)

@@ -152,12 +152,21 @@ def test_inspect_and_diff_show_the_kept_heads(stories, stories_teacher):
     ({"policy": "distance", "heads": None, "stride": 2}, "stride, layers, window"),
     ({"granularity": "layer", "policy": "uniform"}, "only select.granularity=head reads"),
     ({"granularity": "rows"}, "Unknown select.granularity 'rows'"),
+    ({"policy": "keep", "heads": {"1": ["a"]}}, "not a layer number to a list of KV head numbers"),
+    ({"policy": "keep", "heads": "{1: [0]"}, "SelectConfig.heads = '\\{1: \\[0\\]' is not a valid"),
 ])
 def test_bad_head_options_are_refused_before_any_work(stories, select, words):
     graph = stories()
     with pytest.raises(PassConfigError, match=words):
         split(graph, **select)
     assert "replace" not in graph.meta
+
+
+def test_heads_take_the_clis_json_spelling():
+    from passes.select import SelectConfig
+
+    config = SelectConfig.from_dict({"granularity": "head", "policy": "keep", "heads": '{"1": [0, 2]}'})
+    assert config.heads == {"1": [0, 2]}
 
 
 def test_split_is_gdn_only_and_exports_and_distill_refuse_it_by_name(stories, tmp_path):
