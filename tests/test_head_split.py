@@ -7,13 +7,15 @@ weights (save/load), the teacher's statistics read independently with tcal.stats
 bytes of K and V per kept KV head (the cache)."""
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
 import surgery
 from surgery import PassManager
 from surgery.decode import Decoder
-from surgery.errors import DistillError, ExportError, PassConfigError
+from surgery.errors import CheckpointError, DistillError, ExportError, PassConfigError
 from surgery.data.windows import calibration_ids
 from surgery.eval.diff import diff
 from surgery.cli.layer_table import layer_rows, title
@@ -180,3 +182,9 @@ def test_split_is_gdn_only_and_exports_and_distill_refuse_it_by_name(stories, tm
         assert not (tmp_path / fmt).exists()
     with pytest.raises(DistillError, match="keeps some heads of layers \\[1, 3\\] as attention"):
         open_student(graph, None, None)
+    surgery.save(graph, tmp_path / "h")
+    recipe = json.loads((tmp_path / "h" / "recipe.json").read_text())
+    recipe["decisions"]["replace"]["modules"]["1"]["gdn_config"]["kept_heads"] = list(range(8))
+    (tmp_path / "h" / "recipe.json").write_text(json.dumps(recipe))
+    with pytest.raises(CheckpointError, match=r"decisions.replace.modules\['1'\].gdn_config.kept_heads = \[0, 1, .*is not some but not all"):
+        surgery.load(tmp_path / "h")
