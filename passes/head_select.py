@@ -7,13 +7,18 @@ Policies score each KV head from the teacher's per-head attention statistics on 
 (tcal.stats, the statistics Phase 1 reads), averaged over its query group, and keep the best:
 distance  the mean attention distance: a long-range head is what a fixed-size state serves worst
 entropy   the attention entropy: a head spread over many keys is what a decaying state loses first
-keep      keep exactly `heads` ({layer: [KV heads]}); layers not named are converted whole."""
+keep      keep exactly `heads` ({layer: [KV heads]}); layers not named are converted whole.
+With `kv_bytes`, the budget is bytes instead of a count: the best-scoring KV heads are kept, in rank
+order, each one that still fits the KV cache at 32k tokens (kv_budget.kv_report: a sliding-window
+layer's head costs its window, not the length) into kv_bytes; what is left is converted."""
 from __future__ import annotations
+
+import torch
 
 from surgery.data.windows import calibration_ids
 from surgery.errors import PassConfigError
 
-from .kv_budget import kv_report
+from .kv_budget import KV_LENGTH, kv_cache_bytes, kv_report, layer_windows
 from .selection import LayerSelection
 from .teacher_data import collect
 
@@ -53,7 +58,7 @@ def check_heads(config, sites) -> None:
     """select's check at granularity head: the named heads exist, or the count leaves a head to convert."""
     if config.policy == "keep":
         named_heads(config, sites)
-    else:
+    elif config.kv_bytes is None:
         head_count(config, sum(s.num_kv_heads for s in sites))
 
 
@@ -79,6 +84,21 @@ def head_scores(graph, config) -> tuple[list[dict], int]:
     return rows, int(ids.numel())
 
 
+def within_budget(graph, ranked: list[dict], budget: int) -> list[dict]:
+    """The rows of `ranked` kept, best first, each that still fits the byte budget (module docstring)."""
+    windows = layer_windows(graph)
+    size = torch.empty((), dtype=graph.dtype).element_size()
+    counts, used, chosen = [0] * graph.num_layers, 0, []
+    for row in ranked:
+        layer = row["layer"]
+        cost = kv_cache_bytes(graph.sites[layer], windows[layer], KV_LENGTH, size, heads=counts[layer] + 1) - (
+            kv_cache_bytes(graph.sites[layer], windows[layer], KV_LENGTH, size, heads=counts[layer]) if counts[layer] else 0)
+        if used + cost <= budget:
+            counts[layer], used = counts[layer] + 1, used + cost
+            chosen.append(row)
+    return chosen
+
+
 def head_selection(graph, config) -> LayerSelection:
     """The selection at KV-head granularity (module docstring)."""
     sites = graph.sites
@@ -90,11 +110,11 @@ def head_selection(graph, config) -> LayerSelection:
         ranked = sorted(rows, key=lambda r: (-r["score"], r["layer"], r["kv_head"]))
         for rank, row in enumerate(ranked, 1):
             row["rank"] = rank
-        k = head_count(config, len(rows))
+        chosen = ranked[:head_count(config, len(rows))] if config.kv_bytes is None else within_budget(graph, ranked, config.kv_bytes)
         kept = {}
-        for row in ranked[:k]:
+        for row in chosen:
             kept.setdefault(row["layer"], []).append(row["kv_head"])
-        extra = {"keep_count": k, "metric": HEAD_METRICS[config.policy], "tokens": tokens, "scores": rows}
+        extra = {"keep_count": len(chosen), "metric": HEAD_METRICS[config.policy], "tokens": tokens, "scores": rows}
     kept = {l: sorted(h) for l, h in kept.items() if h}
     whole = [l for l, h in kept.items() if len(h) == sites[l].num_kv_heads]
     convert = [l for l in range(len(sites)) if l not in whole]

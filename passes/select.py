@@ -69,7 +69,9 @@ class SelectConfig(TeacherDataConfig):
     window          any | global-first | global-only | local-only: how sliding-window layers are treated (module docstring)
     granularity     layer (default) | head: keep KV heads, each with its query group, instead of whole layers;
                     policy distance | entropy | keep, k counted in KV heads of the whole model (passes/head_select.py)
-    heads           granularity head, policy keep: {layer: [KV heads kept]}; layers not named are converted"""
+    heads           granularity head, policy keep: {layer: [KV heads kept]}; layers not named are converted
+    kv_bytes        granularity head, policy distance | entropy: keep KV heads up to this KV cache at 32k tokens
+                    (batch 1, the graph's dtype) instead of keep_count / keep_ratio"""
 
     policy: str = "uniform"
     keep_ratio: float | None = 0.5
@@ -81,6 +83,7 @@ class SelectConfig(TeacherDataConfig):
     window: str = "any"
     granularity: str = "layer"
     heads: dict | None = None
+    kv_bytes: int | None = None
 
     def validate(self) -> None:
         super().validate()
@@ -89,8 +92,8 @@ class SelectConfig(TeacherDataConfig):
         if self.granularity == "head":
             self.validate_heads()
             return
-        if self.heads is not None:
-            raise PassConfigError("select.heads names KV heads to keep, which only select.granularity=head reads.", "Add select.granularity=head.")
+        if self.heads is not None or self.kv_bytes is not None:
+            raise PassConfigError("select.heads and select.kv_bytes choose KV heads, which only select.granularity=head reads.", "Add select.granularity=head.")
         if self.policy not in POLICIES:
             raise PassConfigError(f"Unknown selection policy '{self.policy}'.", f"Use one of: {', '.join(POLICIES)}.")
         if self.policy in ("uniform", *SCORED):
@@ -129,6 +132,9 @@ class SelectConfig(TeacherDataConfig):
                                   "and init are options of layer selection.", "Drop them, or use select.granularity=layer.")
         if self.policy == "keep" and not self.heads:
             raise PassConfigError("Policy keep at granularity head needs select.heads, {layer: [KV heads kept]}.", 'Pass e.g. select.heads={"1": [0]}.')
+        if self.kv_bytes is not None and (self.policy == "keep" or self.kv_bytes < 0):
+            raise PassConfigError(f"select.kv_bytes={self.kv_bytes} needs a scoring policy (distance, entropy) and a budget >= 0.",
+                                  "Use e.g. select.policy=distance select.kv_bytes=50000000.")
         if self.policy != "keep":
             if self.keep_count is not None and self.keep_count < 0:
                 raise PassConfigError(f"keep_count must be >= 0, got {self.keep_count}.", "Use the number of KV heads to keep, e.g. 4.")

@@ -26,7 +26,7 @@ from tcal.stats import AttentionStats
 from sweep_check import BytesTokenizer
 from test_mixer_swa import matches_full, naive_window_attention
 
-GQA = ["llama", "qwen2", "mistral"]
+GQA = ["llama", "qwen2", "mistral", "gemma2"]  # sdpa; biases; sliding windows; eager with softcap, windows on alternate layers
 SMALL = {"samples": 2, "length": 32}
 # stories260K: 5 layers of 8 query heads over 4 KV heads; layers 0, 2, 4 whole, 1 and 3 split
 HEADS = {"0": [0, 1, 2, 3], "1": [0, 3], "2": [0, 1, 2, 3], "3": [1], "4": [0, 1, 2, 3]}
@@ -94,11 +94,12 @@ def test_tiny_gqa_archs_split_align_and_round_trip(tiny, name, tmp_path):
     graph = entry.graph.branch()
     graph.tokenizer = BytesTokenizer(128)
     split(graph, passes=("calibrate", "align"), heads={"0": [1], "1": [0]})
-    assert graph.layer_kinds == ["split", "split"]
-    windows = [m.kept.window.item() for m in graph.gdn_modules().values()]
-    assert windows == ([8, 8] if name == "mistral" else [graph.max_length] * 2)
-    for report in graph.meta["calibrate"]["layers"].values():
-        assert report["rel_error_after"] < report["rel_error_before"] and len(report["distance"]) == 2  # the 2 converted query heads
+    assert graph.layer_kinds[:2] == ["split", "split"]
+    windows = [graph.gdn_modules()[layer].kept.window.item() for layer in (0, 1)]
+    assert windows == {"mistral": [8, 8], "gemma2": [8, graph.max_length]}.get(name, [graph.max_length] * 2)
+    for layer, report in graph.meta["calibrate"]["layers"].items():
+        assert report["rel_error_after"] < report["rel_error_before"]
+        assert len(report["distance"]) == (2 if layer < 2 else 4)  # a split layer's 2 converted query heads (gemma2's layer 2: whole)
     for report in graph.meta["align"]["layers"].values():
         assert report["best"] < report["initial"]
     ids = torch.randint(3, 128, (1, 13), generator=torch.Generator().manual_seed(1))
@@ -133,6 +134,20 @@ def test_head_scores_are_the_teachers_statistics_per_kv_group_and_the_best_are_k
         assert scores[j] == pytest.approx(float(sum(group) / len(group)), rel=1e-5)
 
 
+def test_a_byte_budget_below_one_global_head_keeps_exactly_the_window_layers(tiny):
+    """gemma3: layers 0 and 2 slide over 8 positions, layer 1 is global. At 32k tokens (float32) a
+    window layer's 2 KV heads cost 2 * 2 * 16 * 8 * 4 bytes + 8 int64 ring positions, a global
+    head 2 * 16 * 32768 * 4 = 4 MiB: a budget of 10 kB keeps both window layers whole and nothing else."""
+    entry = tiny("gemma3")
+    entry.require_sites()
+    graph = entry.graph.branch()
+    graph.tokenizer = BytesTokenizer(128)
+    split(graph, heads=None, policy="distance", kv_bytes=10_000, samples=2, length=32)
+    s = graph.meta["select"]
+    assert (s.keep, s.convert, s.split_layers()) == ([0, 2], [1], {})
+    assert s.kv_cache["kv_bytes"] == 2 * (2 * 2 * 16 * 8 * 4 + 8 * 8)
+
+
 def test_inspect_and_diff_show_the_kept_heads(stories, stories_teacher):
     graph = split(stories())
     rows = layer_rows(graph)
@@ -154,6 +169,8 @@ def test_inspect_and_diff_show_the_kept_heads(stories, stories_teacher):
     ({"policy": "distance", "heads": None, "stride": 2}, "stride, layers, window"),
     ({"granularity": "layer", "policy": "uniform"}, "only select.granularity=head reads"),
     ({"granularity": "rows"}, "Unknown select.granularity 'rows'"),
+    ({"policy": "keep", "kv_bytes": 100}, "select.kv_bytes=100 needs a scoring policy"),
+    ({"granularity": "layer", "policy": "uniform", "heads": None, "kv_bytes": 100}, "only select.granularity=head reads"),
     ({"policy": "keep", "heads": {"1": ["a"]}}, "not a layer number to a list of KV head numbers"),
     ({"policy": "keep", "heads": "{1: [0]"}, "SelectConfig.heads = '\\{1: \\[0\\]' is not a valid"),
 ])
@@ -165,7 +182,7 @@ def test_bad_head_options_are_refused_before_any_work(stories, select, words):
 
 
 def test_heads_take_the_clis_json_spelling():
-    from passes.select import SelectConfig
+    from surgery.passes.select import SelectConfig
 
     config = SelectConfig.from_dict({"granularity": "head", "policy": "keep", "heads": '{"1": [0, 2]}'})
     assert config.heads == {"1": [0, 2]}
