@@ -122,7 +122,6 @@ class SelectConfig(TeacherDataConfig):
                 raise PassConfigError(f"select.init_configs has options for '{name}'.", f"Give options for {', '.join(INIT_CONFIGS)} only.")
             INIT_CONFIGS[name].from_dict(options)
 
-
     def validate_heads(self) -> None:
         """The options of granularity head: its policies, a count of KV heads, no layer-level options."""
         if self.policy not in HEAD_POLICIES:

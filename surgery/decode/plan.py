@@ -1,8 +1,10 @@
 """What incremental decoding of a graph needs, read from its sites: for each kept attention layer
 the attention node and its Q/K/V, the tensors the KV cache holds (repeat_kv undone) and which cached
 head each query head reads, the mask rule (causal or a sliding window) and up to what length it is
-known; for each GDN layer its module. Every reason to refuse a graph is found here, before the
-graph is touched (surgery.decode.runtime builds the decode graph from the plan).
+known; for each GDN layer its module; for each layer split by heads (select.granularity=head) both:
+its kept heads as a kept attention layer whose cache holds only them, its converted heads' GDN.
+Every reason to refuse a graph is found here, before the graph is touched (surgery.decode.runtime
+builds the decode graph from the plan).
 
 Nothing here searches the graph for attention again: the site says which op, which nodes, which
 scale and softcap, which mask. What the decoder cannot reproduce exactly (a position bias such as
