@@ -13,7 +13,7 @@ the copy-only baseline of its keep ratio and policy, the through-save row's is i
     python bench/quality.py --model /root/m/smol.gguf --calibration D/austen.txt.xz D/shakespeare.txt.xz D/kjv.txt.xz \
         --eval D/wiki.test.raw --rows baseline,zero-gate,phase1-ref,phase1,phase2,phase1+2 --cli-apply --json quality.jsonl
     # per-head against per-layer selection at equal KV bytes (kv_bytes_32k in each row)
-    python bench/quality.py --model ... --rows baseline,phase1+2 --policies uniform,head:distance,head:entropy ...
+    python bench/quality.py --model ... --rows baseline,phase1+2 --policies uniform,head:distance,head:entropy,head:output ...
     # selection policies, and Gemma-3-270M's table (uniform and ar, a held-out text)
     python bench/quality.py --model ... --rows phase1+2 --policies uniform,ar,greedy ...
     python bench/quality.py --model /root/m/gemma.gguf --rows baseline,zero-gate,phase1,phase2,phase1+2 --policies uniform,ar \
@@ -67,7 +67,7 @@ def arguments(argv=None) -> argparse.Namespace:
     ap.add_argument("--max-chars", type=int, default=0, help="score only the eval file's first N characters (0: all)")
     ap.add_argument("--rows", default="baseline,zero-gate,phase1-ref,phase1,phase2,phase1+2", help=f"of: {','.join(ROWS)}")
     ap.add_argument("--keep-ratios", default="0.5")
-    ap.add_argument("--policies", default="uniform", help="select policies: uniform, ar, greedy; head:distance, head:entropy keep KV "
+    ap.add_argument("--policies", default="uniform", help="select policies: uniform, ar, greedy; head:distance, head:entropy, head:output keep KV "
                     "heads instead of layers (select.granularity=head) up to the KV bytes uniform keeps at the same ratio")
     ap.add_argument("--set", nargs="*", default=[], help="pass.key=value for every row that runs the pass")
     ap.add_argument("--cli-apply", action="store_true", help="also `surgery apply` (default passes at the first keep ratio, --set) "

@@ -7,6 +7,8 @@ Policies score each KV head from the teacher's per-head attention statistics on 
 (tcal.stats, the statistics Phase 1 reads), averaged over its query group, and keep the best:
 distance  the mean attention distance: a long-range head is what a fixed-size state serves worst
 entropy   the attention entropy: a head spread over many keys is what a decaying state loses first
+output    the output scale: the squared norm of what the head adds to the layer output (its context
+          through its o_proj columns): a head that adds little costs little to approximate
 keep      keep exactly `heads` ({layer: [KV heads]}); layers not named are converted whole.
 With `kv_bytes`, the budget is bytes instead of a count: the best-scoring KV heads are kept, in rank
 order, each one that still fits the KV cache at 32k tokens (kv_budget.kv_report: a sliding-window
@@ -22,9 +24,10 @@ from .kv_budget import KV_LENGTH, kv_cache_bytes, kv_report, layer_windows
 from .selection import LayerSelection
 from .teacher_data import collect
 
-HEAD_POLICIES = ("distance", "entropy", "keep")
+HEAD_POLICIES = ("distance", "entropy", "output", "keep")
 HEAD_METRICS = {"distance": "mean attention distance of the KV head's query group (higher: keep)",
-                "entropy": "mean attention entropy of the KV head's query group (higher: keep)"}
+                "entropy": "mean attention entropy of the KV head's query group (higher: keep)",
+                "output": "mean squared norm of the query group's heads' share of the layer output (higher: keep)"}
 
 
 def head_count(config, total: int) -> int:
@@ -75,13 +78,26 @@ def head_scores(graph, config) -> tuple[list[dict], int]:
     from the teacher on the select text; and the number of tokens read."""
     ids = calibration_ids(graph, config.calibration, config.samples, min(config.length, graph.max_length), config.seed)
     data = collect(graph, list(range(graph.num_layers)), ids, with_stats=True, batch_size=config.batch_size)
+    params = dict(graph.teacher_gm.named_parameters(remove_duplicate=False))
     rows = []
     for site in graph.sites:
-        stat = data[site.layer].stats[config.policy].tolist()
+        d = data[site.layer]
+        stat = (output_scale(d.ctx, site, params) if config.policy == "output" else d.stats[config.policy]).tolist()
         for j in range(site.num_kv_heads):
             group = [stat[h] for h in range(site.num_heads) if site.kv_map[h] == j]
             rows.append({"layer": site.layer, "kv_head": j, "score": sum(group) / len(group)})
     return rows, int(ids.numel())
+
+
+def output_scale(ctx: torch.Tensor, site, params: dict) -> torch.Tensor:
+    """Per query head, the mean squared norm of what it adds to the layer output: its context ctx
+    [N, T, H, D] through its columns of the teacher's o_proj, [H] (float64)."""
+    w, _ = site.o.in_matrix(params)
+    w = w.double().unflatten(1, (site.num_heads, site.head_dim))          # [hidden, H, D]
+    total = torch.zeros(site.num_heads, dtype=torch.float64)
+    for chunk in ctx.flatten(0, 1).split(1024):                          # [tokens, H, D]
+        total += torch.einsum("thd,khd->thk", chunk.double(), w).pow(2).sum((0, 2)).cpu()
+    return total / (ctx.shape[0] * ctx.shape[1])
 
 
 def within_budget(graph, ranked: list[dict], budget: int) -> list[dict]:

@@ -68,9 +68,9 @@ class SelectConfig(TeacherDataConfig):
     init_configs    greedy: {"replace"|"calibrate"|"align": options} for the probes, over the pipeline's own
     window          any | global-first | global-only | local-only: how sliding-window layers are treated (module docstring)
     granularity     layer (default) | head: keep KV heads, each with its query group, instead of whole layers;
-                    policy distance | entropy | keep, k counted in KV heads of the whole model (passes/head_select.py)
+                    policy distance | entropy | output | keep, k counted in KV heads of the whole model (passes/head_select.py)
     heads           granularity head, policy keep: {layer: [KV heads kept]}; layers not named are converted
-    kv_bytes        granularity head, policy distance | entropy: keep KV heads up to this KV cache at 32k tokens
+    kv_bytes        granularity head, policy distance | entropy | output: keep KV heads up to this KV cache at 32k tokens
                     (batch 1, the graph's dtype) instead of keep_count / keep_ratio"""
 
     policy: str = "uniform"
@@ -132,7 +132,7 @@ class SelectConfig(TeacherDataConfig):
         if self.policy == "keep" and not self.heads:
             raise PassConfigError("Policy keep at granularity head needs select.heads, {layer: [KV heads kept]}.", 'Pass e.g. select.heads={"1": [0]}.')
         if self.kv_bytes is not None and (self.policy == "keep" or self.kv_bytes < 0):
-            raise PassConfigError(f"select.kv_bytes={self.kv_bytes} needs a scoring policy (distance, entropy) and a budget >= 0.",
+            raise PassConfigError(f"select.kv_bytes={self.kv_bytes} needs a scoring policy (distance, entropy, output) and a budget >= 0.",
                                   "Use e.g. select.policy=distance select.kv_bytes=50000000.")
         if self.policy != "keep":
             if self.keep_count is not None and self.keep_count < 0:

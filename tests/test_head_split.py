@@ -112,10 +112,12 @@ def test_tiny_gqa_archs_split_align_and_round_trip(tiny, name, tmp_path):
     matches_full(loaded, ids, 5)
 
 
-@pytest.mark.parametrize("policy", ["distance", "entropy"])
-def test_head_scores_are_the_teachers_statistics_per_kv_group_and_the_best_are_kept(stories, stories_teacher, record, policy):
-    """Each KV head's score is its query group's mean statistic, read here with tcal.stats from the
-    teacher's own Q and K; the keep_count best-scoring KV heads are the ones kept."""
+@pytest.mark.parametrize("policy", ["distance", "entropy", "output"])
+def test_head_scores_are_the_teachers_statistics_per_kv_group_and_the_best_are_kept(stories, stories_teacher, stories_eager, record, policy):
+    """Each KV head's score is its query group's mean statistic, read here from the teacher's own Q
+    and K with tcal.stats (distance, entropy), or from its attention output and the eager model's
+    o_proj weight (output: the mean squared norm of each head's share of the layer output); the
+    keep_count best-scoring KV heads are the ones kept."""
     graph = stories()
     split(graph, policy=policy, keep_count=6, heads=None, samples=2, length=64)
     s = graph.meta["select"]
@@ -124,10 +126,15 @@ def test_head_scores_are_the_teachers_statistics_per_kv_group_and_the_best_are_k
     assert len(kept) == 6 and min(rows[x] for x in kept) >= max(rows[x] for x in rows if x not in kept)
     ids = calibration_ids(stories_teacher, None, 2, 64, 0)
     site = stories_teacher.sites[2]
-    values = record(stories_teacher.gm, ids, [site.q_node, site.k_node])
-    stats = AttentionStats(site.num_heads)
-    stats.update_from_qk(values[site.q_node], values[site.k_node], scale=site.scale)
-    statistic = stats.result()[policy]
+    values = record(stories_teacher.gm, ids, [site.q_node, site.k_node, site.attn_node])
+    if policy == "output":
+        w = stories_eager.model.layers[2].self_attn.o_proj.weight.detach().double()   # [hidden, H * D]
+        ctx = values[site.attn_node].double()                                         # [B, H, T, D]
+        statistic = [float((ctx[:, h] @ w[:, h * 8:(h + 1) * 8].T).pow(2).sum(-1).mean()) for h in range(8)]
+    else:
+        stats = AttentionStats(site.num_heads)
+        stats.update_from_qk(values[site.q_node], values[site.k_node], scale=site.scale)
+        statistic = stats.result()[policy].tolist()
     scores = {r["kv_head"]: r["score"] for r in s.scores if r["layer"] == 2}
     for j in range(site.num_kv_heads):
         group = [statistic[h] for h in range(site.num_heads) if site.kv_map[h] == j]
