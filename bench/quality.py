@@ -12,6 +12,8 @@ the copy-only baseline of its keep ratio and policy, the through-save row's is i
     # the ablation table (one H200; SmolLM2-135M)
     python bench/quality.py --model /root/m/smol.gguf --calibration D/austen.txt.xz D/shakespeare.txt.xz D/kjv.txt.xz \
         --eval D/wiki.test.raw --rows baseline,zero-gate,phase1-ref,phase1,phase2,phase1+2 --cli-apply --json quality.jsonl
+    # per-head against per-layer selection at equal KV bytes (kv_bytes_32k in each row)
+    python bench/quality.py --model ... --rows baseline,phase1+2 --policies uniform,head:distance,head:entropy,head:output ...
     # selection policies, and Gemma-3-270M's table (uniform and ar, a held-out text)
     python bench/quality.py --model ... --rows phase1+2 --policies uniform,ar,greedy ...
     python bench/quality.py --model /root/m/gemma.gguf --rows baseline,zero-gate,phase1,phase2,phase1+2 --policies uniform,ar \
@@ -36,6 +38,8 @@ from surgery import PassManager, capture, save  # noqa: E402
 from surgery.core.pipeline import parse_options  # noqa: E402
 from surgery.data.cache import text_ids  # noqa: E402
 from surgery.eval.perplexity import perplexity  # noqa: E402
+from surgery.passes.kv_budget import kv_report  # noqa: E402
+from surgery.passes.select import Select  # noqa: E402
 
 ZERO_GATE = {"gate": "zero", "decay": False, "write_gate": False, "value_scale": False}
 REFERENCE = {"gate": "reference", "concentration": "minmax"}
@@ -63,7 +67,8 @@ def arguments(argv=None) -> argparse.Namespace:
     ap.add_argument("--max-chars", type=int, default=0, help="score only the eval file's first N characters (0: all)")
     ap.add_argument("--rows", default="baseline,zero-gate,phase1-ref,phase1,phase2,phase1+2", help=f"of: {','.join(ROWS)}")
     ap.add_argument("--keep-ratios", default="0.5")
-    ap.add_argument("--policies", default="uniform", help="select policies: uniform, ar, greedy")
+    ap.add_argument("--policies", default="uniform", help="select policies: uniform, ar, greedy; head:distance, head:entropy, head:output keep KV "
+                    "heads instead of layers (select.granularity=head) up to the KV bytes uniform keeps at the same ratio")
     ap.add_argument("--set", nargs="*", default=[], help="pass.key=value for every row that runs the pass")
     ap.add_argument("--cli-apply", action="store_true", help="also `surgery apply` (default passes at the first keep ratio, --set) "
                     "-> `surgery eval`, anchored to the phase1+2 row built in memory")
@@ -127,11 +132,13 @@ class Scorer:
         self.through_cli(str(folder), name, config, memory, "surgery.save -> surgery eval")
 
 
-def row_configs(args, row: str, ratio: float, policy: str) -> tuple[list[str], dict]:
-    """The row's passes and their options: the row's own, the calibration text, then --set."""
+def row_configs(args, row: str, ratio: float, policy: str, kv_bytes: int | None = None) -> tuple[list[str], dict]:
+    """The row's passes and their options: the row's own, the calibration text, then --set. A "head:"
+    policy keeps KV heads by that score up to kv_bytes (the KV cache uniform layer selection keeps at ratio)."""
     passes, base = ROWS[row]
     configs = {name: dict(base.get(name, {})) for name in passes}
-    configs["select"] |= {"keep_ratio": ratio, "policy": policy}
+    granularity, _, named = policy.rpartition(":")
+    configs["select"] |= {"keep_ratio": ratio, "policy": named} | ({"granularity": granularity, "kv_bytes": kv_bytes} if granularity else {})
     for name in [*TEXT_PASSES, "select"]:
         if name in passes and args.calibration and (name != "select" or policy != "uniform"):
             configs[name]["calibration"] = args.calibration
@@ -146,10 +153,13 @@ def ablation(args, teacher, scorer: Scorer) -> dict:
         for policy in args.policies.split(","):
             config, baseline = f"keep {ratio:.2f}, {policy}", {}
             for row in args.rows.split(","):
-                passes, configs = row_configs(args, row, ratio, policy)
+                layers = Select(keep_ratio=ratio).decide(teacher.num_layers)  # per-head rows: this selection's KV bytes
+                passes, configs = row_configs(args, row, ratio, policy, kv_report(teacher, layers)["kv_bytes"])
                 graph = teacher.branch()
                 result, seconds = timed_s(lambda: PassManager(passes, configs)(graph), teacher.device)
-                extra = {"passes_s": seconds, "converted": graph.meta["select"].convert,
+                split = graph.meta["select"].split_layers()
+                extra = {"passes_s": seconds, "converted": graph.meta["select"].convert, "kept_kv_heads": split or None,
+                         "kv_bytes_32k": kv_report(graph, graph.meta["select"].convert, kept_heads=split)["kv_bytes"],
                          "calibrate_s": graph.meta.get("calibrate", {}).get("seconds"),
                          "align_s": graph.meta.get("align", {}).get("seconds"),
                          "align_best_loss": result.info.get("align", {}).get("mean_best_loss")}

@@ -106,8 +106,22 @@ def render_diff(result: dict, title: str) -> None:
         out.print(f"unchanged: {layer_ranges(result['unchanged_layers'])}")
 
 
+def render_head_scores(info: dict) -> None:
+    """select's per-KV-head scores (granularity head), best first."""
+    kept = {(int(l), h) for l, heads in (info.get("kept_heads") or {}).items() for h in heads}
+    table = Table(title=f"select {info['policy']} by KV heads on {info['tokens']:,} tokens", caption=info["metric"])
+    for col in ("rank", "layer", "KV head", "score", "decision"):
+        table.add_column(col, justify="right" if col != "decision" else "left")
+    for r in sorted(info["scores"], key=lambda r: r["rank"]):
+        keep = r["layer"] in info["keep"] or (r["layer"], r["kv_head"]) in kept
+        table.add_row(str(r["rank"]), str(r["layer"]), str(r["kv_head"]), f"{r['score']:.4g}", "keep" if keep else "convert")
+    out.print(table)
+
+
 def render_scores(info: dict) -> None:
     """select's per-layer scores (ar, greedy), best first."""
+    if info.get("granularity") == "head":
+        return render_head_scores(info)
     rows = sorted(info["scores"], key=lambda r: r["rank"])
     extra = [c for c in ("increase",) if c in rows[0]]
     table = Table(title=f"select {info['policy']} on {info['tokens']:,} tokens", caption=info["metric"])

@@ -155,7 +155,9 @@ def generate(
             kinds = graph.layer_kinds
             err.print(f"decoding: {kinds.count('attention')} attention layers with a KV cache, {kinds.count('gdn')} GDN layers with a recurrent state")
         else:
-            err.print(f"decoding: {len(decoder.attention)} attention layers with a KV cache, {len(decoder.gdn)} GDN layers with a recurrent state")
+            split = len(decoder.attention.keys() & decoder.gdn.keys())  # select.granularity=head: a layer holds both
+            err.print(f"decoding: {len(decoder.attention)} attention layers with a KV cache, {len(decoder.gdn)} GDN layers with a recurrent state"
+                      + (f" ({split} layers split by heads hold both)" if split else ""))
 
         sampling = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "seed": seed}
         continuations = [continuation(graph, decoder, p, ids, max_new_tokens, sampling, stream=not as_json, index=i)

@@ -13,6 +13,7 @@ from tcal.phase2 import AlignOptions, align_layers
 from tcal.schedule import SCHEDULES
 
 from .calibrate import require_finite
+from .head_split import split_shares
 from .teacher_data import TeacherDataConfig, check_text, teacher_data
 
 
@@ -57,11 +58,15 @@ class Align(Pass):
             return PassResult(graph, modified=False, info={"steps": 0, "note": "no converted layer has parameters to align"})
         data = teacher_data(graph, self.config)
         pairs = {l: (data[l].x, data[l].target) for l in modules}
+        shares = split_shares(graph, modules, data)  # a head split: the converted heads' share of the layer output
         with progress.task("align", self.config.steps, "steps", enabled=self.config.progress) as bar:
             def on_step(step, losses):
                 bar.update(step + 1, info=f"mean loss {sum(losses.values()) / len(losses):.3e}")
 
-            forwards = {l: maybe_compiled(m, self.config.compile, graph.device, use="align", label=f"GDN layer {l}") for l, m in modules.items()}
+            forwards = {l: maybe_compiled(m, self.config.compile, graph.device, use="align", label=f"GDN layer {l}")
+                        for l, m in modules.items() if l not in shares}
+            for l, (forward, target) in shares.items():
+                forwards[l], pairs[l] = forward, (data[l].x, target)
             report = align_layers(modules, pairs, self.config.project(AlignOptions), progress=on_step, forwards=forwards)
         seconds = time.perf_counter() - start
         graph.meta["align"] = report | {"seconds": seconds}

@@ -12,9 +12,11 @@ from surgery.errors import CalibrationError, PassConfigError
 from surgery.core import progress
 from surgery.core.graph import Graph
 from surgery.core.pipeline import Pass, PassResult, register
+from tcal.head_split import HeadSplitLayer, calibrate_split
 from tcal.mixers import mixer_of
 from tcal.phase1 import CONCENTRATION, GATES, Phase1Options
 
+from .head_split import split_columns
 from .teacher_data import TeacherDataConfig, check_text, teacher_data
 
 
@@ -55,9 +57,11 @@ class Calibrate(Pass):
             with progress.task("calibrate", len(modules), "layers") as bar:
                 for layer, gdn in modules.items():
                     d = data[layer]
-                    mixer = mixer_of(gdn)
+                    mixer = None if isinstance(gdn, HeadSplitLayer) else mixer_of(gdn)
                     try:
-                        if mixer.replaces == "op":
+                        if mixer is None:
+                            reports[layer] = calibrate_split(gdn, d.x, d.ctx, d.stats, options, split_columns(graph, layer))
+                        elif mixer.replaces == "op":
                             reports[layer] = mixer.phase1(gdn, d.qkv, d.ctx, d.stats, options.window_quantile, graph.max_length)
                         else:
                             reports[layer] = mixer.phase1(gdn, d.x, d.ctx, d.target, d.stats, options)

@@ -38,19 +38,23 @@ def layer_kinds(windows: list[int | None]) -> list[str]:
     return [GLOBAL if w is None else WINDOW for w in windows]
 
 
-def kv_cache_bytes(site, window: int | None, length: int, element_bytes: int, batch: int = 1) -> int:
+def kv_cache_bytes(site, window: int | None, length: int, element_bytes: int, batch: int = 1, heads: int | None = None) -> int:
     """Bytes of one kept attention layer's cache after `length` tokens, as the decoder holds it: K and
-    V for every KV head over min(window, length) positions, plus a window layer's ring positions (int64)."""
+    V for every KV head (or `heads` of them) over min(window, length) positions, plus a window layer's
+    ring positions (int64)."""
     positions = length if window is None else min(window, length)
     ring = 0 if window is None else positions * 8
-    return 2 * batch * site.num_kv_heads * site.head_dim * positions * element_bytes + ring
+    return 2 * batch * (site.num_kv_heads if heads is None else heads) * site.head_dim * positions * element_bytes + ring
 
 
-def kv_report(graph: Graph, convert: list[int], length: int = KV_LENGTH) -> dict:
+def kv_report(graph: Graph, convert: list[int], length: int = KV_LENGTH, kept_heads: dict | None = None) -> dict:
     """The KV cache a selection keeps at `length` tokens (batch 1, the graph's dtype): bytes per kept
-    layer (0: converted) and in all, against the teacher's. GDN layers' fixed-size state is not counted here."""
+    layer (0: converted; a converted layer that keeps some KV heads, `kept_heads` {layer: heads}: those
+    heads' share) and in all, against the teacher's. GDN layers' fixed-size state is not counted here."""
     windows = layer_windows(graph)
     size = torch.empty((), dtype=graph.dtype).element_size()
     per_layer = [kv_cache_bytes(s, w, length, size) for s, w in zip(graph.sites, windows)]
-    kept = [0 if layer in set(convert) else b for layer, b in enumerate(per_layer)]
+    split = kept_heads or {}
+    kept = [(kv_cache_bytes(graph.sites[layer], windows[layer], length, size, heads=len(split[layer])) if layer in split else 0)
+            if layer in set(convert) else b for layer, b in enumerate(per_layer)]
     return {"length": length, "windows": windows, "kv_bytes": sum(kept), "teacher_kv_bytes": sum(per_layer), "kv_bytes_per_layer": kept}

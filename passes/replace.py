@@ -23,9 +23,12 @@ from surgery.core.rewrite import ancestors, descendants, fork, nodes_by_name, pr
 from surgery.sites import AttentionSite
 from surgery.sites.ops import SDPA_OPS, SOFTMAX_OPS
 from tcal.gdn import GatedDeltaNet
+from tcal.head_split import HeadSplitLayer
 from tcal.kernels import fla_available
 from tcal.mixers import MIXERS, get_mixer
 
+from .head_split import build_splits, splice_split, split_target, transfer_split_weights
+from .kv_budget import layer_windows
 from .op_mixer import op_module_for_site, splice_op_module, verify_op_modules
 from .selection import LayerSelection
 
@@ -172,9 +175,13 @@ class Replace(Pass):
             raise PassConfigError(f"graph.meta['select'] is {type(selection).__name__}, not the LayerSelection select records.", "Run select before replace.")
         if not selection.convert:
             raise PassConfigError("select chose no layer to convert.", "Run select with a policy that converts at least one layer.")
+        if selection.split_layers() and self.config.mixer != "gdn":
+            raise PassConfigError(f"select kept some heads of layers {sorted(selection.split_layers())} (granularity head), whose other heads "
+                                  f"become GDN; replace.mixer={self.config.mixer} converts whole layers only.",
+                                  "Use replace.mixer=gdn, or select.granularity=layer.")
 
     def run(self, graph: Graph) -> PassResult:
-        convert = graph.meta["select"].convert
+        convert, split = graph.meta["select"].convert, graph.meta["select"].split_layers()
         teacher = graph.gm
         device, dtype = graph.device, graph.dtype
         # an offloaded teacher (surgery.core.meta_capture): each copied projection is read from its files
@@ -185,8 +192,15 @@ class Replace(Pass):
         if mixer.replaces == "op":
             verify_op_modules(graph, convert, self.config)  # every layer checked before any is changed
         torch.manual_seed(self.config.seed)
+        splits = build_splits(graph, split, self.config, layer_windows(graph)) if split else {}
         for layer in convert:
             site = graph.sites[layer]
+            if layer in splits:
+                target, module = split_target(site), splits[layer].to(device=device, dtype=dtype)
+                copies += transfer_split_weights(module, site, params, target)
+                splice_split(hybrid, site, module, target)
+                modules[str(layer)] = {"target": target, "gdn_config": module.gdn_config(), "mixer": mixer.name, "kept_kv_heads": module.kept_kv}
+                continue
             if mixer.replaces == "op":
                 module = op_module_for_site(site, self.config).to(device=device)
                 target = splice_op_module(hybrid, site, module, mixer.name)
@@ -209,13 +223,27 @@ class Replace(Pass):
         if sorted(targets) != sorted(graph.meta["replace"]["layers"]):
             raise self.broken(f"GDN modules sit at layers {sorted(targets)}, but layers {graph.meta['replace']['layers']} were converted.")
         for layer, target in targets.items():
-            mixer = get_mixer(graph.meta["replace"]["modules"][str(layer)].get("mixer", "gdn"))
+            entry = graph.meta["replace"]["modules"][str(layer)]
+            if "kept_kv_heads" in entry:
+                self.split_ensured(graph, layer, target, calls)
+                continue
+            mixer = get_mixer(entry.get("mixer", "gdn"))
             module = graph.gm.get_submodule(target) if target in calls else None
             if type(module) is not mixer.module:
                 raise self.broken(f"layer {layer} is not a {mixer.module.__name__} call at '{target}' in the hybrid graph.")
             left = attention_left(graph.gm, graph.sites[layer], calls[target], op_only=mixer.replaces == "op")
             if left:
                 raise self.broken(f"layer {layer} still holds attention nodes {left} after its GDN at '{target}' replaced them.")
+
+    def split_ensured(self, graph: Graph, layer: int, target: str, calls: dict) -> None:
+        """A split layer: a HeadSplitLayer whose parts are called, and no attention op of its own left."""
+        module = graph.gm.get_submodule(target)
+        parts = [f"{target}.{p}" for p in ("select_q", "select_k", "select_v", "kept", "gdn", "merge")]
+        if type(module) is not HeadSplitLayer or any(p not in calls for p in parts):
+            raise self.broken(f"layer {layer} is not a called HeadSplitLayer at '{target}' in the hybrid graph.")
+        left = [n for n in (graph.sites[layer].attn_node, graph.sites[layer].probs_node) if n and n in nodes_by_name(graph.gm)]
+        if left:
+            raise self.broken(f"layer {layer} still holds attention nodes {left} beside its head split at '{target}'.")
 
     @staticmethod
     def _splice(gm, site: AttentionSite, target: str, gdn: GatedDeltaNet) -> None:
@@ -227,6 +255,9 @@ class Replace(Pass):
         hybrid = fork(graph.gm)
         for layer in decisions["layers"]:
             entry = decisions["modules"][str(layer)]
+            if "kept_kv_heads" in entry:
+                splice_split(hybrid, graph.sites[layer], HeadSplitLayer.from_gdn_config(entry["gdn_config"]).to(device=graph.device, dtype=graph.dtype), entry["target"])
+                continue
             mixer = get_mixer(entry.get("mixer", "gdn"))  # recipes before the mixer choice hold GDNs
             if mixer.replaces == "op":
                 splice_op_module(hybrid, graph.sites[layer], mixer.module.from_gdn_config(entry["gdn_config"]).to(device=graph.device), mixer.name)

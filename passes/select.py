@@ -39,6 +39,7 @@ from surgery.eval.ablation import keep_one_scores, removal_scores
 
 from .teacher_data import TeacherDataConfig, check_text
 from .align import AlignConfig
+from .head_select import HEAD_POLICIES, check_heads, head_selection, split_problem
 from .kv_budget import GLOBAL, WINDOW, kv_report, layer_kinds, layer_windows
 from .calibrate import CalibrateConfig
 from .replace import ReplaceConfig
@@ -48,6 +49,7 @@ POLICIES = ("uniform", "keep", "convert", "ar", "greedy")
 SCORED = ("ar", "greedy")
 INIT_CONFIGS = {"replace": ReplaceConfig, "calibrate": CalibrateConfig, "align": AlignConfig}
 DEFAULT_INIT = ["calibrate", "align"]
+GRANULARITIES = ("layer", "head")
 WINDOW_GROUPS = {"any": None, "global-first": (GLOBAL, WINDOW), "global-only": (GLOBAL,), "local-only": (WINDOW,)}
 
 
@@ -64,7 +66,12 @@ class SelectConfig(TeacherDataConfig):
     init            greedy: passes applied after replace in every probe (default: the pipeline's
                     calibrate/align, else calibrate,align); "calibrate" alone skips Phase 2 for speed
     init_configs    greedy: {"replace"|"calibrate"|"align": options} for the probes, over the pipeline's own
-    window          any | global-first | global-only | local-only: how sliding-window layers are treated (module docstring)"""
+    window          any | global-first | global-only | local-only: how sliding-window layers are treated (module docstring)
+    granularity     layer (default) | head: keep KV heads, each with its query group, instead of whole layers;
+                    policy distance | entropy | output | keep, k counted in KV heads of the whole model (passes/head_select.py)
+    heads           granularity head, policy keep: {layer: [KV heads kept]}; layers not named are converted
+    kv_bytes        granularity head, policy distance | entropy | output: keep KV heads up to this KV cache at 32k tokens
+                    (batch 1, the graph's dtype) instead of keep_count / keep_ratio"""
 
     policy: str = "uniform"
     keep_ratio: float | None = 0.5
@@ -74,9 +81,19 @@ class SelectConfig(TeacherDataConfig):
     init: list[str] | None = None
     init_configs: dict | None = None
     window: str = "any"
+    granularity: str = "layer"
+    heads: dict | None = None
+    kv_bytes: int | None = None
 
     def validate(self) -> None:
         super().validate()
+        if self.granularity not in GRANULARITIES:
+            raise PassConfigError(f"Unknown select.granularity '{self.granularity}'.", f"Use one of: {', '.join(GRANULARITIES)}.")
+        if self.granularity == "head":
+            self.validate_heads()
+            return
+        if self.heads is not None or self.kv_bytes is not None:
+            raise PassConfigError("select.heads and select.kv_bytes choose KV heads, which only select.granularity=head reads.", "Add select.granularity=head.")
         if self.policy not in POLICIES:
             raise PassConfigError(f"Unknown selection policy '{self.policy}'.", f"Use one of: {', '.join(POLICIES)}.")
         if self.policy in ("uniform", *SCORED):
@@ -104,6 +121,24 @@ class SelectConfig(TeacherDataConfig):
             if name not in INIT_CONFIGS:
                 raise PassConfigError(f"select.init_configs has options for '{name}'.", f"Give options for {', '.join(INIT_CONFIGS)} only.")
             INIT_CONFIGS[name].from_dict(options)
+
+    def validate_heads(self) -> None:
+        """The options of granularity head: its policies, a count of KV heads, no layer-level options."""
+        if self.policy not in HEAD_POLICIES:
+            raise PassConfigError(f"Policy '{self.policy}' does not choose heads.", f"With select.granularity=head use one of: {', '.join(HEAD_POLICIES)}.")
+        if self.stride is not None or self.layers or self.window != "any" or self.init or self.init_configs:
+            raise PassConfigError("select.granularity=head takes keep_ratio or keep_count (of KV heads) and heads; stride, layers, window "
+                                  "and init are options of layer selection.", "Drop them, or use select.granularity=layer.")
+        if self.policy == "keep" and not self.heads:
+            raise PassConfigError("Policy keep at granularity head needs select.heads, {layer: [KV heads kept]}.", 'Pass e.g. select.heads={"1": [0]}.')
+        if self.kv_bytes is not None and (self.policy == "keep" or self.kv_bytes < 0):
+            raise PassConfigError(f"select.kv_bytes={self.kv_bytes} needs a scoring policy (distance, entropy, output) and a budget >= 0.",
+                                  "Use e.g. select.policy=distance select.kv_bytes=50000000.")
+        if self.policy != "keep":
+            if self.keep_count is not None and self.keep_count < 0:
+                raise PassConfigError(f"keep_count must be >= 0, got {self.keep_count}.", "Use the number of KV heads to keep, e.g. 4.")
+            if self.keep_count is None and (self.keep_ratio is None or not 0 <= self.keep_ratio < 1):
+                raise PassConfigError(f"keep_ratio must be in [0, 1), got {self.keep_ratio}.", "Use e.g. 0.5 of the KV heads.")
 
 
 def uniform_keep(num_layers: int, keep_ratio: float | None, stride: int | None, count: int | None = None) -> list[int]:
@@ -192,12 +227,14 @@ class Select(Pass):
         self.config = self.config_cls.from_dict(c.to_dict() | updates)
 
     def preflight(self, graph: Graph) -> None:
-        if self.config.policy in SCORED:
+        if self.config.policy in SCORED or (self.config.granularity == "head" and self.config.policy != "keep"):
             check_text(graph, self.config)
 
     def check(self, graph: Graph) -> None:
         if not graph.sites:
             raise PassConfigError("The graph has no attention sites to select from.", "Capture the model with site discovery on.")
+        if self.config.granularity == "head":
+            return check_heads(self.config, graph.sites)
         converts = graph.num_layers - self.keep_count(graph.num_layers) if self.config.policy in SCORED else len(self.decide(graph.num_layers))
         if not converts:
             raise PassConfigError(f"The selection converts no layer (policy {self.config.policy}).", "Lower the keep ratio or name layers to convert.")
@@ -206,6 +243,8 @@ class Select(Pass):
 
     def run(self, graph: Graph) -> PassResult:
         c = self.config
+        if c.granularity == "head":
+            return self.record(graph, head_selection(graph, c))
         if c.policy not in SCORED:
             convert = self.decide(graph.num_layers) if c.window == "any" else self.windowed(graph, uniform_pick)
             keep = [i for i in range(graph.num_layers) if i not in convert]
@@ -252,6 +291,8 @@ class Select(Pass):
         s = graph.meta["select"]
         if sorted(s.convert + s.keep) != list(range(graph.num_layers)):
             raise self.broken(f"convert {s.convert} and keep {s.keep} do not split the {graph.num_layers} layers.")
+        if split_problem(s, graph.sites):
+            raise self.broken(split_problem(s, graph.sites))
 
     def init_passes(self) -> list[str]:
         return list(DEFAULT_INIT if self.config.init is None else self.config.init)

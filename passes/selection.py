@@ -20,7 +20,10 @@ class LayerSelection:
     init                 greedy: the passes each probe was initialised with
     tokens, scores       ar, greedy: the scoring text's size and the per-layer scores
     window, kv_cache     with select.window other than any: the mode, and the KV cache the selection
-                         keeps at 32k tokens (passes/kv_budget.kv_report)"""
+                         keeps at 32k tokens (passes/kv_budget.kv_report); with granularity head, that cache too
+    granularity          "head": select.granularity=head decided by KV heads (absent: by layers)
+    kept_heads           granularity head: {layer: the KV heads it keeps as attention} for each layer
+                         in `convert` that keeps some (its other heads become GDN): a split layer"""
 
     policy: str
     convert: list[int]
@@ -33,6 +36,12 @@ class LayerSelection:
     scores: list[dict] | None = None
     window: str | None = None
     kv_cache: dict | None = None
+    granularity: str | None = None
+    kept_heads: dict | None = None
+
+    def split_layers(self) -> dict[int, list[int]]:
+        """layer -> the KV heads it keeps, for the layers converted only in part."""
+        return {int(l): list(h) for l, h in sorted((self.kept_heads or {}).items(), key=lambda item: int(item[0]))}
 
     def to_dict(self) -> dict:
         """Plain data; the fields a policy leaves unset are left out, as select has always written it."""

@@ -61,10 +61,14 @@ class Graph:
 
     @property
     def layer_kinds(self) -> list[str]:
-        """'attention' or the converted layer's mixer ('gdn', 'swa', ...) per layer, as the passes left it."""
+        """'attention' or the converted layer's mixer ('gdn', 'swa', ...) per layer, as the passes left it;
+        'split' for a layer that keeps some KV heads as attention and converts the others (select.granularity=head)."""
         replace = self.meta.get("replace", {})
         replaced, modules = set(replace.get("layers", [])), replace.get("modules", {})
-        return [modules.get(str(i), {}).get("mixer", "gdn") if i in replaced else "attention" for i in range(self.num_layers)]
+        def kind(entry: dict) -> str:
+            return "split" if "kept_kv_heads" in entry else entry.get("mixer", "gdn")
+
+        return [kind(modules.get(str(i), {})) if i in replaced else "attention" for i in range(self.num_layers)]
 
     @property
     def weights(self):

@@ -4,6 +4,7 @@ with torchao's name -> config -> handler registry)."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import typing
 from dataclasses import dataclass, field
@@ -84,6 +85,8 @@ def _coerce(owner: str, key: str, hint, value):
         origin = typing.get_origin(kind) or kind
         try:
             if origin is dict:
+                if isinstance(value, str):  # the CLI's spelling: JSON, e.g. select.heads={"1": [0, 2]}
+                    value = json.loads(value)
                 if isinstance(value, dict):
                     return dict(value)
                 continue

@@ -1,8 +1,10 @@
 """What incremental decoding of a graph needs, read from its sites: for each kept attention layer
 the attention node and its Q/K/V, the tensors the KV cache holds (repeat_kv undone) and which cached
 head each query head reads, the mask rule (causal or a sliding window) and up to what length it is
-known; for each GDN layer its module. Every reason to refuse a graph is found here, before the
-graph is touched (surgery.decode.runtime builds the decode graph from the plan).
+known; for each GDN layer its module; for each layer split by heads (select.granularity=head) both:
+its kept heads as a kept attention layer whose cache holds only them, its converted heads' GDN.
+Every reason to refuse a graph is found here, before the graph is touched (surgery.decode.runtime
+builds the decode graph from the plan).
 
 Nothing here searches the graph for attention again: the site says which op, which nodes, which
 scale and softcap, which mask. What the decoder cannot reproduce exactly (a position bias such as
@@ -89,11 +91,29 @@ def plan_decode(graph, *, mask_probe: int = MASK_PROBE) -> DecodePlan:
     plans = [plan_attention(site, nodes, masks, graph.max_length, mask_probe, graph.device) for site in kept]
     windows = window_mixers(graph, gm)  # converted layers decoded as sliding-window attention (swa)
     plans += [plan_window_mixer(layer, call, gm, graph.max_length) for layer, call in windows.items()]
-    kept += [graph.sites[layer] for layer in windows]
-    for p, site in zip(plans, kept):  # every layer's mask is checked before any cache
-        plan_cache(p, run, site.kv_map, graph.max_length)
-    gdn = {t: layer for layer, t in graph.gdn_targets().items() if layer not in windows}  # the fork keeps the module paths
+    kv_maps = [site.kv_map for site in kept] + [graph.sites[layer].kv_map for layer in windows]
+    splits = split_layers(graph, gm)  # head-split layers: their kept heads' attention, their GDN
+    plans += [plan_window_mixer(layer, kept_call, gm, graph.max_length) for layer, (kept_call, _, _) in splits.items()]
+    kv_maps += [kv_map for _, _, kv_map in splits.values()]
+    for p, kv_map in zip(plans, kv_maps):  # every layer's mask is checked before any cache
+        plan_cache(p, run, kv_map, graph.max_length)
+    gdn = {t: layer for layer, t in graph.gdn_targets().items() if layer not in windows and layer not in splits}  # the fork keeps the module paths
+    gdn |= {target: layer for layer, (_, target, _) in splits.items()}
     return DecodePlan(gm, lengths, vocab, graph.max_length, {p.layer: p for p in plans}, gdn)
+
+
+def split_layers(graph, gm: GraphModule) -> dict[int, tuple[Node, str, list]]:
+    """layer -> (the call of its kept heads' attention, its GDN's target, the kept KV slot each kept
+    query head reads) for each layer split by heads (a module whose DECODE is "split", called in parts)."""
+    calls = {n.target: n for n in gm.graph.nodes if n.op == "call_module"}
+    out = {}
+    for layer, t in graph.gdn_targets().items():
+        module = graph.gm.get_submodule(t)  # the fork holds only the parts its graph calls
+        if getattr(module, "DECODE", None) == "split":
+            if f"{t}.kept" not in calls or f"{t}.gdn" not in calls:
+                raise DecodeError(f"Layer {layer}'s head split at '{t}' is not called in parts in the graph.", "Apply the passes again (select, replace).")
+            out[layer] = (calls[f"{t}.kept"], f"{t}.gdn", module.kept_kv_map)
+    return out
 
 
 def window_mixers(graph, gm: GraphModule) -> dict[int, Node]:

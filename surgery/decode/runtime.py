@@ -219,8 +219,8 @@ class Decoder:
         """Bytes held by the caches, by layer kind ({"attention", "gdn", "total"}) or by layer."""
         att = {i: m.nbytes() for i, m in self.attention.items()}
         gdn = {i: m.nbytes() for i, m in self.gdn.items()}
-        if per_layer:
-            return dict(sorted((att | gdn).items()))
+        if per_layer:  # a head-split layer holds both
+            return {i: att.get(i, 0) + gdn.get(i, 0) for i in sorted(att.keys() | gdn.keys())}
         return {"attention": sum(att.values()), "gdn": sum(gdn.values()), "total": sum(att.values()) + sum(gdn.values())}
 
     def _self_check(self, vocab: int) -> None:

@@ -95,6 +95,12 @@ def refuse_other_mixers(graph: Graph, format: str) -> None:
     """ExportError naming the layers converted to a mixer other than GDN (replace.mixer): the
     exported modeling code holds GDN layers only, and a wrong export must never be written."""
     modules = graph.meta.get("replace", {}).get("modules", {})
+    split = sorted(int(l) for l, m in modules.items() if "kept_kv_heads" in m)
+    if split:
+        raise ExportError(f"--format {format} cannot hold a layer split by heads, and this hybrid keeps some heads of layer(s) "
+                          f"{', '.join(map(str, split))} as attention (select.granularity=head): the exported modeling code "
+                          "has no layer that runs softmax attention and GDN side by side.",
+                          "Use the hybrid through surgery (generate, eval, save/load), or select with granularity=layer to export.")
     other = {l: m.get("mixer", "gdn") for l, m in modules.items() if m.get("mixer", "gdn") != "gdn"}
     if other:
         named = ", ".join(f"layer {l} ({mixer})" for l, mixer in sorted(other.items(), key=lambda kv: int(kv[0])))

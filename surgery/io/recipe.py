@@ -7,6 +7,7 @@ import math
 import platform
 
 from tcal.gdn import constructor_options
+from tcal.head_split import HeadSplitLayer
 from tcal.mixers import MIXERS
 
 from ..core.graph import Graph
@@ -187,7 +188,23 @@ def check_decisions(decisions: dict, layers: int, where: str) -> None:
         mixer = modules[str(layer)].get("mixer", "gdn")  # recipes before the mixer choice hold GDNs
         if mixer not in MIXERS:
             raise bad_field(where, f"{field}.mixer", mixer, f"is not one of {', '.join(MIXERS)}")
+        if "kept_kv_heads" in modules[str(layer)]:  # a layer split by heads (select.granularity=head)
+            check_split_config(modules[str(layer)].get("gdn_config"), f"{field}.gdn_config", where)
+            continue
         check_gdn_config(modules[str(layer)].get("gdn_config"), f"{field}.gdn_config", where, MIXERS[mixer].module)
+
+
+def check_split_config(config, field: str, where: str) -> None:
+    """A HeadSplitLayer's constructor arguments: its sizes, its head lists, and the GDN's within."""
+    check_gdn_config(config, field, where, HeadSplitLayer)
+    for key in ("kept_heads", "kv_index", "kept_kv"):
+        value = config.get(key)
+        if not isinstance(value, list) or not value or not all(isinstance(h, int) and not isinstance(h, bool) and h >= 0 for h in value):
+            raise bad_field(where, f"{field}.{key}", value, "is not a non-empty list of head numbers")
+    if not set(config["kept_heads"]) < set(range(config.get("num_heads", 0))) or len(config["kept_heads"]) % len(config["kv_index"]):
+        raise bad_field(where, f"{field}.kept_heads", config["kept_heads"], "is not some but not all of the layer's heads, in whole KV groups")
+    check_gdn_config(config.get("gdn"), f"{field}.gdn", where)
+    expect(config.get("attention"), dict, f"{field}.attention", where)
 
 
 def check_gdn_config(config, field: str, where: str, module=None) -> None:
