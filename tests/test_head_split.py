@@ -161,7 +161,7 @@ def test_inspect_and_diff_show_the_kept_heads(stories, stories_teacher):
     assert [r["kept_kv_heads"] for r in rows] == [[0, 1, 2, 3], [0, 3], [0, 1, 2, 3], [1], [0, 1, 2, 3]]
     assert [r["kv_bytes_per_token"] for r in rows] == [256, 128, 256, 64, 256]
     assert rows[1]["state_bytes"] == 4 * 8 * 8 * 4 and rows[3]["state_bytes"] == 6 * 8 * 8 * 4
-    assert title(rows) == "5 layers: 3 softmax attention + 0 GDN + 2 split by heads"
+    assert title(rows) == "5 layers: 3 softmax attention + 2 split by heads"
     assert "kept_kv_heads" not in layer_rows(stories_teacher)[0]
     changed = {e["layer"]: (e["before"], e["after"]) for e in diff(stories_teacher, graph)["layers"] if isinstance(e["layer"], int)}
     assert changed == {1: ("attention", "split"), 3: ("attention", "split")}
