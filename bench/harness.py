@@ -1,6 +1,17 @@
 """What every bench entry point shares (not run directly): timing (device-synchronised medians after
 warm-up), the one row format (a markdown table row, and a JSON line per row when --json names a
-file), the models a bench loads, and the `surgery` command run as a user runs it."""
+file), the models a bench loads, and the `surgery` command run as a user runs it.
+
+The entry points (each answers --help; bench/RESULTS.md records each figure with its command):
+  bench/speed.py         prefill, generate, decode, export, distill, apply, fsdp: each against its anchor in one run
+  bench/quality.py       perplexity tables (phases, policies, --mixers: per mixer with block error and state bytes),
+                         in memory and through save / `surgery apply`; --kernel-check: fla's gla/kda kernels on CUDA
+  bench/recovery.py      recovery curves: distillation of the copy-only and Taylor-Calibrate inits, passkey
+  bench/sweep.py         conversion across the registry of architectures (the checks tests/test_sweep.py runs)
+  bench/lm_eval_task.py  the shipped choice task (surgery_next_sentence), own scoring and lm-eval's
+  bench/parity.sh        the CLI's perplexities on stories260K bit for bit: a refactor must reproduce them
+  bench/gpu.sh           the GPU machine: pack and carry wheels, models and texts; start/wait background runs
+"""
 from __future__ import annotations
 
 import argparse
