@@ -63,8 +63,8 @@ ALL_ROWS = "baseline,zero-gate,phase1-ref,phase1,phase2,phase1+2"
 MIXER_ROWS = "baseline,phase1,phase1+2"  # issue 31's ablation (zero-gate and phase1-ref are GDN's options)
 KERNEL_TOLERANCE = {torch.float32: 2e-3, torch.bfloat16: 3e-2}  # largest relative error of fla against the PyTorch reference
 SMOKE = {"rows": "baseline,phase1,phase1+2", "chunk": 128, "max_chars": 6000, "keep_ratios": "0.5", "block_tokens": "2x128",
-         "state_context": 256,
-         "set": ["align.steps=2", "calibrate.samples=2", "align.samples=2", "calibrate.length=64", "align.length=64"]}
+         "state_context": 256}
+SMOKE_SETS = ["align.steps=2", "calibrate.samples=2", "align.samples=2", "calibrate.length=64", "align.length=64"]  # before --set's
 
 
 def arguments(argv=None) -> argparse.Namespace:
@@ -78,7 +78,8 @@ def arguments(argv=None) -> argparse.Namespace:
     ap.add_argument("--rows", default=None, help=f"of: {','.join(ROWS)} (default: {ALL_ROWS}; with --mixers: {MIXER_ROWS})")
     ap.add_argument("--keep-ratios", default="0.5")
     ap.add_argument("--policies", default="uniform", help="select policies: uniform, ar, greedy")
-    ap.add_argument("--set", nargs="*", default=[], help="pass.key=value for every row that runs the pass")
+    ap.add_argument("--set", nargs="*", action="extend", default=None, help="pass.key=value for every row that runs the pass "
+                    "(--set A B and --set A --set B alike)")
     ap.add_argument("--cli-apply", action="store_true", help="also `surgery apply` (default passes at the first keep ratio, --set) "
                     "-> `surgery eval`, anchored to the phase1+2 row built in memory")
     ap.add_argument("--mixers", default=None, help=f"a table per replace.mixer, of: {','.join(MIXERS)}; each row adds its "
@@ -94,6 +95,7 @@ def arguments(argv=None) -> argparse.Namespace:
     args = parse(ap, argv, {"model": str(STORIES), "eval": str(SAMPLE), **SMOKE})
     if not args.kernel_check and (not args.model or not args.eval):
         ap.error("pass --model (the teacher) and --eval (the text to score), or --smoke")
+    args.set = (SMOKE_SETS if args.smoke else []) + (args.set or [])
     args.rows = args.rows or (MIXER_ROWS if args.mixers else ALL_ROWS)
     check_names(ap, args.rows, ROWS, "row(s)")
     if args.mixers:

@@ -44,9 +44,9 @@ import argparse
 import json
 import os
 import resource
-import subprocess
 import shlex
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -204,6 +204,7 @@ def prefill(s: Setup, rows: Rows) -> None:
             rows.add("transformers forward (teacher)", config, "prefill", hf, "ms")
             anchor = ("transformers", hf)
             rows.add("teacher graph.logits (eager)", config, "prefill", time_of(lambda: s.teacher.logits(ids)), "ms", anchor)
+            rows.add("teacher fast_logits (default)", config, "prefill", time_of(lambda: fast_logits(s.teacher, ids)), "ms", anchor)
             teacher_c = time_of(lambda: fast_logits(s.teacher, ids, compile=True))
             rows.add("teacher fast_logits, compiled", config, "prefill", teacher_c, "ms", anchor)
             rows.add(f"{s.label()}: surgery.load -> graph.logits (eager)", config, "prefill", time_of(lambda: s.hybrid.logits(ids)), "ms", anchor)

@@ -86,7 +86,7 @@ def test_speed_smoke(tmp_path, capsys, monkeypatch):
     names = {(r["name"], r["metric"]) for r in rows.rows}
     assert ("transformers forward (teacher)", "prefill") in names
     assert ("hybrid 75% GDN: fast_logits (default)", "prefill") in names and ("teacher fast_logits, compiled", "prefill") in names
-    assert ("hybrid 75% GDN: fast_logits, compiled", "prefill") in names
+    assert ("hybrid 75% GDN: fast_logits, compiled", "prefill") in names and ("teacher fast_logits (default)", "prefill") in names
     applied = next(r for r in rows.rows if r["name"] == "hybrid 75% GDN: surgery apply -> surgery.load, fast_logits (default)")
     assert applied["anchor"] == "surgery.save -> load"
     assert ("hybrid 75% GDN: surgery.generate (surgery.load)", "time to first token") in names
@@ -153,3 +153,11 @@ def test_quality_mixers_smoke(tmp_path, monkeypatch):
 def test_quality_kernel_check_needs_cuda():
     with pytest.raises(SystemExit, match="--kernel-check compares fla's CUDA kernels"):
         quality.main(["--kernel-check", "--device", "cpu"])
+
+
+def test_quality_set_accumulates_after_the_smoke_settings():
+    """Every --set counts, after --smoke's own (a repeated --set used to keep only the last)."""
+    args = quality.arguments(["--smoke", "--set", "select.policy=convert", "--set", "select.layers=1,3", "align.steps=3"])
+    passes, configs = quality.row_configs(args, "phase1+2", 0.5, "uniform", "gla")
+    assert configs["select"]["policy"] == "convert" and configs["select"]["layers"] == "1,3"
+    assert configs["align"]["steps"] == "3" and configs["calibrate"]["samples"] == "2" and configs["replace"]["mixer"] == "gla"
