@@ -19,8 +19,8 @@ the copy-only baseline of its keep ratio and policy, the through-save row's is i
     # issue 31's ablation per mixer (replace.mixer): copy-only, Phase 1, Phase 1+2 and the ratio
     # baseline / Phase 1+2 (the anchor column), each converted block's error against the teacher's on
     # held-out tokens, and the decode state bytes; --cli-apply adds `surgery apply --set replace.mixer=M`
-    python bench/quality.py --model /root/m/smol.gguf --calibration D/austen.txt.xz --eval D/wiki.test.raw \
-        --mixers gdn,swa,gla,kda --cli-apply --json mixers.jsonl
+    python bench/quality.py --model /root/m/smol.gguf --calibration D/austen.txt.xz D/shakespeare.txt.xz D/kjv.txt.xz \
+        --eval D/wiki.test.raw --mixers gdn,swa,gla,kda --cli-apply --json mixers.jsonl
     python bench/quality.py --smoke --mixers gdn,swa,gla,kda   # the same on the CPU, stories260K
     python bench/quality.py --kernel-check           # CUDA: fla's gla/kda kernels against the PyTorch references
     python bench/quality.py --smoke                  # CPU, stories260K, tiny settings
@@ -39,12 +39,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from bench.harness import SAMPLE, STORIES, Rows, check_names, common_args, parse, placement, surgery_cli, timed_s  # noqa: E402
-from surgery import PassManager, capture, save  # noqa: E402
+from surgery import Decoder, PassManager, capture, save  # noqa: E402
 from surgery.core.pipeline import parse_options  # noqa: E402
+from surgery.core.run import interpret, placeholder_values  # noqa: E402
 from surgery.data.cache import text_ids  # noqa: E402
 from surgery.eval.perplexity import perplexity  # noqa: E402
-from surgery import Decoder  # noqa: E402
-from surgery.core.run import interpret, placeholder_values  # noqa: E402
 from tcal.mixers import MIXERS, get_mixer  # noqa: E402
 
 ZERO_GATE = {"gate": "zero", "decay": False, "write_gate": False, "value_scale": False}
