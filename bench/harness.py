@@ -1,6 +1,19 @@
 """What every bench entry point shares (not run directly): timing (device-synchronised medians after
 warm-up), the one row format (a markdown table row, and a JSON line per row when --json names a
-file), the models a bench loads, and the `surgery` command run as a user runs it."""
+file), the models a bench loads, and the `surgery` command run as a user runs it.
+
+The entry points (each answers --help; bench/RESULTS.md records each figure with its command):
+  bench/speed.py         prefill, generate, decode, export, distill, apply, fsdp, offload: each against its anchor in one run
+  bench/quality.py       perplexity tables (phases, policies, --mixers: per mixer with block error and state bytes),
+                         in memory and through save / `surgery apply`; --kernel-check: fla's gla/kda kernels on CUDA
+  bench/recovery.py      recovery curves: distillation of the copy-only and Taylor-Calibrate inits (one per stay: --init),
+                         passkey and RULER-style rows, the recipe study (--recipes); modules recovery_*.py
+  bench/apply_phases.py  `surgery apply` as the CLI runs it, wall and CPU seconds per phase (the cold start)
+  bench/sweep.py         conversion across the registry of architectures (the checks tests/test_sweep.py runs)
+  bench/lm_eval_task.py  the shipped choice task (surgery_next_sentence), own scoring and lm-eval's
+  bench/parity.sh        the CLI's perplexities on stories260K bit for bit: a refactor must reproduce them
+  bench/gpu.sh           the GPU machine: pack and carry wheels, models and texts; start/wait background runs
+"""
 from __future__ import annotations
 
 import argparse
@@ -19,7 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 STORIES = ROOT / "tests/assets/stories260k/stories260K.gguf"
 SAMPLE = ROOT / "surgery/data/calibration_sample.txt"
 COLUMNS = ("name", "config", "metric", "value", "unit", "anchor", "ratio")
-LOWER_IS_BETTER = {"ms", "s", "ppl", "GiB"}
+LOWER_IS_BETTER = {"ms", "s", "ppl", "GiB", "MiB", "rel sq err", "rel err"}
 
 SMOLLM2_SHAPE = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                      num_attention_heads=9, num_key_value_heads=3, rms_norm_eps=1e-5, rope_theta=100000.0,

@@ -8,6 +8,9 @@ numbers (the hybrid through its hf export) are added beside them. Calibration te
 with the task's held-out lines cut off (surgery.eval.choice_items.training_files), unless
 --calibration is given. Prints a markdown table and writes JSON (--json, default $OUT/lm_eval_task.json).
 
+An entry point, run directly: lm-eval never loads this file. The task lm-eval loads lives in
+surgery/eval/tasks/ (its --include_path, surgery.eval.choice_task.TASKS_DIR).
+
     python bench/lm_eval_task.py --model /root/m/smol.gguf --corpus .gpu/data --device cuda --dtype bfloat16
     python bench/lm_eval_task.py --model tests/assets/stories260k/stories260K.gguf --limit 20 \
         --set calibrate.samples=4 --set align.samples=4 --set align.steps=5   # CPU smoke run

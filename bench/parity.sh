@@ -3,10 +3,15 @@
 # distillation of the full pipeline), one JSON line each: a refactor must reproduce them bit for bit.
 #   bash bench/parity.sh OUT_JSONL     (CPU, ~5 min on 2 cores)
 # SURGERY="python -m surgery.cli.app" with PYTHONPATH at another build compares two versions.
+# The texts come from SHARED (default: the checkout's shared/, else the folder beside the checkout,
+# so a worktree elsewhere sets SHARED=/work/shared); the teacher is the checkout's own copy.
 set -euo pipefail
 out=${1:?usage: bench/parity.sh OUT_JSONL}
-shared=$(cd "$(dirname "$0")/../../shared" && pwd)
-teacher=$shared/models/stories260k/stories260K.gguf
+repo=$(cd "$(dirname "$0")/.." && pwd)
+shared=${SHARED:-$repo/shared}
+[ -d "$shared/data" ] || shared=$repo/../shared
+[ -d "$shared/data" ] || { echo "bench/parity.sh: no data/ in $shared; set SHARED to the folder holding data/wikitext-2-raw and data/corpus" >&2; exit 2; }
+teacher=$repo/tests/assets/stories260k/stories260K.gguf
 wiki=$shared/data/wikitext-2-raw/wiki.test.raw
 corpus=$shared/data/corpus/austen.txt.xz
 work=$(mktemp -d)

@@ -18,6 +18,13 @@ the copy-only baseline of its keep ratio and policy, the through-save row's is i
     python bench/quality.py --model ... --rows phase1+2 --policies uniform,ar,greedy ...
     python bench/quality.py --model /root/m/gemma.gguf --rows baseline,zero-gate,phase1,phase2,phase1+2 --policies uniform,ar \
         --set align.steps=200 --held-out D/python-docs.txt.xz --held-out-chars 300000 ...
+    # issue 31's ablation per mixer (replace.mixer): copy-only, Phase 1, Phase 1+2 and the ratio
+    # baseline / Phase 1+2 (the anchor column), each converted block's error against the teacher's on
+    # held-out tokens, and the decode state bytes; --cli-apply adds `surgery apply --set replace.mixer=M`
+    python bench/quality.py --model /root/m/smol.gguf --calibration D/austen.txt.xz D/shakespeare.txt.xz D/kjv.txt.xz \
+        --eval D/wiki.test.raw --mixers gdn,swa,gla,kda --cli-apply --json mixers.jsonl
+    python bench/quality.py --smoke --mixers gdn,swa,gla,kda   # the same on the CPU, stories260K
+    python bench/quality.py --kernel-check           # CUDA: fla's gla/kda kernels against the PyTorch references
     python bench/quality.py --smoke                  # CPU, stories260K, tiny settings
 """
 from __future__ import annotations
@@ -34,12 +41,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from bench.harness import SAMPLE, STORIES, Rows, check_names, common_args, parse, placement, surgery_cli, timed_s  # noqa: E402
-from surgery import PassManager, capture, save  # noqa: E402
+from surgery import Decoder, PassManager, capture, save  # noqa: E402
 from surgery.core.pipeline import parse_options  # noqa: E402
+from surgery.core.run import interpret, placeholder_values  # noqa: E402
 from surgery.data.cache import text_ids  # noqa: E402
 from surgery.eval.perplexity import perplexity  # noqa: E402
 from surgery.passes.kv_budget import kv_report  # noqa: E402
 from surgery.passes.select import Select  # noqa: E402
+from tcal.mixers import MIXERS, get_mixer  # noqa: E402
 
 ZERO_GATE = {"gate": "zero", "decay": False, "write_gate": False, "value_scale": False}
 REFERENCE = {"gate": "reference", "concentration": "minmax"}
@@ -53,8 +62,12 @@ ROWS = {  # name: (passes, pass options); every row starts with select + replace
     "phase1+2": (["select", "replace", "calibrate", "align"], {}),
 }
 TEXT_PASSES = ("calibrate", "align")
-SMOKE = {"rows": "baseline,phase1,phase1+2", "chunk": 128, "max_chars": 6000, "keep_ratios": "0.5",
-         "set": ["align.steps=2", "calibrate.samples=2", "align.samples=2", "calibrate.length=64", "align.length=64"]}
+ALL_ROWS = "baseline,zero-gate,phase1-ref,phase1,phase2,phase1+2"
+MIXER_ROWS = "baseline,phase1,phase1+2"  # issue 31's ablation (zero-gate and phase1-ref are GDN's options)
+KERNEL_TOLERANCE = {torch.float32: 2e-3, torch.bfloat16: 3e-2}  # largest relative error of fla against the PyTorch reference
+SMOKE = {"rows": "baseline,phase1,phase1+2", "chunk": 128, "max_chars": 6000, "keep_ratios": "0.5", "block_tokens": "2x128",
+         "state_context": 256}
+SMOKE_SETS = ["align.steps=2", "calibrate.samples=2", "align.samples=2", "calibrate.length=64", "align.length=64"]  # before --set's
 
 
 def arguments(argv=None) -> argparse.Namespace:
@@ -65,19 +78,32 @@ def arguments(argv=None) -> argparse.Namespace:
     ap.add_argument("--held-out", default=None, help="a second evaluation text, not among --calibration")
     ap.add_argument("--held-out-chars", type=int, default=0, help="score only the held-out file's first N characters (0: all)")
     ap.add_argument("--max-chars", type=int, default=0, help="score only the eval file's first N characters (0: all)")
-    ap.add_argument("--rows", default="baseline,zero-gate,phase1-ref,phase1,phase2,phase1+2", help=f"of: {','.join(ROWS)}")
+    ap.add_argument("--rows", default=None, help=f"of: {','.join(ROWS)} (default: {ALL_ROWS}; with --mixers: {MIXER_ROWS})")
     ap.add_argument("--keep-ratios", default="0.5")
     ap.add_argument("--policies", default="uniform", help="select policies: uniform, ar, greedy; head:distance, head:entropy, head:output keep KV "
                     "heads instead of layers (select.granularity=head) up to the KV bytes uniform keeps at the same ratio")
-    ap.add_argument("--set", nargs="*", default=[], help="pass.key=value for every row that runs the pass")
+    ap.add_argument("--set", nargs="*", action="extend", default=None, help="pass.key=value for every row that runs the pass "
+                    "(--set A B and --set A --set B alike)")
     ap.add_argument("--cli-apply", action="store_true", help="also `surgery apply` (default passes at the first keep ratio, --set) "
                     "-> `surgery eval`, anchored to the phase1+2 row built in memory")
+    ap.add_argument("--mixers", default=None, help=f"a table per replace.mixer, of: {','.join(MIXERS)}; each row adds its "
+                    "converted blocks' error against the teacher's and its decode state bytes")
+    ap.add_argument("--block-tokens", default="2x256", help="--mixers: BATCHxLENGTH tokens of the held-out text (else --eval) "
+                    "on which each converted block's output is compared with the teacher's")
+    ap.add_argument("--state-context", type=int, default=65536, help="--mixers: the context (capped at the teacher's "
+                    "position limit) at which a Decoder's cache bytes are counted")
+    ap.add_argument("--kernel-check", action="store_true", help="only fla's gla/kda kernels against their PyTorch references "
+                    "on CUDA (forward, final state, gradients; float32 and bfloat16); exits 1 past the tolerance")
     ap.add_argument("--chunk", type=int, default=2048)
     ap.add_argument("--batch-size", type=int, default=1)
     args = parse(ap, argv, {"model": str(STORIES), "eval": str(SAMPLE), **SMOKE})
-    if not args.model or not args.eval:
+    if not args.kernel_check and (not args.model or not args.eval):
         ap.error("pass --model (the teacher) and --eval (the text to score), or --smoke")
+    args.set = (SMOKE_SETS if args.smoke else []) + (args.set or [])
+    args.rows = args.rows or (MIXER_ROWS if args.mixers else ALL_ROWS)
     check_names(ap, args.rows, ROWS, "row(s)")
+    if args.mixers:
+        check_names(ap, args.mixers, MIXERS, "mixer(s)")
     if args.held_out and os.path.abspath(args.held_out) in {os.path.abspath(p) for p in args.calibration or []}:
         ap.error("--held-out must not be one of the --calibration files")
     if args.held_out and Path(args.held_out).name == Path(args.eval).name:
@@ -132,13 +158,108 @@ class Scorer:
         self.through_cli(str(folder), name, config, memory, "surgery.save -> surgery eval")
 
 
-def row_configs(args, row: str, ratio: float, policy: str, kv_bytes: int | None = None) -> tuple[list[str], dict]:
-    """The row's passes and their options: the row's own, the calibration text, then --set. A "head:"
-    policy keeps KV heads by that score up to kv_bytes (the KV cache uniform layer selection keeps at ratio)."""
+class BlockProbe:
+    """--mixers: what a converted graph's rows add beside perplexity. block error: the mean over
+    converted layers of ||block output - teacher's||^2 / ||teacher's||^2 on held-out tokens (the
+    mixer module's output where it replaced the block, the output projection's where it replaced only
+    the op). state: the bytes a Decoder's caches hold at `context` tokens, batch 1 (KV of the kept
+    and swa layers, the recurrent states), anchored to the teacher's."""
+
+    def __init__(self, args, teacher, text: str, rows: Rows):
+        batch, length = (int(x) for x in args.block_tokens.split("x"))
+        ids = text_ids(text, teacher.tokenizer)
+        if ids.numel() < batch * length:
+            raise SystemExit(f"--block-tokens {args.block_tokens} needs {batch * length} tokens; {text} has {ids.numel()}: ask for fewer")
+        self.teacher, self.rows, self.ids = teacher, rows, ids[:batch * length].reshape(batch, length).to(teacher.device)
+        self.context = min(args.state_context, teacher.max_length)
+        self.teacher_mib = self.state_mib(teacher)
+
+    def values(self, gm, names: set) -> dict:
+        with torch.no_grad():
+            found = interpret(gm, placeholder_values(gm, self.ids), keep=lambda n: n.name in names)
+        return {n.name: v.float() for n, v in found.items() if n.name in names}
+
+    def block_error(self, graph) -> float:
+        layers, names = graph.meta["select"].convert, {}
+        for layer in layers:
+            entry = graph.meta["replace"]["modules"][str(layer)]
+            if get_mixer(entry["mixer"]).replaces == "op":
+                names[layer] = graph.sites[layer].output_node
+            else:
+                names[layer] = next(n.name for n in graph.gm.graph.nodes if n.op == "call_module" and n.target == entry["target"])
+        got = self.values(graph.gm, set(names.values()))
+        want = self.values(self.teacher.gm, {graph.sites[layer].output_node for layer in layers})
+        errors = [float((got[names[l]] - want[graph.sites[l].output_node]).pow(2).sum() / want[graph.sites[l].output_node].pow(2).sum())
+                  for l in layers]
+        return sum(errors) / len(errors)
+
+    def state_mib(self, graph) -> float:
+        decoder = Decoder(graph, verify=False).reset(1, self.context)
+        with torch.no_grad():
+            decoder.prefill(self.ids[:1, :1])  # recurrent states exist once a token went in
+        return decoder.cache_bytes()["total"] / 2**20
+
+    def measure(self, graph, name: str, config: str, baseline: float | None) -> float:
+        """The graph's two rows (block error anchored to the copy-only baseline's); its block error."""
+        error = self.block_error(graph)
+        anchor = ("baseline", baseline) if baseline is not None else None
+        self.rows.add(name, config, f"block error, {self.ids.shape[0]} x {self.ids.shape[1]} tokens", error, "rel sq err", anchor)
+        self.rows.add(name, config, f"decode state, context {self.context}", self.state_mib(graph), "MiB", ("teacher", self.teacher_mib))
+        return error
+
+
+def kernel_case(run, mixer: str, t: int, dtype, seed: int = 0) -> dict:
+    """fla's kernel against the PyTorch reference on one random case (b 2, h 9, d 64, an initial
+    state): relative errors of the output, the final state and (the largest over inputs) the gradients."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    b, h, d = 2, 9, 64
+    rand = lambda *shape: torch.randn(*shape, generator=gen, device="cuda")  # noqa: E731
+    q, k, v = rand(b, t, h, d), torch.nn.functional.normalize(rand(b, t, h, d), dim=-1), rand(b, t, h, d)
+    g = -torch.rand(b, t, h, d, generator=gen, device="cuda") * 0.5
+    beta = torch.rand(b, t, h, generator=gen, device="cuda")
+    s0 = rand(b, h, d, d) * 0.1
+    inputs = [x.to(dtype) for x in (q, k, v)] + [g] + ([beta] if mixer == "kda" else [])
+    out = {}
+    for backend in ("fla", "torch"):
+        leaves = [x.detach().clone().requires_grad_() for x in inputs]
+        o, s = run(*leaves, initial_state=s0, output_final_state=True, backend=backend)
+        (o.float().pow(2).mean() + s.float().pow(2).mean()).backward()
+        out[backend] = (o, s, [x.grad for x in leaves])
+    (o1, s1, g1), (o2, s2, g2) = out["fla"], out["torch"]
+    rel = lambda a, b: float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))  # noqa: E731
+    return {"output": rel(o1, o2), "final state": rel(s1, s2), "gradients": max(rel(a, b) for a, b in zip(g1, g2))}
+
+
+def kernel_check(rows: Rows) -> bool:
+    """fla's gla and kda kernels against the PyTorch references (tcal.mixers), forward at chunked
+    and short/recurrent lengths and backward, in float32 and bfloat16: a row per error, anchored to
+    its tolerance (ratio >= 1 passes). True when every one is within it."""
+    from tcal.mixers.gla_kernels import gla
+    from tcal.mixers.kda_kernels import kda
+
+    ok = True
+    for mixer, run in (("gla", gla), ("kda", kda)):
+        for dtype in KERNEL_TOLERANCE:
+            for t in (1, 40, 300):
+                for what, error in kernel_case(run, mixer, t, dtype).items():
+                    tolerance = KERNEL_TOLERANCE[dtype]
+                    rows.add(f"{mixer}: fla against PyTorch", f"{str(dtype).removeprefix('torch.')}, T={t}", what, error, "rel err",
+                             ("tolerance", tolerance))
+                    ok = ok and error <= tolerance
+    return ok
+
+
+def row_configs(args, row: str, ratio: float, policy: str, mixer: str | None = None,
+                kv_bytes: int | None = None) -> tuple[list[str], dict]:
+    """The row's passes and their options: the row's own, the mixer, the calibration text, then --set. A
+    "head:" policy keeps KV heads by that score up to kv_bytes (the KV cache uniform layer selection keeps
+    at ratio)."""
     passes, base = ROWS[row]
     configs = {name: dict(base.get(name, {})) for name in passes}
     granularity, _, named = policy.rpartition(":")
     configs["select"] |= {"keep_ratio": ratio, "policy": named} | ({"granularity": granularity, "kv_bytes": kv_bytes} if granularity else {})
+    if mixer:
+        configs["replace"]["mixer"] = mixer
     for name in [*TEXT_PASSES, "select"]:
         if name in passes and args.calibration and (name != "select" or policy != "uniform"):
             configs[name]["calibration"] = args.calibration
@@ -146,38 +267,73 @@ def row_configs(args, row: str, ratio: float, policy: str, kv_bytes: int | None 
     return passes, {name: options | overrides.get(name, {}) for name, options in configs.items()}
 
 
-def ablation(args, teacher, scorer: Scorer) -> dict:
-    """Every (keep ratio, policy, row); returns the in-memory figures of each phase1+2 row."""
+def table_label(ratio: float, policy: str, mixer: str | None) -> str:
+    return f"keep {ratio:.2f}, {policy}" + (f", {mixer}" if mixer else "")
+
+
+def ablation(args, teacher, scorer: Scorer, probe: BlockProbe | None) -> dict:
+    """Every (keep ratio, policy, mixer) table; returns the in-memory figures of each phase1+2 row."""
     full = {}
     for ratio in (float(r) for r in args.keep_ratios.split(",")):
         for policy in args.policies.split(","):
-            config, baseline = f"keep {ratio:.2f}, {policy}", {}
-            for row in args.rows.split(","):
-                layers = Select(keep_ratio=ratio).decide(teacher.num_layers)  # per-head rows: this selection's KV bytes
-                passes, configs = row_configs(args, row, ratio, policy, kv_report(teacher, layers)["kv_bytes"])
-                graph = teacher.branch()
-                result, seconds = timed_s(lambda: PassManager(passes, configs)(graph), teacher.device)
-                split = graph.meta["select"].split_layers()
-                extra = {"passes_s": seconds, "converted": graph.meta["select"].convert, "kept_kv_heads": split or None,
-                         "kv_bytes_32k": kv_report(graph, graph.meta["select"].convert, kept_heads=split)["kv_bytes"],
-                         "calibrate_s": graph.meta.get("calibrate", {}).get("seconds"),
-                         "align_s": graph.meta.get("align", {}).get("seconds"),
-                         "align_best_loss": result.info.get("align", {}).get("mean_best_loss")}
-                anchors = {label: ("baseline", value) for label, value in baseline.items()}
-                got = scorer.in_memory(graph, row, config, anchors, **extra)
-                baseline = got if row == "baseline" else baseline
-                full[config] = got if row == "phase1+2" else full.get(config)
-                scorer.through_save(graph, row, config, got)
-                del graph
-                if teacher.device.type == "cuda":
-                    torch.cuda.empty_cache()
+            for mixer in args.mixers.split(",") if args.mixers else [None]:
+                full[table_label(ratio, policy, mixer)] = table(args, teacher, scorer, probe, (ratio, policy, mixer))
     return full
+
+
+def table(args, teacher, scorer: Scorer, probe: BlockProbe | None, key: tuple) -> dict | None:
+    """One table's rows, each a fresh branch; the in-memory anchor of every row is the table's
+    copy-only baseline. Returns the phase1+2 row's in-memory figures (None without that row)."""
+    config, baseline, baseline_error, full = table_label(*key), {}, None, None
+    kept = Select(keep_ratio=key[0]).decide(teacher.num_layers)  # per-head rows: the KV bytes of this selection
+    for row in args.rows.split(","):
+        passes, configs = row_configs(args, row, *key, kv_bytes=kv_report(teacher, kept)["kv_bytes"])
+        graph = teacher.branch()
+        result, seconds = timed_s(lambda: PassManager(passes, configs)(graph), teacher.device)
+        split = graph.meta["select"].split_layers()
+        extra = {"passes_s": seconds, "converted": graph.meta["select"].convert, "kept_kv_heads": split or None,
+                 "kv_bytes_32k": kv_report(graph, graph.meta["select"].convert, kept_heads=split)["kv_bytes"],
+                 "calibrate_s": graph.meta.get("calibrate", {}).get("seconds"),
+                 "align_s": graph.meta.get("align", {}).get("seconds"),
+                 "align_best_loss": result.info.get("align", {}).get("mean_best_loss")}
+        anchors = {label: ("baseline", value) for label, value in baseline.items()}
+        got = scorer.in_memory(graph, row, config, anchors, **extra)
+        error = probe.measure(graph, row, config, baseline_error) if probe else None
+        if row == "baseline":
+            baseline, baseline_error = got, error
+        full = got if row == "phase1+2" else full
+        scorer.through_save(graph, row, config, got)
+        del graph
+        if teacher.device.type == "cuda":
+            torch.cuda.empty_cache()
+    return full
+
+
+def cli_apply(args, scorer: Scorer, work: Path, full: dict) -> None:
+    """`surgery apply` (default passes at the first keep ratio, --set; per mixer with --mixers) ->
+    `surgery eval`, anchored to the phase1+2 row built in memory."""
+    sets = [x for option in args.set for x in ("--set", option)]
+    calibration = ["--calibration", *args.calibration] if args.calibration else []
+    ratio = float(args.keep_ratios.split(",")[0])
+    for mixer in args.mixers.split(",") if args.mixers else [None]:
+        applied = work / f"applied_{mixer or 'default'}"
+        mixer_set = ["--set", f"replace.mixer={mixer}"] if mixer else []
+        surgery_cli("apply", "--model", args.model, "--out", str(applied), "--force", "--dtype", scorer.dtype, "--keep-ratio", str(ratio),
+                    *mixer_set, *sets, *calibration, *(["--device", args.device] if args.device else []))
+        config = table_label(ratio, "uniform", mixer)
+        scorer.through_cli(str(applied), "phase1+2", config, full.get(config) or {}, "surgery apply -> surgery eval")
 
 
 def main(argv=None) -> Rows:
     args = arguments(argv)
     device, dtype = placement(args)
     rows = Rows(args.json)
+    if args.kernel_check:
+        if device.type != "cuda":
+            raise SystemExit("--kernel-check compares fla's CUDA kernels: run it where CUDA is (not with --smoke or --device cpu)")
+        if not kernel_check(rows):
+            raise SystemExit("a kernel is past its tolerance (the rows with a ratio below 1.00x)")
+        return rows
     with tempfile.TemporaryDirectory(prefix="bench_quality.") as folder:
         work = Path(folder)
         texts = {Path(args.eval).name: cut(args.eval, args.max_chars, work)}  # rows name each text by its file
@@ -189,15 +345,10 @@ def main(argv=None) -> Rows:
         rows.note(f"captured {args.model} in {time.perf_counter() - start:.1f} s: {teacher.num_layers} attention layers")
         memory = scorer.in_memory(teacher, "teacher", "-", {})
         scorer.through_cli(args.model, "teacher", "-", memory, "surgery eval")
-        full = ablation(args, teacher, scorer)
+        probe = BlockProbe(args, teacher, list(texts.values())[-1], rows) if args.mixers else None
+        full = ablation(args, teacher, scorer, probe)
         if args.cli_apply:
-            sets = [x for option in args.set for x in ("--set", option)]
-            calibration = ["--calibration", *args.calibration] if args.calibration else []
-            applied, ratio = work / "applied", float(args.keep_ratios.split(",")[0])
-            surgery_cli("apply", "--model", args.model, "--out", str(applied), "--force", "--dtype", scorer.dtype, "--keep-ratio", str(ratio),
-                        *sets, *calibration, *(["--device", args.device] if args.device else []))
-            reference = full.get(f"keep {ratio:.2f}, uniform") or {}  # its anchor: the phase1+2 row built in memory
-            scorer.through_cli(str(applied), "phase1+2", f"keep {ratio:.2f}, uniform", reference, "surgery apply -> surgery eval")
+            cli_apply(args, scorer, work, full)
     return rows
 
 

@@ -11,6 +11,11 @@
             its own generate against the teacher there: prefill ms and decode tokens/s
   distill   surgery.distill tokens/s of the 50% hybrid at --distill-shape, compiled against eager
   apply     `surgery apply` wall seconds with empty kernel caches (cold) against the same again (warm)
+  fsdp      surgery.distill of a --fsdp-shape pair (Llama-3-8B's shapes by default, random weights) per
+            mode: plain (no sharding), fsdp (FSDP2, world size 1), fsdp_offload (shards, gradients and
+            AdamW states in CPU memory): tokens/s and peak GPU and CPU memory per batch of
+            --fsdp-batches, each mode and batch in a process of its own (an out-of-memory one leaves the
+            others standing), and per mode the largest batch that fits (issue 32)
   offload   a teacher larger than the device (issue 32): capture on meta + select/replace/calibrate/align
             of --offload-layers layers of a Llama-70B-shaped random teacher whose layers are streamed to
             the device (surgery.core.meta_capture); peak memory per device against the full 80-layer
@@ -21,19 +26,31 @@ so it measures whatever the library's default paths are. Rows: bench.harness.Row
 
     python bench/speed.py --random --sections prefill --json speed.jsonl     # one H200; one section per run fits a call
     python bench/speed.py --model /root/m/SmolLM2-135M-Instruct.Q4_1.gguf --sections apply --json speed.jsonl
-    python bench/speed.py --smoke --sections prefill,generate,decode,export,distill,apply   # CPU, stories260K, tiny sizes
+    python bench/speed.py --random --sections prefill --profile                # + the top CUDA kernels of one hybrid eager forward
+    python bench/speed.py --sections fsdp --fsdp-modes fsdp_offload,plain --fsdp-batches 4,8,16,32 --fsdp-micro 4 --json fsdp.jsonl
+    python bench/speed.py --sections fsdp --fsdp-shape smollm2 --keep-ratio 0.5 --fsdp-batches 16 --fsdp-lr-rest 7e-6
+    python bench/speed.py --smoke --sections prefill,generate,decode,export,distill,apply,fsdp   # CPU, stories260K, tiny sizes
 
 A section that outlives one device call goes in the background: bench/gpu.sh start / wait. The distill
 section needs Triton >= 3.7.1 on Hopper for fla's backward (bench/gpu.sh pack --triton); with Triton
 3.6 the library trains through its PyTorch backward, slower.
+
+fsdp: stage kl (the whole student trained unless --fsdp-lr-rest 0 freezes what is outside the GDN
+layers), float32 master weights, bf16 autocast on CUDA, no compile, no evaluation, no checkpoint
+written (an 8B student's with its AdamW states is ~96 GB); tokens/s is the median of the steps after
+the first. On the 1-GPU machine (128 GiB of CPU memory) an 8B student with every parameter trained
+does not fit offloaded (16 bytes a float32 parameter with its gradient and AdamW states: 128 GB),
+hence --fsdp-lr-rest 0 there (its default: only the GDN layers train).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import resource
 import shlex
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -43,19 +60,26 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from bench.harness import (STORIES, SAMPLE, Rows, check_names, common_args, median_ms, parse, placement,  # noqa: E402
-                           random_smollm2, surgery_cli, sync, transformers_teacher)
+from bench.harness import (SMOLLM2_SHAPE, STORIES, SAMPLE, Rows, check_names, common_args, median_ms, parse,  # noqa: E402
+                           placement, random_smollm2, surgery_cli, sync, transformers_teacher)
 from surgery import Decoder, DistillConfig, PassManager, capture, distill, export, fast_logits, generate, load, save  # noqa: E402
 from surgery.errors import SurgeryError  # noqa: E402
 
-SECTIONS = ("prefill", "generate", "decode", "export", "distill", "apply", "offload")
+SECTIONS = ("prefill", "generate", "decode", "export", "distill", "apply", "fsdp", "offload")
+FSDP_SHAPES = {  # transformers LlamaConfig fields of the random pairs the fsdp section trains ("stories": the real tiny teacher)
+    "smollm2": SMOLLM2_SHAPE,
+    "llama8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                    num_key_value_heads=8, rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False),
+}
+FSDP_MODES = ("plain", "fsdp", "fsdp_offload")
 LOGITS_BUDGET = 4 << 30  # bytes of logits one Decoder.prefill call may return (a 64k x 16 prompt is prefilled in pieces)
 # the caches a cold `surgery apply` starts without: Triton's kernels (fla's autotuning too), Inductor's, surgery's tokens
 COLD_CACHES = ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "SURGERY_CACHE")
 SMOKE = {"shapes": "48x1,48x2", "generate_lengths": "48", "decode_context": 40, "decode_batches": "1,2", "decode_steps": 3,
          "export_contexts": "32", "new_tokens": 4, "distill_shape": "2x64", "distill_steps": 4, "repeats": 2,
          "apply_args": "--set align.steps=2 --set calibrate.samples=2 --set align.samples=2",
-         "offload_shape": "128x256x4x2x512x80", "offload_layers": 2, "offload_text": "2x32", "offload_steps": 2}
+         "offload_shape": "128x256x4x2x512x80", "offload_layers": 2, "offload_text": "2x32", "offload_steps": 2,
+         "fsdp_shape": "stories", "fsdp_batches": "2,4", "fsdp_seq_len": 64, "fsdp_steps": 3}
 
 
 def arguments(argv=None) -> argparse.Namespace:
@@ -77,19 +101,34 @@ def arguments(argv=None) -> argparse.Namespace:
     ap.add_argument("--distill-modes", default="eager,compiled")
     ap.add_argument("--apply-args", default="", help="more `surgery apply` options, e.g. '--set align.steps=60'")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--profile", action="store_true", help="prefill: torch.profiler on one hybrid eager forward per shape, "
+                    "the top 15 CUDA kernels (CPU ops on the CPU) by total time")
+    ap.add_argument("--fsdp-shape", choices=["stories", *FSDP_SHAPES], default="llama8b", help="fsdp: the random pair's shapes")
+    ap.add_argument("--fsdp-modes", default="plain,fsdp,fsdp_offload", help=f"fsdp: of {','.join(FSDP_MODES)} (plain runs first: the anchor)")
+    ap.add_argument("--fsdp-batches", default="8,16", help="fsdp: global batches, ascending; a mode stops at its first that does not fit")
+    ap.add_argument("--fsdp-micro", type=int, default=None, help="fsdp: sequences per forward (default: the whole batch)")
+    ap.add_argument("--fsdp-seq-len", type=int, default=512)
+    ap.add_argument("--fsdp-steps", type=int, default=4)
+    ap.add_argument("--fsdp-lr-rest", type=float, default=0.0, help="fsdp: learning rate outside the GDN layers (0: frozen)")
+    ap.add_argument("--fsdp-checkpoint", action="store_true", help="fsdp: per-layer activation checkpointing")
+    ap.add_argument("--fsdp-timeout", type=float, default=560, help="fsdp: seconds one mode and batch may take")
+    ap.add_argument("--fsdp-one", default=None, help=argparse.SUPPRESS)  # a JSON spec: the child process of one fsdp row
     ap.add_argument("--offload-shape", default="8192x28672x64x8x128256x80",
                     help="offload: HIDDENxINTERMEDIATExHEADSxKV_HEADSxVOCABxLAYERS of the Llama-shaped teacher (default: Llama-3-70B)")
     ap.add_argument("--offload-layers", type=int, default=4, help="offload: decoder layers built and converted")
     ap.add_argument("--offload-text", default="16x256", help="offload: calibration SAMPLESxLENGTH")
     ap.add_argument("--offload-steps", type=int, default=20, help="offload: align steps")
     args = parse(ap, argv, {"model": str(STORIES), **SMOKE})
+    if args.fsdp_one:
+        return args
     if args.smoke:
         import surgery.core.compiled
 
         surgery.core.compiled.BACKEND = "aot_eager"  # as the tests compile: inductor's C++ builds take minutes on the CPU
-    if not args.model and not args.random and set(args.sections.split(",")) - {"offload"}:  # offload builds its own teacher
-        ap.error("name a teacher with --model, or pass --random (SmolLM2-135M's shapes, random weights)")
     check_names(ap, args.sections, SECTIONS, "section(s)")
+    check_names(ap, args.fsdp_modes, FSDP_MODES, "fsdp mode(s)")
+    if not args.model and not args.random and set(args.sections.split(",")) - {"offload", "fsdp"}:  # these build their own teachers
+        ap.error("name a teacher with --model, or pass --random (SmolLM2-135M's shapes, random weights)")
     return args
 
 
@@ -116,7 +155,7 @@ class Setup:
             from surgery.core.load import load_model
             self.teacher.tokenizer = load_model(str(STORIES))[1]
         print(f"# teacher captured in {time.perf_counter() - start:.1f} s (max_length {self.limit})", flush=True)
-        self._hybrid = None
+        self._hybrid = self._applied = None
 
     @property
     def vocab(self) -> int:
@@ -132,6 +171,22 @@ class Setup:
             self._hybrid = load(self.work / "hybrid", device=self.device, dtype=self.dtype)
         return self._hybrid
 
+    @property
+    def applied(self):
+        """The same hybrid as `surgery apply --passes select,replace` (the CLI, a subprocess) saves it,
+        loaded back with surgery.load (--random: the random teacher saved first, as a folder the CLI reads)."""
+        if self._applied is None:
+            source = self.args.model
+            if self.args.random:
+                source = self.work / "teacher_hf"
+                self.model.save_pretrained(source)
+                self.teacher.tokenizer.save_pretrained(source)
+            dtype = str(self.dtype).removeprefix("torch.")
+            surgery_cli("apply", "--model", str(source), "--passes", "select,replace", "--keep-ratio", str(self.args.keep_ratio),
+                        "--out", str(self.work / "applied"), "--force", "--dtype", dtype, "--device", str(self.device))
+            self._applied = load(self.work / "applied", device=self.device, dtype=self.dtype)
+        return self._applied
+
     def ids(self, batch: int, length: int) -> torch.Tensor:
         return torch.randint(0, self.vocab, (batch, length), generator=torch.Generator().manual_seed(length + batch)).to(self.device)
 
@@ -146,8 +201,10 @@ def free(device) -> None:
 
 def prefill(s: Setup, rows: Rows) -> None:
     """transformers' forward (anchor); the eager graph.logits (the reference every check uses); the
-    public default path surgery.fast_logits (on CUDA: causal flags, compiling once eager calls paid
-    for it) and the same with compile=True (what the default becomes on a long run)."""
+    public default path surgery.fast_logits (on CUDA: causal flags, the eager graph replayed as a CUDA
+    graph from a shape's second call, compiling once eager calls paid for it) and the same with
+    compile=True, for teacher and hybrid; the hybrid `surgery apply` saved, on the default path, beside
+    the one surgery.save wrote. --profile: the top kernels of one hybrid eager forward per shape."""
     a = s.args
     for length, batch in pairs(a.shapes):
         ids, config = s.ids(batch, length), f"{length} x {batch}"
@@ -157,15 +214,52 @@ def prefill(s: Setup, rows: Rows) -> None:
             rows.add("transformers forward (teacher)", config, "prefill", hf, "ms")
             anchor = ("transformers", hf)
             rows.add("teacher graph.logits (eager)", config, "prefill", time_of(lambda: s.teacher.logits(ids)), "ms", anchor)
+            rows.add("teacher fast_logits (default)", config, "prefill", time_of(lambda: fast_logits(s.teacher, ids)), "ms", anchor)
             teacher_c = time_of(lambda: fast_logits(s.teacher, ids, compile=True))
             rows.add("teacher fast_logits, compiled", config, "prefill", teacher_c, "ms", anchor)
             rows.add(f"{s.label()}: surgery.load -> graph.logits (eager)", config, "prefill", time_of(lambda: s.hybrid.logits(ids)), "ms", anchor)
-            rows.add(f"{s.label()}: fast_logits (default)", config, "prefill", time_of(lambda: fast_logits(s.hybrid, ids)), "ms", anchor)
+            default = time_of(lambda: fast_logits(s.hybrid, ids))
+            rows.add(f"{s.label()}: fast_logits (default)", config, "prefill", default, "ms", anchor)
             hybrid_c = time_of(lambda: fast_logits(s.hybrid, ids, compile=True))
             rows.add(f"{s.label()}: fast_logits, compiled", config, "prefill", hybrid_c, "ms", anchor)
             rows.add(f"{s.label()}: fast_logits, compiled", config, "prefill", hybrid_c, "ms", ("compiled teacher", teacher_c))
+            applied_default(s, rows, ids, config, default)
+            if a.profile:
+                top_kernels(lambda: s.hybrid.logits(ids), s.device, f"{s.label()} eager forward, {config}")
         del ids
         free(s.device)
+
+
+def applied_default(s: Setup, rows: Rows, ids: torch.Tensor, config: str, saved_ms: float) -> None:
+    """The `surgery apply` hybrid on the default path, anchored to the surgery.save one's time."""
+    if ids.shape[1] > s.applied.max_length:
+        rows.note(f"surgery apply's hybrid: skipped at {config} (its position limit is {s.applied.max_length}; `surgery apply` has no --max-length)")
+        return
+    ms = median_ms(lambda: fast_logits(s.applied, ids), s.device, s.args.repeats, warmup=3)
+    rows.add(f"{s.label()}: surgery apply -> surgery.load, fast_logits (default)", config, "prefill", ms, "ms", ("surgery.save -> load", saved_ms))
+
+
+def top_kernels(fn, device: torch.device, label: str, top: int = 15) -> None:
+    """torch.profiler on one call of fn (already warm): the `top` CUDA kernels by total time (on the
+    CPU: the top ops by self time), printed as name | calls | ms."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    with profile(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]) as prof:
+        fn()
+        sync(device)
+    if cuda:
+        events = [e for e in prof.key_averages() if getattr(e, "device_type", None) == DeviceType.CUDA]
+        total = lambda e: e.self_device_time_total  # noqa: E731  (a kernel's own time: microseconds)
+    else:
+        events, total = list(prof.key_averages()), lambda e: e.self_cpu_time_total  # noqa: E731
+    events.sort(key=total, reverse=True)
+    all_ms = sum(total(e) for e in events) / 1000
+    print(f"\n{label}: top {top} {'CUDA kernels' if cuda else 'CPU ops'} of {len(events)}, {all_ms:.2f} ms in all\n"
+          "| kernel | calls | ms |\n|---|---:|---:|", flush=True)
+    for e in events[:top]:
+        print(f"| {e.key[:120]} | {e.count} | {total(e) / 1000:.3f} |", flush=True)
 
 
 def decoder_of(graph, compile_flag: str) -> Decoder:
@@ -330,6 +424,97 @@ def apply_wall(args, work: Path, rows: Rows) -> None:
     rows.add("surgery apply", "cold against warm", "wall", cold, "s", ("warm", warm))
 
 
+def fsdp_teacher(shape: str, device: torch.device, seq_len: int):
+    """The fsdp section's teacher graph: stories260K, or a random-weight Llama of FSDP_SHAPES built on
+    the device in its dtype (an 8B one would take 32 GB of float32 on the CPU first)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    if shape == "stories":
+        return capture(STORIES, device=device, dtype=dtype, max_length=seq_len)
+    torch.manual_seed(0)
+    with torch.device(device):
+        config = LlamaConfig(**(FSDP_SHAPES[shape] | {"max_position_embeddings": seq_len}))
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa").eval()
+    graph = capture(model, device=device, dtype=dtype, max_length=seq_len)
+    from surgery.core.load import load_model
+    graph.tokenizer = load_model(str(STORIES))[1]  # ids below 512: any vocabulary takes them
+    return graph
+
+
+def fsdp_one(spec: dict) -> dict:
+    """One fsdp row in this process: build the pair, distill, measure (the child of fsdp_section)."""
+    from surgery.train.trainer import Trainer
+
+    Trainer.save = lambda self, *a, **k: None  # measure training, not writing checkpoints
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    out = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu"}
+    start = time.perf_counter()
+    teacher = fsdp_teacher(spec["shape"], device, spec["seq_len"])
+    student = teacher.branch()
+    PassManager(["select", "replace"], {"select": {"keep_ratio": spec["keep_ratio"]}})(student)
+    student.gm.float()
+    out["build_s"] = round(time.perf_counter() - start, 1)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        out["resident_gib"] = torch.cuda.memory_allocated() / 2**30
+        torch.cuda.reset_peak_memory_stats()
+    batch, seq_len, mode = spec["batch"], spec["seq_len"], spec["mode"]
+    config = DistillConfig(tokens=spec["steps"] * batch * seq_len, stage="kl", seq_len=seq_len, global_batch=batch, micro_batch=spec["micro"],
+                           warmup=0.0, compile=False, lr_kl_rest=spec["lr_rest"], grad_checkpoint=spec["checkpoint"],
+                           fsdp=mode != "plain", fsdp_offload=mode == "fsdp_offload")
+    with tempfile.TemporaryDirectory() as folder:
+        start = time.perf_counter()
+        try:
+            result = distill(student, [str(SAMPLE)], Path(folder) / "run", config, teacher=teacher, device=device, progress=False)
+            out.update(tokens_per_s=steady_tokens_per_s(Path(folder) / "run", skip=1), tokens_per_s_all=result["tokens_per_s"], loss=result["loss"])
+        except (SurgeryError, torch.OutOfMemoryError) as exc:
+            out["oom" if "memory" in str(exc).lower() else "error"] = str(exc).splitlines()[0][:300]
+        out["train_s"] = round(time.perf_counter() - start, 1)
+    if device.type == "cuda":
+        out["peak_alloc_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        out["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
+    out["peak_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    return out
+
+
+def fsdp_child(args, spec: dict) -> dict:
+    """fsdp_one in a process of its own (its peak memory is its own; an out-of-memory kill ends only it)."""
+    command = [sys.executable, str(Path(__file__).resolve()), "--sections", "fsdp", "--fsdp-one", json.dumps(spec)]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=args.fsdp_timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {args.fsdp_timeout:g} s"}
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    return json.loads(lines[-1]) if lines else {"error": f"exit {done.returncode}: {done.stderr.strip()[-600:]}"}
+
+
+def fsdp_section(args, rows: Rows) -> None:
+    """Each mode (plain first: the anchor) at each batch, ascending, until one does not fit; then the
+    mode's largest batch that fit, anchored to plain's."""
+    modes = sorted(args.fsdp_modes.split(","), key=lambda m: m != "plain")
+    batches = sorted(int(b) for b in args.fsdp_batches.split(","))
+    name = f"{args.fsdp_shape} pair, keep {args.keep_ratio:g}: surgery.distill"
+    plain, largest = {}, {}
+    for mode in modes:
+        for batch in batches:
+            spec = {"mode": mode, "batch": batch, "shape": args.fsdp_shape, "keep_ratio": args.keep_ratio, "seq_len": args.fsdp_seq_len,
+                    "micro": args.fsdp_micro, "steps": args.fsdp_steps, "lr_rest": args.fsdp_lr_rest, "checkpoint": args.fsdp_checkpoint}
+            got = fsdp_child(args, spec)
+            config, base = f"{mode}, {batch} x {args.fsdp_seq_len}", plain.get(batch, {})
+            anchor = lambda key: ("plain", base[key]) if mode != "plain" and base.get(key) else None  # noqa: E731
+            rows.add(name, config, "training", got.get("tokens_per_s"), "tokens/s", anchor("tokens_per_s"), **spec, **got)
+            if "peak_alloc_gib" in got:
+                rows.add(name, config, "peak GPU memory (allocated)", got["peak_alloc_gib"], "GiB", anchor("peak_alloc_gib"))
+            if "peak_rss_gib" in got:
+                rows.add(name, config, "peak CPU memory (RSS)", got["peak_rss_gib"], "GiB", anchor("peak_rss_gib"))
+            plain[batch] = got if mode == "plain" else base
+            if got.get("tokens_per_s") is None:
+                break  # a larger batch will not fit either
+            largest[mode] = batch
+        anchor = ("plain", largest["plain"]) if mode != "plain" and largest.get("plain") else None
+        rows.add(name, f"{mode}, batches {args.fsdp_batches} x {args.fsdp_seq_len}", "largest batch that fits", largest.get(mode),
+                 "sequences", anchor)
 # ---- offload (issue 32): a teacher larger than one device, converted layer by layer -------------------
 
 def offloaded_conversion(args, rows: Rows) -> None:
@@ -394,6 +579,9 @@ def peak_bytes(device, live) -> int:
 
 def main(argv=None) -> Rows:
     args = arguments(argv)
+    if args.fsdp_one:
+        print(json.dumps(fsdp_one(json.loads(args.fsdp_one))), flush=True)
+        return Rows()
     rows = Rows(args.json)
     sections = args.sections.split(",")
     with tempfile.TemporaryDirectory(prefix="bench_speed.") as folder:
@@ -406,6 +594,8 @@ def main(argv=None) -> Rows:
                 apply_wall(args, work, rows)
             elif section == "offload":
                 offloaded_conversion(args, rows)
+            elif section == "fsdp":
+                fsdp_section(args, rows)
             else:
                 runs[section](setup, rows)
             print(f"# {section}: {time.perf_counter() - start:.1f} s", flush=True)

@@ -1,5 +1,7 @@
-"""The bench harness runs: every entry point answers --help, and the smoke modes of bench/speed.py and
-bench/quality.py measure stories260K on the CPU and print rows in the one format (bench/harness.py)."""
+"""The bench harness runs: bench/ has at most 8 entry points, each named in harness.py's docstring and
+answering --help, and the smoke modes of bench/speed.py (prefill with --profile and the `surgery apply`
+hybrid, generate, decode, fsdp) and bench/quality.py (the ablation, --mixers) measure stories260K on
+the CPU and print rows in the one format (bench/harness.py)."""
 from __future__ import annotations
 
 import json
@@ -18,6 +20,15 @@ from bench import harness, quality, speed  # noqa: E402
 from tests.cli_checks import invoke  # noqa: E402
 
 ENTRY_POINTS = ("speed.py", "quality.py", "recovery.py", "sweep.py", "lm_eval_task.py")
+
+
+def test_at_most_eight_entry_points_each_listed_in_the_harness():
+    """An entry point: a shell script, or a Python file run as __main__ (modules, harness.py included, are not)."""
+    found = sorted(p.name for p in (ROOT / "bench").iterdir()
+                   if p.suffix == ".sh" or (p.suffix == ".py" and 'if __name__ == "__main__"' in p.read_text()))
+    assert set(ENTRY_POINTS) <= set(found) and len(found) <= 8, found
+    for name in found:
+        assert f"bench/{name}" in harness.__doc__, name
 
 
 @pytest.mark.parametrize("script", ENTRY_POINTS)
@@ -57,25 +68,54 @@ def test_rows_format(tmp_path, capsys):
     check_rows(rows, tmp_path / "r.jsonl")
 
 
-def test_speed_smoke(tmp_path, capsys):
-    out = tmp_path / "speed.jsonl"
-    rows = speed.main(["--smoke", "--sections", "prefill,generate,decode", "--shapes", "24x1", "--decode-batches", "1",
-                       "--decode-compile", "off", "--decode-context", "16", "--generate-lengths", "16", "--repeats", "1",
-                       "--json", str(out)])
-    check_rows(rows, out)
-    names = {(r["name"], r["metric"]) for r in rows.rows}
-    assert ("transformers forward (teacher)", "prefill") in names
-    assert ("hybrid 75% GDN: fast_logits (default)", "prefill") in names and ("teacher fast_logits, compiled", "prefill") in names
-    assert ("hybrid 75% GDN: surgery.generate (surgery.load)", "time to first token") in names
-    assert ("hybrid 75% GDN: Decoder (surgery.load)", "decode step") in names
-    assert "| hybrid 75% GDN: Decoder (surgery.load) | context 16 x 1, compile off | decode step |" in capsys.readouterr().out
-
-
 def in_process_cli(*args: str, env=None) -> dict:
     """`surgery ...` in this process (a subprocess would import torch again: seconds per call)."""
     result = invoke(CliRunner(), *args)
     assert result.exit_code == 0, result.output
-    return json.loads([line for line in result.stdout.splitlines() if line.startswith("{")][-1])
+    lines = [line for line in result.stdout.splitlines() if line.startswith("{")]
+    return json.loads(lines[-1]) if lines else {}
+
+
+def test_speed_smoke(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(speed, "surgery_cli", in_process_cli)
+    out = tmp_path / "speed.jsonl"
+    rows = speed.main(["--smoke", "--sections", "prefill,generate,decode", "--shapes", "24x1", "--decode-batches", "1",
+                       "--decode-compile", "off", "--decode-context", "16", "--generate-lengths", "16", "--repeats", "1",
+                       "--profile", "--json", str(out)])
+    check_rows(rows, out)
+    names = {(r["name"], r["metric"]) for r in rows.rows}
+    assert ("transformers forward (teacher)", "prefill") in names
+    assert ("hybrid 75% GDN: fast_logits (default)", "prefill") in names and ("teacher fast_logits, compiled", "prefill") in names
+    assert ("hybrid 75% GDN: fast_logits, compiled", "prefill") in names and ("teacher fast_logits (default)", "prefill") in names
+    applied = next(r for r in rows.rows if r["name"] == "hybrid 75% GDN: surgery apply -> surgery.load, fast_logits (default)")
+    assert applied["anchor"] == "surgery.save -> load"
+    assert ("hybrid 75% GDN: surgery.generate (surgery.load)", "time to first token") in names
+    assert ("hybrid 75% GDN: Decoder (surgery.load)", "decode step") in names
+    printed = capsys.readouterr().out
+    assert "| hybrid 75% GDN: Decoder (surgery.load) | context 16 x 1, compile off | decode step |" in printed
+    top = printed.split("top 15 CPU ops of ")[1].split("|---|---:|---:|\n")[1].splitlines()[:15]  # --profile's table
+    assert all(line.startswith("| ") and line.count(" | ") == 2 and float(line.split(" | ")[2].rstrip(" |")) >= 0 for line in top), top
+
+
+def test_speed_fsdp_smoke(tmp_path, monkeypatch):
+    """The fsdp section (each row's child run in this process): plain is every row's anchor, and each
+    mode reports the largest batch that fit."""
+    monkeypatch.setattr(speed, "fsdp_child", lambda args, spec: speed.fsdp_one(spec))
+    out = tmp_path / "fsdp.jsonl"
+    rows = speed.main(["--smoke", "--sections", "fsdp", "--fsdp-modes", "fsdp_offload,plain", "--fsdp-batches", "2",
+                       "--fsdp-steps", "2", "--fsdp-seq-len", "32", "--json", str(out)])
+    check_rows(rows, out)
+    assert [r["mode"] for r in rows.rows if r["metric"] == "training"] == ["plain", "fsdp_offload"]  # plain first: the anchor
+    offload = next(r for r in rows.rows if r["metric"] == "training" and r["mode"] == "fsdp_offload")
+    assert offload["anchor"] == "plain" and offload["tokens_per_s"] == offload["value"] and offload["batch"] == 2
+    largest = [r for r in rows.rows if r["metric"] == "largest batch that fits"]
+    assert [r["value"] for r in largest] == [2, 2] and largest[1]["anchor"] == "plain"
+
+
+def test_speed_refuses_an_unknown_fsdp_mode(capsys):
+    with pytest.raises(SystemExit):
+        speed.main(["--smoke", "--sections", "fsdp", "--fsdp-modes", "plain,zero3"])
+    assert "unknown fsdp mode(s) zero3; known: plain, fsdp, fsdp_offload" in capsys.readouterr().err
 
 
 def test_quality_smoke(tmp_path, monkeypatch):
@@ -105,3 +145,35 @@ def test_apply_phases_times_every_phase(tmp_path, stories_path):
         assert phase in rows, (phase, done.stderr[-2000:])
     wall = [float(r[0]) for name, r in rows.items() if name != "total"]
     assert sum(wall) == pytest.approx(float(rows["total"][0]), abs=0.1) and (out / "recipe.json").is_file()
+
+
+def test_quality_mixers_smoke(tmp_path, monkeypatch):
+    """--mixers: per mixer, perplexity, block error and decode state bytes (anchored to the copy-only
+    baseline and the teacher), through save, and `surgery apply --set replace.mixer=M` -> `surgery eval`."""
+    monkeypatch.setattr(quality, "surgery_cli", in_process_cli)
+    out = tmp_path / "mixers.jsonl"
+    rows = quality.main(["--smoke", "--mixers", "gdn,swa", "--rows", "baseline,phase1+2", "--cli-apply", "--json", str(out)])
+    check_rows(rows, out)
+    by = {(r["name"], r["config"], r["metric"]): r for r in rows.rows}
+    for mixer in ("gdn", "swa"):
+        config = f"keep 0.50, uniform, {mixer}"
+        state = by[("baseline", config, "decode state, context 256")]
+        assert state["anchor"] == "teacher" and state["ratio"] > 1  # fewer bytes than the teacher's KV cache
+        assert by[("phase1+2", config, "block error, 2 x 128 tokens")]["anchor"] == "baseline"
+        applied = by[("phase1+2", config, "calibration_sample.txt ppl, surgery apply -> surgery eval")]
+        assert applied["anchor"] == "in memory"
+    gdn = by[("phase1+2", "keep 0.50, uniform, gdn", "block error, 2 x 128 tokens")]
+    assert gdn["ratio"] > 1.5  # Taylor-Calibrate cuts the converted blocks' error well below copy-only's
+
+
+def test_quality_kernel_check_needs_cuda():
+    with pytest.raises(SystemExit, match="--kernel-check compares fla's CUDA kernels"):
+        quality.main(["--kernel-check", "--device", "cpu"])
+
+
+def test_quality_set_accumulates_after_the_smoke_settings():
+    """Every --set counts, after --smoke's own (a repeated --set used to keep only the last)."""
+    args = quality.arguments(["--smoke", "--set", "select.policy=convert", "--set", "select.layers=1,3", "align.steps=3"])
+    passes, configs = quality.row_configs(args, "phase1+2", 0.5, "uniform", "gla")
+    assert configs["select"]["policy"] == "convert" and configs["select"]["layers"] == "1,3"
+    assert configs["align"]["steps"] == "3" and configs["calibrate"]["samples"] == "2" and configs["replace"]["mixer"] == "gla"
