@@ -45,6 +45,7 @@ hence --fsdp-lr-rest 0 there (its default: only the GDN layers train).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import resource
@@ -63,6 +64,8 @@ import torch  # noqa: E402
 from bench.harness import (SMOLLM2_SHAPE, STORIES, SAMPLE, Rows, check_names, common_args, median_ms, parse,  # noqa: E402
                            placement, random_smollm2, surgery_cli, sync, transformers_teacher)
 from surgery import Decoder, DistillConfig, PassManager, capture, distill, export, fast_logits, generate, load, save  # noqa: E402
+from surgery.core.run import run_graph  # noqa: E402
+from surgery.decode.fast import FastGraph  # noqa: E402
 from surgery.errors import SurgeryError  # noqa: E402
 
 SECTIONS = ("prefill", "generate", "decode", "export", "distill", "apply", "fsdp", "offload")
@@ -220,6 +223,8 @@ def prefill(s: Setup, rows: Rows) -> None:
             rows.add(f"{s.label()}: surgery.load -> graph.logits (eager)", config, "prefill", time_of(lambda: s.hybrid.logits(ids)), "ms", anchor)
             default = time_of(lambda: fast_logits(s.hybrid, ids))
             rows.add(f"{s.label()}: fast_logits (default)", config, "prefill", default, "ms", anchor)
+            fused = fused_norms_runner(s.hybrid)
+            rows.add(f"{s.label()}: default route + fused norms", config, "prefill", time_of(lambda: fused(ids)), "ms", ("default", default))
             hybrid_c = time_of(lambda: fast_logits(s.hybrid, ids, compile=True))
             rows.add(f"{s.label()}: fast_logits, compiled", config, "prefill", hybrid_c, "ms", anchor)
             rows.add(f"{s.label()}: fast_logits, compiled", config, "prefill", hybrid_c, "ms", ("compiled teacher", teacher_c))
@@ -228,6 +233,14 @@ def prefill(s: Setup, rows: Rows) -> None:
                 top_kernels(lambda: s.hybrid.logits(ids), s.device, f"{s.label()} eager forward, {config}")
         del ids
         free(s.device)
+
+
+def fused_norms_runner(graph):
+    """ids -> logits on the default route with fused RMSNorms on (surgery.decode.fused_norms; off by
+    default, FUSED_NORMS_BY_DEFAULT, until this row measures it)."""
+    fast = FastGraph(graph.gm, graph.device, "eval", None, limit=graph.max_length, label="graph with fused norms")
+    fast.route = dataclasses.replace(fast.route, fused_norms=True)
+    return lambda ids: run_graph(graph, ids, fast)
 
 
 def applied_default(s: Setup, rows: Rows, ids: torch.Tensor, config: str, saved_ms: float) -> None:
@@ -262,15 +275,15 @@ def top_kernels(fn, device: torch.device, label: str, top: int = 15) -> None:
         print(f"| {e.key[:120]} | {e.count} | {total(e) / 1000:.3f} |", flush=True)
 
 
-def decoder_of(graph, compile_flag: str) -> Decoder:
+def decoder_of(graph, compile_flag: str, fuse_norms: bool | None = None) -> Decoder:
     """A Decoder as `surgery generate` builds one; if its self-check refuses (bf16 rounding of random
     weights can exceed its tolerance), one without the check: speed does not depend on it."""
     flag = {"on": True, "off": False, "default": None}[compile_flag]
     try:
-        return Decoder(graph, compile=flag)
+        return Decoder(graph, compile=flag, fuse_norms=fuse_norms)
     except SurgeryError as exc:
         print(f"# Decoder self-check refused ({str(exc).splitlines()[0]}); timing without it", flush=True)
-        return Decoder(graph, verify=False, compile=flag)
+        return Decoder(graph, verify=False, compile=flag, fuse_norms=fuse_norms)
 
 
 def time_to_first_token(s: Setup, rows: Rows) -> None:
@@ -318,10 +331,10 @@ def hf_generate(model, ids, new_tokens: int) -> tuple[float, float]:
     return 1000 * (t[0] - start), 1000 * (end - t[0]) / max(len(t) - 1, 1)
 
 
-def decoder_step_ms(s: Setup, graph, batch: int, ids: torch.Tensor) -> float:
+def decoder_step_ms(s: Setup, graph, batch: int, ids: torch.Tensor, fuse_norms: bool | None = None) -> float:
     """ms of one Decoder.step at the prompt's length (the prompt prefilled in pieces whose logits fit)."""
     a = s.args
-    decoder = decoder_of(graph, a.decode_compile)
+    decoder = decoder_of(graph, a.decode_compile, fuse_norms)
     decoder.reset(batch, ids.shape[1] + a.decode_steps + 8)
     chunk = max(256, LOGITS_BUDGET // (batch * s.vocab * 2))
     with torch.no_grad():
@@ -347,6 +360,11 @@ def decode(s: Setup, rows: Rows) -> None:
         hybrid = decoder_step_ms(s, s.hybrid, batch, ids)
         rows.add(f"{s.label()}: Decoder (surgery.load)", config, "decode step", hybrid, "ms", ("teacher Decoder", teacher))
         rows.add(f"{s.label()}: Decoder (surgery.load)", config, "decode step", hybrid, "ms", ("transformers", hf))
+        free(s.device)
+        for label, graph, anchor in (("teacher graph", s.teacher, teacher), (s.label(), s.hybrid, hybrid)):  # off by default until measured
+            fused = decoder_step_ms(s, graph, batch, ids, fuse_norms=True)
+            rows.add(f"{label}: Decoder, fused norms", config, "decode step", fused, "ms", ("default", anchor))
+            free(s.device)
         del ids
         free(s.device)
 
