@@ -462,9 +462,15 @@ def fsdp_teacher(shape: str, device: torch.device, seq_len: int):
 
 def fsdp_one(spec: dict) -> dict:
     """One fsdp row in this process: build the pair, distill, measure (the child of fsdp_section)."""
+    from unittest import mock
+
     from surgery.train.trainer import Trainer
 
-    Trainer.save = lambda self, *a, **k: None  # measure training, not writing checkpoints
+    with mock.patch.object(Trainer, "save", lambda self, *a, **k: None):  # training measured, not checkpoint writes
+        return measured_fsdp_row(spec)
+
+
+def measured_fsdp_row(spec: dict) -> dict:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     out = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu"}
     start = time.perf_counter()
