@@ -96,6 +96,8 @@ def arguments(argv=None) -> argparse.Namespace:
     ap.add_argument("--decode-context", type=int, default=65536)
     ap.add_argument("--decode-batches", default="1,16")
     ap.add_argument("--decode-steps", type=int, default=32, help="timed steps (and transformers' new tokens)")
+    ap.add_argument("--decode-mixers", default="", help="decode: other replace.mixer values timed too (e.g. gla,kda,mamba2,swa), "
+                    "with their cache bytes")
     ap.add_argument("--decode-compile", default="on", choices=("on", "off", "default"), help="the Decoders' compile flag")
     ap.add_argument("--export-contexts", default="4096,32768")
     ap.add_argument("--new-tokens", type=int, default=32, help="export: tokens generated after the prompt")
@@ -167,12 +169,16 @@ class Setup:
     @property
     def hybrid(self):
         if self._hybrid is None:
-            graph = self.teacher.branch()
-            PassManager(["select", "replace"], {"select": {"keep_ratio": self.args.keep_ratio}})(graph)
-            save(graph, self.work / "hybrid", force=True)
-            del graph
-            self._hybrid = load(self.work / "hybrid", device=self.device, dtype=self.dtype)
+            self._hybrid = self.hybrid_of("gdn")
         return self._hybrid
+
+    def hybrid_of(self, mixer: str):
+        """select + replace (replace.mixer = mixer) at --keep-ratio, saved and loaded with surgery.load."""
+        graph = self.teacher.branch()
+        PassManager(["select", "replace"], {"select": {"keep_ratio": self.args.keep_ratio}, "replace": {"mixer": mixer}})(graph)
+        save(graph, self.work / f"hybrid_{mixer}", force=True)
+        del graph
+        return load(self.work / f"hybrid_{mixer}", device=self.device, dtype=self.dtype)
 
     @property
     def applied(self):
@@ -331,8 +337,9 @@ def hf_generate(model, ids, new_tokens: int) -> tuple[float, float]:
     return 1000 * (t[0] - start), 1000 * (end - t[0]) / max(len(t) - 1, 1)
 
 
-def decoder_step_ms(s: Setup, graph, batch: int, ids: torch.Tensor, fuse_norms: bool | None = None) -> float:
-    """ms of one Decoder.step at the prompt's length (the prompt prefilled in pieces whose logits fit)."""
+def decoder_step_ms(s: Setup, graph, batch: int, ids: torch.Tensor, fuse_norms: bool | None = None, state: dict | None = None) -> float:
+    """ms of one Decoder.step at the prompt's length (the prompt prefilled in pieces whose logits fit);
+    `state`, if given, gets the Decoder's cache bytes at that length ("total")."""
     a = s.args
     decoder = decoder_of(graph, a.decode_compile, fuse_norms)
     decoder.reset(batch, ids.shape[1] + a.decode_steps + 8)
@@ -342,6 +349,8 @@ def decoder_step_ms(s: Setup, graph, batch: int, ids: torch.Tensor, fuse_norms: 
             decoder.prefill(ids[:, start:start + chunk])
         token = ids[:, :1]
         ms = median_ms(lambda: decoder.step(token), s.device, a.decode_steps, warmup=3)
+    if state is not None:
+        state.update(decoder.cache_bytes())
     decoder.reset()
     return ms
 
@@ -354,7 +363,8 @@ def decode(s: Setup, rows: Rows) -> None:
         hf = hf_generate(s.model, ids, a.decode_steps)[1]
         rows.add("transformers generate (teacher)", config, "decode step", hf, "ms")
         free(s.device)
-        teacher = decoder_step_ms(s, s.teacher, batch, ids)
+        teacher_state = {}
+        teacher = decoder_step_ms(s, s.teacher, batch, ids, state=teacher_state)
         rows.add("teacher graph: Decoder", config, "decode step", teacher, "ms", ("transformers", hf))
         free(s.device)
         hybrid = decoder_step_ms(s, s.hybrid, batch, ids)
@@ -365,7 +375,23 @@ def decode(s: Setup, rows: Rows) -> None:
             fused = decoder_step_ms(s, graph, batch, ids, fuse_norms=True)
             rows.add(f"{label}: Decoder, fused norms", config, "decode step", fused, "ms", ("default", anchor))
             free(s.device)
+        mixer_decode(s, rows, batch, ids, config, teacher, teacher_state["total"])
         del ids
+        free(s.device)
+
+
+def mixer_decode(s: Setup, rows: Rows, batch: int, ids: torch.Tensor, config: str, teacher_ms: float, teacher_bytes: int) -> None:
+    """--decode-mixers: the same hybrid with each other replace.mixer (issue 31): its Decoder step and
+    the bytes its caches hold at the context, against the teacher's (KV cache) and its step."""
+    if not s.args.decode_mixers:
+        return
+    for mixer in s.args.decode_mixers.split(","):
+        graph, state = s.hybrid_of(mixer), {}
+        ms = decoder_step_ms(s, graph, batch, ids, state=state)
+        label = f"hybrid {100 - 100 * s.args.keep_ratio:.0f}% {mixer}"
+        rows.add(f"{label}: Decoder (surgery.load)", config, "decode step", ms, "ms", ("teacher Decoder", teacher_ms))
+        rows.add(f"{label}: Decoder caches", config, "cache bytes", state["total"] / 2**30, "GiB", ("teacher", teacher_bytes / 2**30))
+        del graph
         free(s.device)
 
 

@@ -81,7 +81,7 @@ def test_speed_smoke(tmp_path, capsys, monkeypatch):
     out = tmp_path / "speed.jsonl"
     rows = speed.main(["--smoke", "--sections", "prefill,generate,decode", "--shapes", "24x1", "--decode-batches", "1",
                        "--decode-compile", "off", "--decode-context", "16", "--generate-lengths", "16", "--repeats", "1",
-                       "--profile", "--json", str(out)])
+                       "--decode-mixers", "mamba2", "--profile", "--json", str(out)])
     check_rows(rows, out)
     names = {(r["name"], r["metric"]) for r in rows.rows}
     assert ("transformers forward (teacher)", "prefill") in names
@@ -91,6 +91,9 @@ def test_speed_smoke(tmp_path, capsys, monkeypatch):
     assert applied["anchor"] == "surgery.save -> load"
     assert ("hybrid 75% GDN: surgery.generate (surgery.load)", "time to first token") in names
     assert ("hybrid 75% GDN: Decoder (surgery.load)", "decode step") in names
+    assert ("hybrid 75% GDN: default route + fused norms", "prefill") in names and ("teacher graph: Decoder, fused norms", "decode step") in names
+    caches = next(r for r in rows.rows if r["name"] == "hybrid 75% mamba2: Decoder caches")  # --decode-mixers
+    assert caches["anchor"] == "teacher" and caches["ratio"] > 1 and ("hybrid 75% mamba2: Decoder (surgery.load)", "decode step") in names
     printed = capsys.readouterr().out
     assert "| hybrid 75% GDN: Decoder (surgery.load) | context 16 x 1, compile off | decode step |" in printed
     top = printed.split("top 15 CPU ops of ")[1].split("|---|---:|---:|\n")[1].splitlines()[:15]  # --profile's table
