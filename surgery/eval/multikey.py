@@ -6,7 +6,8 @@ from __future__ import annotations
 import random
 
 from ..errors import SurgeryError
-from .needles import filler_tokens, grid, score_task, splice
+from .needles import grid, score_task, splice
+from .passkey import filler_tokens
 
 TASK = ("Some special magic numbers are hidden inside a lot of irrelevant text. Find them and memorize them. "
         "I will quiz you about one of them.\n")
@@ -21,7 +22,7 @@ def make_trials(tokenizer, filler_files, lengths, depths: int, trials_per_depth:
     depth, the others at seeded random depths."""
     if not 1 <= keys <= len(NAMES):
         raise SurgeryError(f"Multi-key needs 1 to {len(NAMES)} keys, got {keys}.", "Use e.g. 4 keys.")
-    filler = filler_tokens(tokenizer, filler_files, lengths, depths, trials_per_depth)
+    filler = filler_tokens(tokenizer, filler_files, lengths, depths, trials_per_depth, "Multi-key")
     rng = random.Random(seed)
     trials = []
     for length, depth in grid(lengths, depths, trials_per_depth):

@@ -7,7 +7,6 @@ from __future__ import annotations
 import torch
 
 from ..core.bos import lead_ids, leading_token
-from ..data.cache import token_stream
 from ..data.text import tokenize
 from ..errors import SurgeryError
 from .passkey import PasskeyTrial, greedy_answers, report
@@ -15,17 +14,6 @@ from .passkey import PasskeyTrial, greedy_answers, report
 
 def encode(tokenizer, text: str) -> list[int]:
     return tokenize(tokenizer, text).tolist()
-
-
-def filler_tokens(tokenizer, filler_files, lengths, depths: int, trials_per_depth: int) -> torch.Tensor:
-    """The corpus text the statements hide in, after the checks every task shares."""
-    if tokenizer is None:
-        raise SurgeryError("This model has no tokenizer, which the retrieval prompts need.",
-                           "Load the model from a directory or GGUF that carries one.")
-    if not lengths or min(lengths) < 1 or depths < 1 or trials_per_depth < 1:
-        raise SurgeryError("A retrieval task needs at least one length, one depth and one trial per depth.",
-                           "e.g. --lengths 1024,2048,4096 --depths 5 --trials 2")
-    return token_stream(tokenizer, [str(f) for f in filler_files] if filler_files else None)
 
 
 def grid(lengths, depths: int, trials_per_depth: int):

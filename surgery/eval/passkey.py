@@ -67,15 +67,20 @@ def build_trial(tokenizer, filler: torch.Tensor, length: int, depth: float, key:
     return PasskeyTrial(length, depth, key, torch.tensor(ids + answer, dtype=torch.long), len(ids))
 
 
-def make_trials(tokenizer, filler_files, lengths, depths: int, trials_per_depth: int, seed: int) -> list[PasskeyTrial]:
-    """`depths` evenly spaced depths in [0, 1] per length, `trials_per_depth` keys at each."""
+def filler_tokens(tokenizer, filler_files, lengths, depths: int, trials_per_depth: int, task: str = "Passkey") -> torch.Tensor:
+    """The corpus text a retrieval task's statements hide in, after the checks every such task shares."""
     if tokenizer is None:
-        raise SurgeryError("This model has no tokenizer, which the passkey prompts need.",
+        raise SurgeryError(f"This model has no tokenizer, which the {task} prompts need.",
                            "Load the model from a directory or GGUF that carries one.")
     if not lengths or min(lengths) < 1 or depths < 1 or trials_per_depth < 1:
-        raise SurgeryError("Passkey needs at least one length, one depth and one trial per depth.",
+        raise SurgeryError(f"{task} needs at least one length, one depth and one trial per depth.",
                            "e.g. --lengths 1024,2048,4096 --depths 5 --trials 2")
-    filler = token_stream(tokenizer, [str(f) for f in filler_files] if filler_files else None)
+    return token_stream(tokenizer, [str(f) for f in filler_files] if filler_files else None)
+
+
+def make_trials(tokenizer, filler_files, lengths, depths: int, trials_per_depth: int, seed: int) -> list[PasskeyTrial]:
+    """`depths` evenly spaced depths in [0, 1] per length, `trials_per_depth` keys at each."""
+    filler = filler_tokens(tokenizer, filler_files, lengths, depths, trials_per_depth)
     rng = random.Random(seed)
     trials = []
     for length in lengths:

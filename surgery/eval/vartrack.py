@@ -8,7 +8,8 @@ import random
 import string
 
 from ..errors import SurgeryError
-from .needles import filler_tokens, grid, score_task, splice
+from .needles import grid, score_task, splice
+from .passkey import filler_tokens
 
 TASK = "Memorize and track the chain of variable assignments hidden in the following text.\n"
 VALUE = "\nThe value of {name} is {value}.\n"
@@ -34,7 +35,7 @@ def make_trials(tokenizer, filler_files, lengths, depths: int, trials_per_depth:
     the trial's depth (its later statements after it, in order), the distractors at random depths."""
     if hops < 1 or chains < 1:
         raise SurgeryError(f"Variable tracking needs at least 1 hop and 1 chain, got {hops} and {chains}.", "Use e.g. 4 hops, 2 chains.")
-    filler = filler_tokens(tokenizer, filler_files, lengths, depths, trials_per_depth)
+    filler = filler_tokens(tokenizer, filler_files, lengths, depths, trials_per_depth, "Variable tracking")
     rng = random.Random(seed)
     trials = []
     for length, depth in grid(lengths, depths, trials_per_depth):
