@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from bench.recovery import median_rate, read_curve, selection
+from bench.recovery import kl_config, median_rate, read_curve, selection
 from bench.recovery_points import describe, retrieval_tables, target_rows, targets_table
 from surgery import PassManager, capture, load, save
 from surgery.core.pipeline import parse_options
@@ -132,16 +132,8 @@ def run_config(args, time_limit: float, **fields) -> DistillConfig:
     """The stage-2 KL recipe of the command line (plus `fields`), the same for both inits."""
     step = args.seq_len * args.global_batch
     tokens = max(args.tokens // step, 1) * step
-    cfg = dict(tokens=tokens, stage="kl", seq_len=args.seq_len, global_batch=args.global_batch, schedule=args.schedule,
-               warmup=args.warmup, eval_text=args.eval, eval_tokens=args.eval_tokens, eval_every=args.eval_every or max(tokens // 20, step),
-               save_every=args.save_every or max(tokens // 10, step), seed=args.seed, keep_checkpoints=1, time_limit=time_limit)
-    if args.lr is not None:
-        cfg |= {"lr_kl_new": args.lr, "lr_kl_copied": args.lr}
-    if args.lr_rest is not None:
-        cfg["lr_kl_rest"] = args.lr_rest
-    if args.micro_batch:
-        cfg["micro_batch"] = args.micro_batch
-    return DistillConfig.from_dict(cfg | fields)
+    cfg = kl_config(args, tokens, args.eval_every or max(tokens // 20, step), args.save_every or max(tokens // 10, step))
+    return DistillConfig.from_dict(cfg | {"seed": args.seed, "time_limit": time_limit} | fields)
 
 
 class Crossings:
