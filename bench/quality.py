@@ -246,6 +246,28 @@ def kernel_check(rows: Rows) -> bool:
                     rows.add(f"{mixer}: fla against PyTorch", f"{str(dtype).removeprefix('torch.')}, T={t}", what, error, "rel err",
                              ("tolerance", tolerance))
                     ok = ok and error <= tolerance
+    return swiglu_check(rows) and ok
+
+
+def swiglu_check(rows: Rows) -> bool:
+    """The fast route's SwiGLU kernel (surgery.decode.swiglu) against float32 silu(a) * b: contiguous
+    inputs and the two halves of one fused projection (strided views), decode and prefill sizes. The
+    kernel rounds once, so its error is at most the traced bf16 form's (anchor: that error)."""
+    import torch.nn.functional as F
+
+    from surgery.decode.swiglu import silu_mul_torch, silu_mul_triton
+
+    ok = True
+    for rows_, width in ((1, 1536), (4096, 1536), (3, 1000)):
+        both = torch.randn(rows_, 2 * width, device="cuda", generator=torch.Generator("cuda").manual_seed(rows_)).bfloat16()
+        for layout, (a, b) in (("contiguous", (both[:, :width].contiguous(), both[:, width:].contiguous())),
+                               ("strided", both.split(width, dim=-1))):
+            exact = F.silu(a.float()) * b.float()
+            err = lambda got: float((got.float() - exact).abs().max())  # noqa: E731
+            kernel, traced = err(silu_mul_triton(a, b)), err(silu_mul_torch(a, b))
+            rows.add("swiglu: Triton against float32", f"bfloat16, {rows_} x {width}, {layout}", "max abs err", kernel, "abs err",
+                     ("traced bf16 form", traced))
+            ok = ok and kernel <= traced
     return ok
 
 

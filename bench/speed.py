@@ -106,6 +106,7 @@ def arguments(argv=None) -> argparse.Namespace:
     ap.add_argument("--distill-modes", default="eager,compiled")
     ap.add_argument("--apply-args", default="", help="more `surgery apply` options, e.g. '--set align.steps=60'")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--no-compiled", action="store_true", help="prefill: leave out the compiled rows (a compile per shape and model)")
     ap.add_argument("--profile", action="store_true", help="prefill: torch.profiler on one hybrid eager forward per shape, "
                     "the top 15 CUDA kernels (CPU ops on the CPU) by total time")
     ap.add_argument("--fsdp-shape", choices=["stories", *FSDP_SHAPES], default="llama8b", help="fsdp: the random pair's shapes")
@@ -213,7 +214,8 @@ def prefill(s: Setup, rows: Rows) -> None:
     public default path surgery.fast_logits (on CUDA: causal flags, the eager graph replayed as a CUDA
     graph from a shape's second call, compiling once eager calls paid for it) and the same with
     compile=True, for teacher and hybrid; the hybrid `surgery apply` saved, on the default path, beside
-    the one surgery.save wrote. --profile: the top kernels of one hybrid eager forward per shape."""
+    the one surgery.save wrote. --profile: the top kernels of one hybrid forward per shape, on the
+    default route's eager graph (fused, not replayed: the profiler sees each kernel)."""
     a = s.args
     for length, batch in pairs(a.shapes):
         ids, config = s.ids(batch, length), f"{length} x {batch}"
@@ -224,28 +226,40 @@ def prefill(s: Setup, rows: Rows) -> None:
             anchor = ("transformers", hf)
             rows.add("teacher graph.logits (eager)", config, "prefill", time_of(lambda: s.teacher.logits(ids)), "ms", anchor)
             rows.add("teacher fast_logits (default)", config, "prefill", time_of(lambda: fast_logits(s.teacher, ids)), "ms", anchor)
-            teacher_c = time_of(lambda: fast_logits(s.teacher, ids, compile=True))
-            rows.add("teacher fast_logits, compiled", config, "prefill", teacher_c, "ms", anchor)
+            if not a.no_compiled:
+                teacher_c = time_of(lambda: fast_logits(s.teacher, ids, compile=True))
+                rows.add("teacher fast_logits, compiled", config, "prefill", teacher_c, "ms", anchor)
             rows.add(f"{s.label()}: surgery.load -> graph.logits (eager)", config, "prefill", time_of(lambda: s.hybrid.logits(ids)), "ms", anchor)
             default = time_of(lambda: fast_logits(s.hybrid, ids))
             rows.add(f"{s.label()}: fast_logits (default)", config, "prefill", default, "ms", anchor)
-            fused = fused_norms_runner(s.hybrid)
-            rows.add(f"{s.label()}: default route + fused norms", config, "prefill", time_of(lambda: fused(ids)), "ms", ("default", default))
-            hybrid_c = time_of(lambda: fast_logits(s.hybrid, ids, compile=True))
-            rows.add(f"{s.label()}: fast_logits, compiled", config, "prefill", hybrid_c, "ms", anchor)
-            rows.add(f"{s.label()}: fast_logits, compiled", config, "prefill", hybrid_c, "ms", ("compiled teacher", teacher_c))
+            for label, graph in (("teacher", s.teacher), (s.label(), s.hybrid)):
+                unfused = unfused_runner(graph)
+                rows.add(f"{label}: default route without the fusions", config, "prefill", time_of(lambda: unfused(ids)), "ms", anchor)
+            if not a.no_compiled:
+                hybrid_c = time_of(lambda: fast_logits(s.hybrid, ids, compile=True))
+                rows.add(f"{s.label()}: fast_logits, compiled", config, "prefill", hybrid_c, "ms", anchor)
+                rows.add(f"{s.label()}: fast_logits, compiled", config, "prefill", hybrid_c, "ms", ("compiled teacher", teacher_c))
             applied_default(s, rows, ids, config, default)
             if a.profile:
-                top_kernels(lambda: s.hybrid.logits(ids), s.device, f"{s.label()} eager forward, {config}")
+                eager = default_eager_runner(s.hybrid)
+                top_kernels(lambda: eager(ids), s.device, f"{s.label()} default route, eager (not replayed), {config}")
         del ids
         free(s.device)
 
 
-def fused_norms_runner(graph):
-    """ids -> logits on the default route with fused RMSNorms on (surgery.decode.fused_norms; off by
-    default, FUSED_NORMS_BY_DEFAULT, until this row measures it)."""
-    fast = FastGraph(graph.gm, graph.device, "eval", None, limit=graph.max_length, label="graph with fused norms")
-    fast.route = dataclasses.replace(fast.route, fused_norms=True)
+def default_eager_runner(graph):
+    """ids -> logits on the default route with replay off: the kernels a replay would run, one by one."""
+    fast = FastGraph(graph.gm, graph.device, "eval", None, limit=graph.max_length, label="graph, not replayed")
+    fast.route = dataclasses.replace(fast.route, replay=False)
+    fast.replays = None
+    return lambda ids: run_graph(graph, ids, fast)
+
+
+def unfused_runner(graph):
+    """ids -> logits on the default route without its elementwise fusions (surgery.decode.fusions; on
+    by default, compiled.FUSED_BY_DEFAULT): what the fusions save."""
+    fast = FastGraph(graph.gm, graph.device, "eval", None, limit=graph.max_length, label="graph without fusions")
+    fast.route = dataclasses.replace(fast.route, fused=False)
     return lambda ids: run_graph(graph, ids, fast)
 
 
@@ -281,15 +295,15 @@ def top_kernels(fn, device: torch.device, label: str, top: int = 15) -> None:
         print(f"| {e.key[:120]} | {e.count} | {total(e) / 1000:.3f} |", flush=True)
 
 
-def decoder_of(graph, compile_flag: str, fuse_norms: bool | None = None) -> Decoder:
+def decoder_of(graph, compile_flag: str, fuse: bool | None = None) -> Decoder:
     """A Decoder as `surgery generate` builds one; if its self-check refuses (bf16 rounding of random
     weights can exceed its tolerance), one without the check: speed does not depend on it."""
     flag = {"on": True, "off": False, "default": None}[compile_flag]
     try:
-        return Decoder(graph, compile=flag, fuse_norms=fuse_norms)
+        return Decoder(graph, compile=flag, fuse_elementwise=fuse)
     except SurgeryError as exc:
         print(f"# Decoder self-check refused ({str(exc).splitlines()[0]}); timing without it", flush=True)
-        return Decoder(graph, verify=False, compile=flag, fuse_norms=fuse_norms)
+        return Decoder(graph, verify=False, compile=flag, fuse_elementwise=fuse)
 
 
 def time_to_first_token(s: Setup, rows: Rows) -> None:
@@ -337,11 +351,11 @@ def hf_generate(model, ids, new_tokens: int) -> tuple[float, float]:
     return 1000 * (t[0] - start), 1000 * (end - t[0]) / max(len(t) - 1, 1)
 
 
-def decoder_step_ms(s: Setup, graph, batch: int, ids: torch.Tensor, fuse_norms: bool | None = None, state: dict | None = None) -> float:
+def decoder_step_ms(s: Setup, graph, batch: int, ids: torch.Tensor, fuse: bool | None = None, state: dict | None = None) -> float:
     """ms of one Decoder.step at the prompt's length (the prompt prefilled in pieces whose logits fit);
     `state`, if given, gets the Decoder's cache bytes at that length ("total")."""
     a = s.args
-    decoder = decoder_of(graph, a.decode_compile, fuse_norms)
+    decoder = decoder_of(graph, a.decode_compile, fuse)
     decoder.reset(batch, ids.shape[1] + a.decode_steps + 8)
     chunk = max(256, LOGITS_BUDGET // (batch * s.vocab * 2))
     with torch.no_grad():
@@ -371,9 +385,9 @@ def decode(s: Setup, rows: Rows) -> None:
         rows.add(f"{s.label()}: Decoder (surgery.load)", config, "decode step", hybrid, "ms", ("teacher Decoder", teacher))
         rows.add(f"{s.label()}: Decoder (surgery.load)", config, "decode step", hybrid, "ms", ("transformers", hf))
         free(s.device)
-        for label, graph, anchor in (("teacher graph", s.teacher, teacher), (s.label(), s.hybrid, hybrid)):  # off by default until measured
-            fused = decoder_step_ms(s, graph, batch, ids, fuse_norms=True)
-            rows.add(f"{label}: Decoder, fused norms", config, "decode step", fused, "ms", ("default", anchor))
+        for label, graph, anchor in (("teacher graph", s.teacher, teacher), (s.label(), s.hybrid, hybrid)):  # what the fusions save
+            unfused = decoder_step_ms(s, graph, batch, ids, fuse=False)
+            rows.add(f"{label}: Decoder without the fusions", config, "decode step", unfused, "ms", ("default", anchor))
             free(s.device)
         mixer_decode(s, rows, batch, ids, config, teacher, teacher_state["total"])
         del ids

@@ -91,7 +91,7 @@ def test_speed_smoke(tmp_path, capsys, monkeypatch):
     assert applied["anchor"] == "surgery.save -> load"
     assert ("hybrid 75% GDN: surgery.generate (surgery.load)", "time to first token") in names
     assert ("hybrid 75% GDN: Decoder (surgery.load)", "decode step") in names
-    assert ("hybrid 75% GDN: default route + fused norms", "prefill") in names and ("teacher graph: Decoder, fused norms", "decode step") in names
+    assert ("hybrid 75% GDN: default route without the fusions", "prefill") in names and ("teacher graph: Decoder without the fusions", "decode step") in names
     caches = next(r for r in rows.rows if r["name"] == "hybrid 75% mamba2: Decoder caches")  # --decode-mixers
     assert caches["anchor"] == "teacher" and caches["ratio"] > 1 and ("hybrid 75% mamba2: Decoder (surgery.load)", "decode step") in names
     printed = capsys.readouterr().out

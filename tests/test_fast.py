@@ -53,12 +53,12 @@ def assert_close(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
 
 
 def test_the_table():
-    """CUDA: the flags and CUDA-graph replay, no compile by itself (compiled.ROUTES); the CPU: nothing;
+    """CUDA: the flags, CUDA-graph replay and the elementwise fusions, no compile by itself (compiled.ROUTES); the CPU: nothing;
     the user's flag: compiled at once, or never (the flags and replay kept where the table has them)."""
     assert inference_route(None, "cpu", "eval") == Route() and inference_route(None, "cpu", "prefill") == Route()
-    assert inference_route(None, "cuda", "prefill") == Route(True, None, True, False) == inference_route(None, "cuda", "eval")
+    assert inference_route(None, "cuda", "prefill") == Route(True, None, True, True) == inference_route(None, "cuda", "eval")
     assert inference_route(True, "cpu", "eval") == Route(True, 0.0)
-    assert inference_route(False, "cuda", "eval") == Route(True, None, True, False)
+    assert inference_route(False, "cuda", "eval") == Route(True, None, True, True)
     assert inference_route(False, "cpu", "eval") == Route(False, None)
     with pytest.raises(ValueError, match="unknown compile use"):
         inference_route(None, "cuda", "sample")

@@ -78,13 +78,13 @@ class Route:
     replay         until then, an input shape's second and later calls replay the eager graph as a
                    CUDA graph (surgery.decode.replay): the same kernels, bit-identical logits, a
                    capture of ~0.1 s instead of a compile.
-    fused_norms    each RMSNorm's traced arithmetic as one fused kernel (surgery.decode.fused_norms):
+    fused          each RMSNorm's traced arithmetic, and each SwiGLU product, as one kernel (surgery.decode.fusions):
                    for the uncompiled routes, since inductor fuses them itself."""
 
     causal_flags: bool = False
     compile_after: float | None = None
     replay: bool = False
-    fused_norms: bool = False
+    fused: bool = False
 
 
 # A compile of the 75% hybrid (SmolLM2-135M shapes) took 22-32 s on the H200, the teacher's 27-38 s, on a
@@ -112,10 +112,10 @@ COMPILE_SECONDS = 30.0
 # the H200 profile of the hybrid's 32k forward, the norms' unfused arithmetic was a large part of ~27 ms of
 # elementwise work (RESULTS, sixteenth session). The rewrite is exact on the CPU, but its speed on the GPU
 # was not measured (the session's device time ran out), so it stays off until bench/speed.py measures it.
-FUSED_NORMS_BY_DEFAULT = False
+FUSED_BY_DEFAULT = True
 ROUTES: dict[tuple[str, str], Route] = {
-    ("cuda", "eval"): Route(causal_flags=True, compile_after=None, replay=True, fused_norms=FUSED_NORMS_BY_DEFAULT),
-    ("cuda", "prefill"): Route(causal_flags=True, compile_after=None, replay=True, fused_norms=FUSED_NORMS_BY_DEFAULT),
+    ("cuda", "eval"): Route(causal_flags=True, compile_after=None, replay=True, fused=FUSED_BY_DEFAULT),
+    ("cuda", "prefill"): Route(causal_flags=True, compile_after=None, replay=True, fused=FUSED_BY_DEFAULT),
 }
 
 

@@ -4,8 +4,8 @@ call, on the route surgery.core.compiled.ROUTES picks for the device and use.
 A route has four parts. The causal-flag rewrite (surgery.decode.causal_flags) is proven for a longest
 length, so the runner keeps one rewritten graph per length bucket (a power of two of at least
 MIN_BUCKET tokens, capped at the graph's limit): a longer input moves to a larger bucket, never past
-what its rewrite checked. Fused norms (surgery.decode.fused_norms): each RMSNorm's traced
-arithmetic as one kernel. Replay (surgery.decode.replay, on CUDA): from an input shape's second call
+what its rewrite checked. Fused elementwise work (surgery.decode.fusions): each RMSNorm's
+traced arithmetic, and each SwiGLU product, as one kernel. Replay (surgery.decode.replay, on CUDA): from an input shape's second call
 the eager graph runs as a captured CUDA graph, the same kernels at a fraction of the host's cost.
 Compiling (surgery.core.compiled.CompiledGraph, replayed as CUDA graphs on CUDA) starts once the eager
 calls have cost what a compile costs (Route.compile_after).
@@ -27,7 +27,7 @@ from ..core.compiled import REPLAY_MODE, CompiledGraph, failure_reason, inferenc
 from ..core.run import run_graph
 from .agreement import compiled_agrees
 from .causal_flags import CausalFlags
-from .fused_norms import fuse_rms_norms
+from .fusions import fuse_elementwise
 from .replay import Replays
 
 MIN_BUCKET = 2048  # shorter inputs share one rewrite (and one compiled graph): a compile per short length would not pay
@@ -67,12 +67,12 @@ class FastGraph:
         return bucket(length, self.limit) if self.route.causal_flags else None
 
     def graph(self, key):
-        """The eager graph of a bucket: the flags' rewrite and the fused norms (if the route has them),
+        """The eager graph of a bucket: the flags' rewrite and the fusions (if the route has them),
         then `rewrite`."""
         if key not in self.graphs:
             gm = CausalFlags(key)(self.gm) if key is not None else self.gm
-            if self.route.fused_norms:
-                gm = fuse_rms_norms(gm)[0]
+            if self.route.fused:
+                gm = fuse_elementwise(gm)[0]
             self.graphs[key] = self.rewrite(gm) if self.rewrite is not None else gm
         return self.graphs[key]
 

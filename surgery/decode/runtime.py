@@ -19,14 +19,14 @@ import warnings
 
 import torch
 
-from ..core.compiled import FUSED_NORMS_BY_DEFAULT, CompiledGraph, resolve_compile
+from ..core.compiled import FUSED_BY_DEFAULT, CompiledGraph, resolve_compile
 from ..core.rewrite import fork, prune, set_submodule, splice_module
 from ..core.run import graph_logits
 from ..errors import DecodeError
 from .agreement import check_probe, probes, references
 from .caches import DecodeState, KVCacheAttention
 from .fused_linears import fuse_sibling_linears
-from .fused_norms import fuse_rms_norms
+from .fusions import fuse_elementwise
 from .gdn_state import GDNState
 from .lengths import FIX_FULL
 from .masks import MASK_PROBE
@@ -75,14 +75,14 @@ def build_decode_graph(plan: DecodePlan, state: DecodeState, in_place: bool, dev
     return attention, gdn, regimes
 
 
-def static_step_graph(gm, gdn: dict, fuse_norms: bool | None, compiled: bool):
+def static_step_graph(gm, gdn: dict, fuse: bool | None, compiled: bool):
     """(the static steps' own fork of gm, its fused projections): sibling linears as one matmul, each GDN
-    layer's input projections as one, and (fuse_norms; None: FUSED_NORMS_BY_DEFAULT; not when compiled,
-    inductor fuses them itself) each RMSNorm as one kernel."""
+    layer's input projections as one, and (fuse; None: FUSED_BY_DEFAULT; not when compiled,
+    inductor fuses them itself) each RMSNorm and SwiGLU product as one kernel."""
     step_gm = fork(gm)
     fused = fuse_sibling_linears(step_gm) + [m.fuse_projection() for m in gdn.values()]
-    if (FUSED_NORMS_BY_DEFAULT if fuse_norms is None else fuse_norms) and not compiled:
-        fuse_rms_norms(step_gm, in_place=True)
+    if (FUSED_BY_DEFAULT if fuse is None else fuse) and not compiled:
+        fuse_elementwise(step_gm, in_place=True)
     return step_gm, fused
 
 
@@ -106,12 +106,12 @@ class Decoder:
     (surgery.core.compiled). A first prefill takes the device's fast route (surgery.decode.prefill);
     later prefills and dynamic steps run the decode graph eagerly. fuse_projections: static steps
     run linears that share an input as one matmul over a copy of their weights (more memory, fewer
-    kernels; surgery.decode.fused_linears), copied again at each reset if a weight changed. fuse_norms:
-    uncompiled static steps (with fuse_projections) run each RMSNorm as one kernel
-    (surgery.decode.fused_norms); None: surgery.core.compiled.FUSED_NORMS_BY_DEFAULT."""
+    kernels; surgery.decode.fused_linears), copied again at each reset if a weight changed. fuse_elementwise:
+    uncompiled static steps (with fuse_projections) run each RMSNorm and each SwiGLU product as one
+    kernel (surgery.decode.fusions); None: surgery.core.compiled.FUSED_BY_DEFAULT."""
 
     def __init__(self, graph, *, verify: bool = True, mask_probe: int = MASK_PROBE, step_mode: str = "auto",
-                 compile: bool | None = None, fuse_projections: bool = True, fuse_norms: bool | None = None):
+                 compile: bool | None = None, fuse_projections: bool = True, fuse_elementwise: bool | None = None):
         self.compiled = resolve_compile(compile, graph.device, "decode")
         self.step_mode = check_step_mode(step_mode, graph.device, self.compiled)
         self.capacity: int | None = None
@@ -126,7 +126,7 @@ class Decoder:
         self.cores = plan.attention
         self._warned = False
         static = self.step_mode != "dynamic" and fuse_projections
-        self.step_gm, self.fused = static_step_graph(self.gm, self.gdn, fuse_norms, self.compiled) if static else (self.gm, [])
+        self.step_gm, self.fused = static_step_graph(self.gm, self.gdn, fuse_elementwise, self.compiled) if static else (self.gm, [])
         runner = CompiledGraph(self.step_gm, label="decode step") if self.compiled and self.step_mode != "dynamic" else None
         self._static = StaticStep(self, cuda_graph=self.step_mode == "cuda-graph", runner=runner)
         self.reset()

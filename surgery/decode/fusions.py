@@ -1,0 +1,17 @@
+"""The fast route's elementwise fusions, applied together: each RMSNorm as one kernel
+(surgery.decode.fused_norms) and each SwiGLU product as one (surgery.decode.swiglu). Uncompiled routes
+and a Decoder's static steps take them; a compiled graph does not need them (inductor fuses itself)."""
+from __future__ import annotations
+
+from torch.fx import GraphModule
+
+from .fused_norms import fuse_rms_norms
+from .swiglu import fuse_swiglu
+
+
+def fuse_elementwise(gm: GraphModule, in_place: bool = False) -> tuple[GraphModule, dict[str, int]]:
+    """A fork of `gm` (gm itself with in_place; gm itself when nothing matched) with both fusions,
+    and how many of each."""
+    fused, norms = fuse_rms_norms(gm, in_place)
+    fused, swiglus = fuse_swiglu(fused, in_place=in_place or fused is not gm)
+    return fused, {"norms": norms, "swiglu": swiglus}
