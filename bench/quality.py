@@ -252,7 +252,8 @@ def kernel_check(rows: Rows) -> bool:
 def swiglu_check(rows: Rows) -> bool:
     """The fast route's SwiGLU kernel (surgery.decode.swiglu) against float32 silu(a) * b: contiguous
     inputs and the two halves of one fused projection (strided views), decode and prefill sizes. The
-    kernel rounds once, so its error is at most the traced bf16 form's (anchor: that error)."""
+    kernel rounds once, so its error is at most the traced bf16 form's (anchor: that error). Then the
+    residual add + RMSNorm kernel (residual_norm_check)."""
     import torch.nn.functional as F
 
     from surgery.decode.swiglu import silu_mul_torch, silu_mul_triton
@@ -268,6 +269,26 @@ def swiglu_check(rows: Rows) -> bool:
             rows.add("swiglu: Triton against float32", f"bfloat16, {rows_} x {width}, {layout}", "max abs err", kernel, "abs err",
                      ("traced bf16 form", traced))
             ok = ok and kernel <= traced
+    return residual_norm_check(rows) and ok
+
+
+def residual_norm_check(rows: Rows) -> bool:
+    """surgery.decode.residual_norm's kernel against its reference (the add, then aten._fused_rms_norm):
+    the sum bit for bit, the norm within bf16 rounding (its max error over its largest entry; anchor: 1/64,
+    two bf16 steps)."""
+    from surgery.decode.residual_norm import add_rms_norm_torch, add_rms_norm_triton
+
+    ok = True
+    for rows_, width in ((1, 576), (32768, 576), (5, 2304)):
+        g = torch.Generator("cuda").manual_seed(width)
+        a, b = (torch.randn(rows_, width, device="cuda", generator=g).bfloat16() for _ in range(2))
+        weight = (torch.rand(width, device="cuda", generator=g) + 0.5).bfloat16()
+        (h, n), (h0, n0) = add_rms_norm_triton(a, b, weight, 1e-5), add_rms_norm_torch(a, b, weight, 1e-5)
+        same_sum = bool(torch.equal(h, h0))
+        err = float((n.float() - n0.float()).abs().max() / n0.float().abs().max())
+        rows.add("add + RMSNorm: Triton against add, fused_rms_norm", f"bfloat16, {rows_} x {width}, sum equal: {same_sum}",
+                 "max err / max entry", err, "rel", ("tolerance", 1 / 64))
+        ok = ok and same_sum and err <= 1 / 64
     return ok
 
 

@@ -1,11 +1,13 @@
 """The fast route's elementwise fusions, applied together: each RMSNorm as one kernel
-(surgery.decode.fused_norms) and each SwiGLU product as one (surgery.decode.swiglu). Uncompiled routes
+(surgery.decode.fused_norms), then each residual add with the norm that reads it
+(surgery.decode.residual_norm), and each SwiGLU product (surgery.decode.swiglu). Uncompiled routes
 and a Decoder's static steps take them; a compiled graph does not need them (inductor fuses itself)."""
 from __future__ import annotations
 
 from torch.fx import GraphModule
 
 from .fused_norms import fuse_rms_norms
+from .residual_norm import fuse_residual_norms
 from .swiglu import fuse_swiglu
 
 
@@ -13,5 +15,6 @@ def fuse_elementwise(gm: GraphModule, in_place: bool = False) -> tuple[GraphModu
     """A fork of `gm` (gm itself with in_place; gm itself when nothing matched) with both fusions,
     and how many of each."""
     fused, norms = fuse_rms_norms(gm, in_place)
+    fused, residuals = fuse_residual_norms(fused, in_place=in_place or fused is not gm)
     fused, swiglus = fuse_swiglu(fused, in_place=in_place or fused is not gm)
-    return fused, {"norms": norms, "swiglu": swiglus}
+    return fused, {"norms": norms, "residual norms": residuals, "swiglu": swiglus}

@@ -70,8 +70,12 @@ def silu_mul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def same_shape_and_dtype(x, y) -> bool:
+    """Whether the traced values agree, where both are known; nodes a rewrite added carry none, and
+    then silu_mul itself checks at run time (anything but equal shapes and dtypes takes the reference)."""
     vx, vy = (n.meta.get("val") if isinstance(n, Node) else None for n in (x, y))
-    return isinstance(vx, torch.Tensor) and isinstance(vy, torch.Tensor) and vx.shape == vy.shape and vx.dtype == vy.dtype
+    if not (isinstance(vx, torch.Tensor) and isinstance(vy, torch.Tensor)):
+        return True
+    return vx.shape == vy.shape and vx.dtype == vy.dtype
 
 
 def swiglu_pair(mul: Node) -> tuple[Node, Node] | None:
