@@ -41,7 +41,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from bench.harness import SAMPLE, STORIES, Rows, check_names, common_args, parse, placement, surgery_cli, timed_s  # noqa: E402
-from surgery import Decoder, PassManager, capture, save  # noqa: E402
+from surgery import Decoder, PassManager, capture, load, save  # noqa: E402
 from surgery.core.pipeline import parse_options  # noqa: E402
 from surgery.core.run import interpret, placeholder_values  # noqa: E402
 from surgery.data.cache import text_ids  # noqa: E402
@@ -94,10 +94,15 @@ def arguments(argv=None) -> argparse.Namespace:
                     "position limit) at which a Decoder's cache bytes are counted")
     ap.add_argument("--kernel-check", action="store_true", help="only fla's gla/kda kernels against their PyTorch references "
                     "on CUDA (forward, final state, gradients; float32 and bfloat16); exits 1 past the tolerance")
+    ap.add_argument("--agreement", nargs="+", metavar="MODEL", default=None, help="only: each model (a teacher, or a saved "
+                    "hybrid's directory) in bf16 on the first --chunk tokens of --eval: eager, compiled and the default route "
+                    "against float32 (surgery.decode.precision; issue 29)")
     ap.add_argument("--chunk", type=int, default=2048)
     ap.add_argument("--batch-size", type=int, default=1)
     args = parse(ap, argv, {"model": str(STORIES), "eval": str(SAMPLE), **SMOKE})
-    if not args.kernel_check and (not args.model or not args.eval):
+    if args.agreement and not args.eval:
+        ap.error("--agreement scores the first --chunk tokens of --eval: pass --eval")
+    if not args.kernel_check and not args.agreement and (not args.model or not args.eval):
         ap.error("pass --model (the teacher) and --eval (the text to score), or --smoke")
     args.set = (SMOKE_SETS if args.smoke else []) + (args.set or [])
     args.rows = args.rows or (MIXER_ROWS if args.mixers else ALL_ROWS)
@@ -367,6 +372,23 @@ def cli_apply(args, scorer: Scorer, work: Path, full: dict) -> None:
         scorer.through_cli(str(applied), "phase1+2", config, full.get(config) or {}, "surgery apply -> surgery eval")
 
 
+def agreement(args, device, rows: Rows) -> Rows:
+    """--agreement: each model's bf16 logits (eager, compiled, the default route) against float32."""
+    from surgery.decode.precision import float32_gaps
+
+    for model in args.agreement:
+        saved = (Path(model) / "recipe.json").exists()
+        graph = load(model, device=device, dtype=torch.bfloat16) if saved else capture(model, device=device, dtype=torch.bfloat16)
+        ids = text_ids(args.eval, graph.tokenizer)[: args.chunk].view(1, -1)
+        found = float32_gaps(graph, ids)
+        for run in ("eager", "compiled", "default", "compiled_vs_eager"):
+            for what, value in found[run].items():
+                rows.add(f"{Path(model).name}: {run.replace('_', ' ')}", f"bf16, {ids.shape[1]} tokens of {Path(args.eval).name}",
+                         what, value, "", ("eager", found["eager"][what]) if run in ("compiled", "default") else None)
+        del graph
+    return rows
+
+
 def main(argv=None) -> Rows:
     args = arguments(argv)
     device, dtype = placement(args)
@@ -377,6 +399,8 @@ def main(argv=None) -> Rows:
         if not kernel_check(rows):
             raise SystemExit("a kernel is past its tolerance (the rows with a ratio below 1.00x)")
         return rows
+    if args.agreement:
+        return agreement(args, device, rows)
     with tempfile.TemporaryDirectory(prefix="bench_quality.") as folder:
         work = Path(folder)
         texts = {Path(args.eval).name: cut(args.eval, args.max_chars, work)}  # rows name each text by its file

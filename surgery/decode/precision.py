@@ -41,8 +41,8 @@ def gaps(got: torch.Tensor, reference: torch.Tensor) -> dict:
 
 @torch.no_grad()
 def float32_gaps(graph, ids: torch.Tensor, reference=None, report=sys.stderr) -> dict:
-    """`graph` (bf16 or fp16) on ids [B, T], eagerly and compiled (the fast route's graphs), each
-    against float32: `reference` (a float32 Graph of the same weights, e.g. captured again in float32),
+    """`graph` (bf16 or fp16) on ids [B, T], eagerly and compiled (the fast route's graphs), and on the
+    default route's eager graph (with its fusions, where the device's route has them), each against float32: `reference` (a float32 Graph of the same weights, e.g. captured again in float32),
     else float32_twin of graph.gm. "compiled_no_farther": the compiled run's mean and max gaps are at
     most the eager run's (the condition for compiling by default; surgery.core.compiled.ROUTES)."""
     ids = ids.to(graph.device)
@@ -51,12 +51,15 @@ def float32_gaps(graph, ids: torch.Tensor, reference=None, report=sys.stderr) ->
     if fast.failed is not None:
         raise RuntimeError(f"The graph did not compile ({fast.failed}).")
     eager = first_output(fast.eager(ids))
+    default = first_output(FastGraph(graph.gm, graph.device, "eval", None, limit=graph.max_length, label="graph (precision check)",
+                                     report=report).eager(ids)).clone()
     if reference is not None:
         exact = reference.logits(ids.to(reference.device)).to(graph.device)
     else:
         twin = float32_twin(graph.gm)
         exact = first_output(twin(input_ids=ids, **twin.meta.get("extra_inputs", {})))
         del twin
-    out = {"eager": gaps(eager, exact), "compiled": gaps(compiled, exact), "compiled_vs_eager": gaps(compiled, eager)}
+    out = {"eager": gaps(eager, exact), "compiled": gaps(compiled, exact), "compiled_vs_eager": gaps(compiled, eager),
+           "default": gaps(default, exact)}
     out["compiled_no_farther"] = all(out["compiled"][k] <= out["eager"][k] for k in ("max_rel", "mean_rel"))
     return out
