@@ -26,7 +26,7 @@ def silu_inverse(y: torch.Tensor, iterations: int = 30) -> torch.Tensor:
 
 def low_rank(layer: nn.Module) -> bool:
     """Whether the layer's g_proj is Kimi Linear's two-linear low-rank form."""
-    return isinstance(layer.g_proj, nn.Sequential)
+    return isinstance(getattr(layer, "g_proj", None), nn.Sequential)
 
 
 def gate_preactivation(layer: nn.Module, amplitude: torch.Tensor, floor: float) -> torch.Tensor:

@@ -87,7 +87,8 @@ def test_logits_and_greedy_tokens_equal_surgery_load(exported):
 
 def test_kimi_form_phase1_gate_is_a_half_and_beats_copy_only(stories, stories_teacher, held_out, record):
     """Phase 1's constant gate through a sigmoid: gate exactly sigmoid(0) = 0.5, each head's amplitude
-    moved into o_proj (2 a_h times the teacher's columns); the block outputs come closer to the teacher's."""
+    moved into o_proj (2 a_h times the teacher's columns); on held-out stories the block outputs come
+    closer to the teacher's than copy-only, Phase 2 closer still (as tests/test_mixer_kda.py's form)."""
     baseline = convert(stories(), [1, 3], FITTING)
     phase1 = convert(stories(), [1, 3], FITTING)
     copied = phase1.gdn_modules()[1].o_proj.weight.detach().clone()
@@ -98,8 +99,11 @@ def test_kimi_form_phase1_gate_is_a_half_and_beats_copy_only(stories, stories_te
     amplitude = torch.tensor(phase1.meta["calibrate"]["layers"][1]["gate_amplitude"]).clamp_min(1e-2)
     scale = (2 * amplitude).repeat_interleave(layer.head_dim)
     torch.testing.assert_close(layer.o_proj.weight, copied * scale[None, :], rtol=1e-5, atol=1e-7)
-    errors = [block_error(g, stories_teacher, held_out, [1, 3], record) for g in (baseline, phase1)]
-    assert errors[1] < 0.7 * errors[0], errors
+    both = convert(stories(), [1, 3], FITTING)
+    small = {"samples": 4, "length": 128}
+    PassManager(["calibrate", "align"], {"calibrate": small, "align": {**small, "progress": False}})(both)
+    errors = [block_error(g, stories_teacher, held_out, [1, 3], record) for g in (baseline, phase1, both)]
+    assert errors[1] < 0.7 * errors[0] and errors[2] < 0.95 * errors[1], errors  # measured: 1.992, 0.800, 0.552
 
 
 def test_kept_attention_is_refused_naming_mla_and_the_fix(stories, tmp_path):
@@ -107,7 +111,7 @@ def test_kept_attention_is_refused_naming_mla_and_the_fix(stories, tmp_path):
     with pytest.raises(ExportError) as caught:
         export(hybrid, tmp_path / "out", format="kimi_linear")
     assert "layer(s) 1, 3, 4 keep the teacher's attention, which is not MLA without RoPE" in caught.value.problem
-    assert "apply RoPE" in caught.value.problem and "select.layers=[0,1,2,3,4]" in caught.value.fix
+    assert "apply RoPE" in caught.value.problem and "select.layers=0,1,2,3,4 " in caught.value.fix
     assert not (tmp_path / "out").exists()
 
 
@@ -164,3 +168,27 @@ def test_a_kimi_linear_teacher_cannot_be_captured_yet():
     model = AutoModelForCausalLM.from_config(config).float().eval()
     with pytest.raises(SiteError, match="new_empty"):
         surgery.capture(model)
+
+
+def test_gate_rows_through_the_low_rank_are_exact_and_decoding_is_exact(stories):
+    """write_gate_rows: one row per head through g_proj's rank head_dim gives every channel its head's
+    row (heads <= rank), against the full-rank form; incremental decoding equals full recomputation."""
+    from tcal.gate_forms import write_gate_rows
+    from test_mixer_swa import matches_full
+
+    layer = KimiDeltaAttention(32, 4, 8, kimi_form=True, backend="torch").double()
+    rows = torch.randn(4, 32, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    x = torch.randn(3, 32, dtype=torch.float64)
+    with torch.no_grad():
+        write_gate_rows(layer, rows)
+        torch.testing.assert_close(layer.g_proj(x), x @ rows.repeat_interleave(8, 0).T, rtol=1e-12, atol=1e-12)
+    hybrid = randomise_convs(convert(stories(), [1, 3], FITTING))
+    matches_full(hybrid, torch.randint(3, 512, (1, 21), generator=torch.Generator().manual_seed(3)), 9)
+
+
+def test_reference_gate_is_refused_for_the_low_rank_gate_before_any_work(stories):
+    from surgery.errors import PassConfigError
+
+    hybrid = convert(stories(), [1], FITTING)
+    with pytest.raises(PassConfigError, match=r"layer\(s\) 1 have a low-rank g_proj"):
+        PassManager(["calibrate"], {"calibrate": {**SMALL, "gate": "reference"}})(hybrid)
