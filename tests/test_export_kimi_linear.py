@@ -132,6 +132,16 @@ def test_kda_not_of_kimi_form_is_refused_with_the_options_that_fit(stories, tmp_
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("name, reason", [("gemma2", "logits are not one linear map"), ("qwen2", "copied the teacher's projection biases")])
+def test_teacher_that_does_not_fit_is_refused(tiny, name, reason, tmp_path):
+    t = tiny(name)
+    t.require_sites()
+    graph = t.graph.branch()
+    with pytest.raises(ExportError, match=reason):
+        export(convert(graph, range(graph.num_layers), {**FITTING, "norm_eps": 1e-6}), tmp_path / "out", format="kimi_linear")
+    assert not (tmp_path / "out").exists()
+
+
 def test_kimi_form_is_refused_for_other_mixers():
     from surgery.errors import PassConfigError
     from surgery.passes.replace import ReplaceConfig

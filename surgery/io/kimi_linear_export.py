@@ -124,7 +124,8 @@ def plan(graph: Graph) -> KimiPlan:
         every = ",".join(map(str, range(graph.num_layers)))
         raise ExportError("--format kimi_linear does not fit this hybrid: " + "; ".join(reasons) + ".",
                           f"Convert every layer to KDA (--set select.policy=convert --set select.layers={every} "
-                          "--set replace.mixer=kda --set replace.kimi_form=true), or use the hybrid through surgery.")
+                          "--set replace.mixer=kda --set replace.kimi_form=true --set replace.v_activation=silu), "
+                          "or use the hybrid through surgery.")
     layout = layout_of(graph)
     if len({tuple(graph.gm.get_parameter(b.gate.weight).shape) for b in layout.blocks}) > 1:
         raise refuse("the MLPs differ in width; Kimi Linear's dense MLP has one intermediate_size")
