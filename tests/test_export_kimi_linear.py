@@ -5,6 +5,7 @@ the reason, before anything is written. References: transformers' own Kimi Linea
 surgery graph, and the teacher's attention block outputs (Phase 1 of the sigmoid gate)."""
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import pytest
@@ -202,3 +203,16 @@ def test_reference_gate_is_refused_for_the_low_rank_gate_before_any_work(stories
     hybrid = convert(stories(), [1], FITTING)
     with pytest.raises(PassConfigError, match=r"layer\(s\) 1 have a low-rank g_proj"):
         PassManager(["calibrate"], {"calibrate": {**SMALL, "gate": "reference"}})(hybrid)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("triton") is None,
+                    reason="fla's fused gated norm runs on CUDA with Triton (a CUDA-side extra)")
+def test_sigmoid_gated_norm_fused_on_cuda_equals_the_eager_form():
+    """The fused fla kernel (backend auto on CUDA) with Kimi Linear's sigmoid gate, against the float32 eager code."""
+    from tcal.gdn import GatedRMSNorm
+
+    norm = GatedRMSNorm(64, eps=1e-5, activation="sigmoid").cuda()
+    with torch.no_grad():
+        norm.weight.normal_()
+    x, gate = torch.randn(2, 9, 4, 64, device="cuda"), torch.randn(2, 9, 4, 64, device="cuda")
+    torch.testing.assert_close(norm(x, gate, backend="fla"), norm(x, gate, backend="torch"), atol=1e-5, rtol=1e-5)
