@@ -138,8 +138,9 @@ def test_teacher_that_does_not_fit_is_refused(tiny, name, reason, tmp_path):
     t = tiny(name)
     t.require_sites()
     graph = t.graph.branch()
-    with pytest.raises(ExportError, match=reason):
+    with pytest.raises(ExportError, match=reason) as caught:
         export(convert(graph, range(graph.num_layers), {**FITTING, "norm_eps": 1e-6}), tmp_path / "out", format="kimi_linear")
+    assert caught.value.fix.startswith("Kimi Linear's class cannot hold this hybrid exactly")
     assert not (tmp_path / "out").exists()
 
 

@@ -66,7 +66,7 @@ def layout_of(graph: Graph) -> Layout:
 
 def layer_refusals(graph: Graph) -> list[str]:
     """Why some layers are not KDA layers: kept attention, split layers, other mixers."""
-    modules, kinds = graph.meta["replace"]["modules"], graph.layer_kinds
+    kinds = graph.layer_kinds
     reasons, kept = [], [l for l, kind in enumerate(kinds) if kind == "attention"]
     if kept:
         rope = [l for l in kept if graph.sites[l].rope]
@@ -79,8 +79,6 @@ def layer_refusals(graph: Graph) -> list[str]:
     other = [f"layer {l} ({kind})" for l, kind in enumerate(kinds) if kind not in ("attention", "split", "kda")]
     if other:
         reasons.append(f"{', '.join(other)} are not KDA, Kimi Linear's only linear-attention layer (replace.mixer=kda)")
-    if any(m.get("mixer") == "kda" and m["gdn_config"].get(b) for m in modules.values() for b in ("q_bias", "k_bias", "v_bias", "o_bias")):
-        reasons.append("the KDA layers copied the teacher's projection biases; Kimi Linear's projections have none")
     return reasons
 
 
@@ -103,6 +101,8 @@ def kda_refusals(configs: list[dict], eps: float) -> tuple[list[str], list[str]]
         fixes.append(f"--set replace.norm_eps={float32(eps)}")
     if len({(c["num_heads"], c["head_dim"]) for c in configs}) > 1:
         reasons.append("the KDA layers differ in heads or head_dim; Kimi Linear has one shape for all")
+    if any(c.get(b) for c in configs for b in ("q_bias", "k_bias", "v_bias", "o_bias")):
+        reasons.append("the KDA layers copied the teacher's projection biases; Kimi Linear's projections have none")
     return reasons, fixes
 
 
