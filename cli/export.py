@@ -11,7 +11,9 @@ from .options import DebugOpt, JsonOpt
 
 FormatOpt = typer.Option("hf", "--format", help="hf: a transformers directory (AutoModelForCausalLM, trust_remote_code=True). "
                         "qwen3_5: a native Qwen3.5 text model (Qwen3_5ForCausalLM, no remote code; vLLM, SGLang), "
-                        "where the hybrid fits that class exactly.")
+                        "kimi_linear: a native Kimi Linear model (KimiLinearForCausalLM, no remote code) of a hybrid whose "
+                        "every layer is KDA (replace.mixer=kda, replace.kimi_form=true); "
+                        "each native format only where the hybrid fits that class exactly.")
 ExportDtypeOpt = typer.Option(None, "--dtype", help="float32, bfloat16, float16 for the written weights (default: the hybrid's own).")
 
 

@@ -12,6 +12,7 @@ from surgery.errors import CalibrationError, PassConfigError
 from surgery.core import progress
 from surgery.core.graph import Graph
 from surgery.core.pipeline import Pass, PassResult, register
+from tcal.gate_forms import low_rank
 from tcal.head_split import HeadSplitLayer, calibrate_split
 from tcal.mixers import mixer_of
 from tcal.phase1 import CONCENTRATION, GATES, Phase1Options
@@ -45,6 +46,10 @@ class Calibrate(Pass):
 
     def preflight(self, graph: Graph) -> None:
         check_text(graph, self.config)
+        low = [str(layer) for layer, module in graph.gdn_modules().items() if low_rank(module)]
+        if low and self.config.gate == "reference":
+            raise PassConfigError(f"calibrate.gate=reference writes g_proj as a multiple of v_proj, and layer(s) {', '.join(low)} "
+                                  "have a low-rank g_proj (replace.kimi_form=true).", "Use calibrate.gate=constant (the default) or tokenwise.")
 
     def run(self, graph: Graph) -> PassResult:
         start = time.perf_counter()

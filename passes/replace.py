@@ -12,6 +12,7 @@ the teacher's and nothing is copied.
 """
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -48,7 +49,9 @@ class ReplaceConfig(PassConfig):
     seed               seeds the default initialisation of the new parameters
     mixer              what a converted layer becomes: gdn (default), gla, kda, mamba2, swa (tcal.mixers)
     window             swa: the window a layer starts with (the copy-only baseline); calibrate
-                       sets each layer's from the teacher (calibrate.window_quantile)"""
+                       sets each layer's from the teacher (calibrate.window_quantile)
+    kimi_form          kda: build the layer in Kimi Linear's parametrisation (forget and output gates of
+                       rank head_dim, sigmoid output gate), which `export --format kimi_linear` writes"""
 
     mixer: str = "gdn"
     window: int = 64
@@ -58,6 +61,7 @@ class ReplaceConfig(PassConfig):
     backend: str = "auto"
     norm_eps: float = 1e-5
     seed: int = 0
+    kimi_form: bool = False
 
     def validate(self) -> None:
         if self.mixer not in MIXERS:
@@ -70,6 +74,9 @@ class ReplaceConfig(PassConfig):
             raise PassConfigError(f"backend '{self.backend}' is not one of {BACKENDS}.", "Pick one of them.")
         if self.conv_size < 1:
             raise PassConfigError(f"conv_size must be >= 1, got {self.conv_size}.", "Use e.g. 4.")
+        if self.kimi_form and "kimi_form" not in inspect.signature(MIXERS[self.mixer].module.__init__).parameters:
+            raise PassConfigError(f"kimi_form is an option of the kda mixer, and replace.mixer is {self.mixer}.",
+                                  "Use replace.mixer=kda with it, or leave kimi_form off.")
 
 
 def gdn_for_site(site: AttentionSite, config: ReplaceConfig) -> GatedDeltaNet:
@@ -79,6 +86,7 @@ def gdn_for_site(site: AttentionSite, config: ReplaceConfig) -> GatedDeltaNet:
         q_bias=bool(site.q.bias), k_bias=bool(site.k.bias), v_bias=bool(site.v.bias), o_bias=bool(site.o.bias),
         use_short_conv=config.use_short_conv, conv_size=config.conv_size, norm_eps=config.norm_eps,
         v_activation=config.v_activation, backend=config.backend, layer_idx=site.layer,
+        **({"kimi_form": True} if config.kimi_form else {}),
     )
 
 

@@ -45,25 +45,30 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6, backend: str = "torch") -> torch.
     return (xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + eps)).to(x.dtype)
 
 
-class GatedRMSNorm(nn.Module):
-    """RMSNorm(x) * weight * silu(gate) over the last dim, in float32 (fla's FusedRMSNormGated)."""
+GATE_ACTIVATIONS = {"silu": F.silu, "sigmoid": torch.sigmoid}  # "sigmoid": Kimi Linear's gated norm
 
-    def __init__(self, hidden_size: int, eps: float = 1e-5):
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm(x) * weight * act(gate) over the last dim, in float32 (fla's FusedRMSNormGated); act is
+    SiLU (GDN's) or sigmoid (Kimi Linear's)."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-5, activation: str = "silu"):
         super().__init__()
         self.eps = eps
+        self.activation = activation
         self.weight = nn.Parameter(torch.ones(hidden_size))
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor, backend: str = "torch") -> torch.Tensor:
         if _fused_norms(x, backend):  # fla's FusedRMSNormGated kernel: same float32 math, one pass
             from fla.modules.norm.fused_norm_gate import rms_norm_gated
 
-            return rms_norm_gated(x, gate, self.weight, None, activation="swish", eps=self.eps)
+            return rms_norm_gated(x, gate, self.weight, None, activation="swish" if self.activation == "silu" else self.activation, eps=self.eps)
         xf = x.float()
         normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (normed * self.weight.float() * F.silu(gate.float())).to(x.dtype)
+        return (normed * self.weight.float() * GATE_ACTIVATIONS[self.activation](gate.float())).to(x.dtype)
 
     def extra_repr(self) -> str:
-        return f"{self.weight.shape[0]}, eps={self.eps}"
+        return f"{self.weight.shape[0]}, eps={self.eps}" + ("" if self.activation == "silu" else f", activation={self.activation}")
 
 
 class CausalConv1d(nn.Conv1d):

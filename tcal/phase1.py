@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from . import maps
+from .gate_forms import gate_preactivation, low_rank, write_gate_rows
 from .gdn import GatedDeltaNet
 
 GATES = ("reference", "zero", "constant", "tokenwise", "keep")
@@ -59,16 +60,6 @@ class Phase1Options:
     gate_floor: float = 1e-2
     reference_gate_factor: float = 0.01
     window_quantile: float = 0.9  # swa: the window keeps this share of each head's attention mass
-
-
-def silu_inverse(y: torch.Tensor, iterations: int = 30) -> torch.Tensor:
-    """z >= 0 with z * sigmoid(z) = y for y >= 0 (the increasing branch), by Newton's method."""
-    y = y.clamp_min(0)
-    z = torch.maximum(y, torch.ones_like(y))
-    for _ in range(iterations):
-        s = torch.sigmoid(z)
-        z = (z - (z * s - y) / (s * (1 + z * (1 - s)))).clamp_min(0)
-    return z
 
 
 def ridge_rows(x: torch.Tensor, targets: torch.Tensor, ridge: float) -> torch.Tensor:
@@ -142,14 +133,17 @@ def scale_values(gdn: GatedDeltaNet, x, ctx, report: dict) -> None:
 def set_gate(gdn: GatedDeltaNet, x, ctx, opts: Phase1Options, report: dict) -> None:
     """The output gate g_proj by opts.gate (module docstring); any layer with GDN's output path
     (forward_parts' core and v, o_norm, g_proj, v_proj, head_dim) takes it."""
-    D = gdn.head_dim
-    w = gdn.g_proj.weight
     if opts.gate == "keep":
         return
     if opts.gate == "zero":
-        w.zero_()
+        for p in gdn.g_proj.parameters():
+            p.zero_()
         return
+    if opts.gate == "reference" and low_rank(gdn):
+        raise ValueError("calibrate.gate=reference writes g_proj as a multiple of v_proj, which a low-rank g_proj "
+                         "(replace.kimi_form=true) cannot hold; use calibrate.gate=constant or tokenwise")
     if opts.gate == "reference":
+        w = gdn.g_proj.weight
         v_act = gdn.forward_parts(x)["v"]
         alpha = maps.reference_gate_scale(ctx, v_act, opts.reference_gate_factor)
         w.copy_((alpha.to(w.device) * gdn.v_proj.weight.float()).to(w.dtype))
@@ -162,7 +156,6 @@ def set_gate(gdn: GatedDeltaNet, x, ctx, opts: Phase1Options, report: dict) -> N
         amplitude = (dot.sum((0, 1)) / norm.sum((0, 1)).clamp_min(1e-30)).expand_as(dot)
     else:
         amplitude = dot / norm.clamp_min(1e-30)
-    z = silu_inverse(amplitude.clamp_min(opts.gate_floor))
-    rows = ridge_rows(x, z, opts.gate_ridge)                            # [H, in]
-    w.copy_(rows.repeat_interleave(D, 0).to(w.dtype))
+    z = gate_preactivation(gdn, amplitude, opts.gate_floor)
+    write_gate_rows(gdn, ridge_rows(x, z, opts.gate_ridge))            # rows [H, in]
     report["gate_amplitude"] = amplitude.mean((0, 1)).tolist()

@@ -14,15 +14,15 @@ import torch
 from ..core import progress
 from ..core.graph import Graph
 from ..errors import CheckpointError, ExportError
-from . import hf_export, qwen3_5_export
+from . import hf_export, kimi_linear_export, qwen3_5_export
 from .export_manifest import MANIFEST, write_manifest
 from .checkpoint import DEFAULT_SHARD_BYTES, source_paths, write_staged
 from .lock import holds_output
 from .open import open_model
 from .outdir import REPLACE_HINT, check_replaceable, check_writable, inputs_inside
 
-FORMATS = {"hf": hf_export.write_hf, "qwen3_5": qwen3_5_export.write_qwen3_5}
-PLANS = {"hf": hf_export.plan, "qwen3_5": qwen3_5_export.plan}  # each refuses before anything is staged
+FORMATS = {"hf": hf_export.write_hf, "qwen3_5": qwen3_5_export.write_qwen3_5, "kimi_linear": kimi_linear_export.write_kimi_linear}
+PLANS = {"hf": hf_export.plan, "qwen3_5": qwen3_5_export.plan, "kimi_linear": kimi_linear_export.plan}  # each refuses before anything is staged
 FILES = "files"  # the surgery_hybrid field listing what the export wrote
 
 

@@ -105,7 +105,8 @@ def refuse_other_mixers(graph: Graph, format: str) -> None:
     if other:
         named = ", ".join(f"layer {l} ({mixer})" for l, mixer in sorted(other.items(), key=lambda kv: int(kv[0])))
         raise ExportError(f"--format {format} exports GDN layers only, and this hybrid converted {named}.",
-                          "Use the hybrid through surgery (generate, eval, save/load), or convert with replace.mixer=gdn to export.")
+                          "Use the hybrid through surgery (generate, eval, save/load), or convert with replace.mixer=gdn to export "
+                          "(a hybrid whose every layer is KDA exports with --format kimi_linear).")
 
 
 def plan(graph: Graph) -> dict:

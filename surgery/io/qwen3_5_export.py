@@ -172,14 +172,17 @@ def write_qwen3_5(graph: Graph, folder: Path, *, dtype: torch.dtype | None = Non
     check_probe(graph, folder)
 
 
-def check_probe(graph: Graph, folder: Path) -> None:
-    """Load `folder` as transformers will and compare its logits with the hybrid's on a probe."""
-    from transformers.models.qwen3_5 import Qwen3_5ForCausalLM
+def check_probe(graph: Graph, folder: Path, model_class=None) -> None:
+    """Load `folder` as transformers will (as model_class: Qwen3_5ForCausalLM unless given) and compare
+    its logits with the hybrid's on a probe."""
+    if model_class is None:
+        from transformers.models.qwen3_5 import Qwen3_5ForCausalLM as model_class
 
-    model, info = Qwen3_5ForCausalLM.from_pretrained(folder, dtype=graph.dtype, output_loading_info=True)
+    name = model_class.__name__
+    model, info = model_class.from_pretrained(folder, dtype=graph.dtype, output_loading_info=True)
     wrong = {k: v for k, v in info.items() if k in ("missing_keys", "unexpected_keys", "mismatched_keys") and v}
     if wrong:
-        raise ExportError(f"Qwen3_5ForCausalLM does not load the written weights exactly: {wrong}.", "Please report this hybrid.")
+        raise ExportError(f"{name} does not load the written weights exactly: {wrong}.", "Please report this hybrid.")
     vocab = model.config.vocab_size
     ids = torch.randint(0, vocab, (1, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -187,5 +190,5 @@ def check_probe(graph: Graph, folder: Path) -> None:
         got = model.eval()(ids).logits.float()
     error = ((got - expected).abs().max() / expected.abs().max().clamp_min(1e-12)).item()
     if not error <= PROBE_TOLERANCE.get(graph.dtype, 5e-2):
-        raise ExportError(f"Qwen3_5ForCausalLM on the export differs from the hybrid on a probe (relative error {error:.3g}).",
-                          "Something in this hybrid is not what its graph was read as; export it with --format hf and report it.")
+        raise ExportError(f"{name} on the export differs from the hybrid on a probe (relative error {error:.3g}).",
+                          "Something in this hybrid is not what its graph was read as; please report it (--format hf writes GDN hybrids exactly).")

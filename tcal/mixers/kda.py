@@ -5,6 +5,10 @@ Per token: g_t = -exp(A_log_h) * softplus(f_proj(x_t) + dt_bias) per key channel
 dt_bias [H * Dk], as fla), beta_t = sigmoid(b_proj(x_t)), q and k L2-normalised after SiLU, then the
 delta rule of tcal.mixers.kda_kernels. The output path is GDN's (RMSNorm(o) * w * silu(g_proj x),
 full-rank g_proj) rather than fla's low-rank sigmoid gate, so Phase 1's output gate is GDN's own.
+
+kimi_form=True builds the layer in Kimi Linear's own parametrisation (transformers' KimiLinearDeltaAttention,
+which `surgery export --format kimi_linear` writes): f_proj and g_proj both of rank head_dim (g_proj a
+two-linear Sequential), and a sigmoid output gate, RMSNorm(o) * w * sigmoid(g_proj x).
 """
 from __future__ import annotations
 
@@ -14,7 +18,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..gdn import GDNCache, RecurrentLayer
+from ..gdn import GatedRMSNorm, GDNCache, RecurrentLayer
 from .kda_kernels import kda
 
 PARAMETER_ROLES = {
@@ -43,18 +47,24 @@ class KimiDeltaAttention(RecurrentLayer):
     def __init__(self, hidden_size: int, num_heads: int, head_dim: int, *, q_bias: bool = False, k_bias: bool = False,
                  v_bias: bool = False, o_bias: bool = False, use_short_conv: bool = False, conv_size: int = 4,
                  conv_identity_init: bool = True, norm_eps: float = 1e-5, v_activation: str = "silu", backend: str = "auto",
-                 gate_low_rank_dim: int = 16, layer_idx: int | None = None):
+                 gate_low_rank_dim: int = 16, kimi_form: bool = False, layer_idx: int | None = None):
+        """kimi_form: Kimi Linear's parametrisation (module docstring); gate_low_rank_dim is then head_dim."""
         arguments = dict(locals())
         super().__init__()
         self._common(arguments)
         self._add_qkv(q_bias, k_bias, v_bias)
-        inner = num_heads * head_dim
-        self.f_proj = nn.Sequential(nn.Linear(hidden_size, gate_low_rank_dim, bias=False), nn.Linear(gate_low_rank_dim, inner, bias=False))
+        inner, rank = num_heads * head_dim, head_dim if kimi_form else gate_low_rank_dim
+        self.kimi_form = kimi_form
+        self.f_proj = nn.Sequential(nn.Linear(hidden_size, rank, bias=False), nn.Linear(rank, inner, bias=False))
         self.b_proj = nn.Linear(hidden_size, num_heads, bias=False)
         a_log, dt_bias = fla_channel_decay_init(num_heads, inner)
         self.A_log, self.dt_bias = nn.Parameter(a_log), nn.Parameter(dt_bias)
         self.A_log._no_weight_decay = self.dt_bias._no_weight_decay = True
         self._add_convs_and_output(conv_size, conv_identity_init, norm_eps, o_bias)
+        if kimi_form:
+            self.g_proj = nn.Sequential(nn.Linear(hidden_size, head_dim, bias=False), nn.Linear(head_dim, inner, bias=False))
+            self.o_norm = GatedRMSNorm(head_dim, eps=norm_eps, activation="sigmoid")
+            self.INPUT_PROJECTIONS = self.INPUT_PROJECTIONS[:-1] + ("g_proj.0",)
 
     @torch.no_grad()
     def set_decay(self, a_log: torch.Tensor, dt_bias: torch.Tensor, proj_scale: float) -> None:
@@ -73,6 +83,8 @@ class KimiDeltaAttention(RecurrentLayer):
     def forward_parts(self, hidden_states: torch.Tensor, cache: GDNCache | None = None, projection=None) -> dict:
         """Every intermediate of the forward pass; with a cache, continue the sequence it holds."""
         p = self._input_projections(hidden_states, projection)
+        if self.kimi_form:
+            p["g_proj"] = self.g_proj[1](p["g_proj.0"])
         q, k, v, beta_logit, beta = self.delta_rule_inputs(p, cache)
         g = self.decay(p["f_proj.0"])
         state = None if cache is None else cache.recurrent
