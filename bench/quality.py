@@ -92,8 +92,9 @@ def arguments(argv=None) -> argparse.Namespace:
                     "on which each converted block's output is compared with the teacher's")
     ap.add_argument("--state-context", type=int, default=65536, help="--mixers: the context (capped at the teacher's "
                     "position limit) at which a Decoder's cache bytes are counted")
-    ap.add_argument("--kernel-check", action="store_true", help="only fla's gla/kda kernels against their PyTorch references "
-                    "on CUDA (forward, final state, gradients; float32 and bfloat16); exits 1 past the tolerance")
+    ap.add_argument("--kernel-check", nargs="?", const="all", default=None, choices=("all", "fusions"),
+                    help="only fla's gla/kda kernels against their PyTorch references on CUDA (forward, final state, gradients; "
+                    "float32 and bfloat16), then the fast route's fusion kernels ('fusions': those alone); exits 1 past the tolerance")
     ap.add_argument("--agreement", nargs="+", metavar="MODEL", default=None, help="only: each model (a teacher, or a saved "
                     "hybrid's directory) in bf16 on the first --chunk tokens of --eval: eager, compiled and the default route "
                     "against float32 (surgery.decode.precision; issue 29)")
@@ -396,7 +397,7 @@ def main(argv=None) -> Rows:
     if args.kernel_check:
         if device.type != "cuda":
             raise SystemExit("--kernel-check compares fla's CUDA kernels: run it where CUDA is (not with --smoke or --device cpu)")
-        if not kernel_check(rows):
+        if not (swiglu_check(rows) if args.kernel_check == "fusions" else kernel_check(rows)):
             raise SystemExit("a kernel is past its tolerance (the rows with a ratio below 1.00x)")
         return rows
     if args.agreement:
