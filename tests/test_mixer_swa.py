@@ -125,6 +125,19 @@ def test_stories_swa_decodes_exactly_and_is_windowed(stories):
     assert sizes.cache_bytes()["gdn"] == 0
 
 
+def test_swa_decodes_on_the_cuda_route(stories, monkeypatch):
+    """The route CUDA takes (causal flags, fusions; its prefill through the fast runner), on the CPU:
+    the decode graph drops the window layer's call and pruned the module, which the prefill graph
+    shares, so the prefill lost its window buffer (the H200 speed run, seventeenth session)."""
+    import surgery.core.compiled as compiled_module
+    from surgery.core.compiled import Route
+
+    route = Route(causal_flags=True, fused=True)
+    monkeypatch.setattr(compiled_module, "ROUTES", {("cpu", "eval"): route, ("cpu", "prefill"): route})
+    graph = convert(stories(), layers=[1, 3], window=3)
+    matches_full(graph, torch.randint(3, 512, (1, 15), generator=torch.Generator().manual_seed(2)), 5)
+
+
 @pytest.mark.parametrize("name", SIX)
 def test_tiny_archs_convert_window_and_decode_exactly(tiny, name):
     """Every layer swa with window 2: a token can reach a logit only through L * (2 - 1) positions, so

@@ -82,7 +82,11 @@ def prune(gm: GraphModule) -> int:
 
 
 def drop_unused_attributes(gm: GraphModule) -> None:
-    """Delete parameters/buffers/submodules that no node references any more."""
+    """Delete parameters/buffers/submodules that no node references any more.
+
+    A submodule no node references goes whole (its reference in gm, not its tensors): a module a call
+    targets is shared with every fork of the graph (fork(), a Decoder's prefill graph), which may still
+    run it, so stripping its buffers here broke them (a sliding-window layer lost its window)."""
     used = {n.target for n in gm.graph.nodes if n.op in ("get_attr", "call_module")}
 
     def referenced(name: str) -> bool:
@@ -90,18 +94,24 @@ def drop_unused_attributes(gm: GraphModule) -> None:
 
     tensors = list(gm.named_parameters(remove_duplicate=False)) + list(gm.named_buffers(remove_duplicate=False))
     live = {id(t) for name, t in tensors if referenced(name)}  # a tied weight keeps every name it has
+    for name, module in sorted(gm.named_modules(remove_duplicate=False), key=lambda kv: kv[0].count(".")):
+        if not name or referenced(name) or any(id(t) in live for t in (*module.parameters(), *module.buffers())):
+            continue
+        drop(gm, name)
     for name, t in tensors:
         if not referenced(name) and id(t) not in live:
-            parent, _, leaf = name.rpartition(".")
-            owner = gm.get_submodule(parent) if parent else gm
-            if hasattr(owner, leaf):
-                delattr(owner, leaf)
-    for name, module in sorted(gm.named_modules(), key=lambda kv: -kv[0].count(".")):
-        if name and not referenced(name) and not any(True for _ in module.parameters()) and not any(True for _ in module.buffers()):
-            parent, _, leaf = name.rpartition(".")
-            owner = gm.get_submodule(parent) if parent else gm
-            if hasattr(owner, leaf):
-                delattr(owner, leaf)
+            drop(gm, name)
+
+
+def drop(gm: GraphModule, name: str) -> None:
+    """delattr along a dotted path; nothing when the path is gone already (an ancestor went first)."""
+    parent, _, leaf = name.rpartition(".")
+    try:
+        owner = gm.get_submodule(parent) if parent else gm
+    except AttributeError:
+        return
+    if hasattr(owner, leaf):
+        delattr(owner, leaf)
 
 
 def set_submodule(gm: GraphModule, target: str, module: torch.nn.Module) -> None:
