@@ -138,6 +138,17 @@ def _log_line(proj, heads, dst: str) -> str:
     return f"{proj.weight}{'^T' if proj.transposed else ''}[{_row_text(proj, heads)}] -> {dst}"
 
 
+def refuse_wide_values(graph: Graph, layers, mixer: str) -> None:
+    """A layer mixer has one head width for q, k and v; MLA's values may be narrower than its
+    queries and keys (DeepSeek-V3: 128 against 192), and no copy of the teacher fits that."""
+    odd = [site for site in (graph.sites[layer] for layer in layers) if site.v_head_dim]
+    if odd:
+        site = odd[0]
+        raise PassConfigError(f"layer(s) {', '.join(str(s.layer) for s in odd)} have values {site.v_head_dim} wide per head and queries and "
+                              f"keys {site.head_dim} wide, and a {mixer} layer has one head width for all three.",
+                              "Keep these layers as attention (select), or use replace.mixer=swa, which keeps the teacher's projections.")
+
+
 def module_target(gm: torch.fx.GraphModule, site: AttentionSite) -> str:
     """Where the GDN lives: at the attention module's own path when nothing outside the replaced
     region uses that module's tensors, so state_dict names stay familiar (…self_attn.q_proj.weight)."""
@@ -183,6 +194,8 @@ class Replace(Pass):
             raise PassConfigError(f"graph.meta['select'] is {type(selection).__name__}, not the LayerSelection select records.", "Run select before replace.")
         if not selection.convert:
             raise PassConfigError("select chose no layer to convert.", "Run select with a policy that converts at least one layer.")
+        if get_mixer(self.config.mixer).replaces != "op":
+            refuse_wide_values(graph, selection.convert, self.config.mixer)
         if selection.split_layers() and self.config.mixer != "gdn":
             raise PassConfigError(f"select kept some heads of layers {sorted(selection.split_layers())} (granularity head), whose other heads "
                                   f"become GDN; replace.mixer={self.config.mixer} converts whole layers only.",

@@ -7,9 +7,12 @@ What a site keeps of that (surgery.sites.site.Projection): every projection feed
 input, in graph order, and for one that reads a latent rather than the layer input, the down
 projection in front of it (`via`): which of its rows feed the latent, and one scale per latent
 channel. The scale is exact (1) when only shape ops lie between; with a norm between (MLA's RMSNorm:
-weight * z / rms(z)) no fixed linear map is exact, and the per-channel least-squares scale over the
-probe tokens stands for weight / rms, the simplest map of the layer input that a replacing mixer's own
-projections can hold; calibrate and align start from it."""
+weight * z / rms(z)) no fixed linear map is exact, and a per-channel scale fitted on the probe
+tokens stands for weight / rms (channel_scale): the simplest map of the layer input that a replacing
+mixer's own projections can hold (its q/k/v take the layer input, as the teacher's projections do).
+It is the teacher's up to one positive factor per token (the norm's 1/rms) for a value or a query,
+not for a key that joins a latent part and the rope key (their factors differ per token); calibrate
+(value scale) and align start from it."""
 from __future__ import annotations
 
 import torch
@@ -73,5 +76,17 @@ def low_rank_via(proj_in: Node, x: Node, params: set[str], run: ValueRun, layer:
     rows = index[0].round().long()
     actual = run[proj_in].reshape(-1, columns).double()
     base = run[down].reshape(-1, width).double().index_select(1, rows.to(run[down].device))
-    scale = (actual * base).sum(0) / (base * base).sum(0).clamp_min(torch.finfo(torch.float64).tiny)
-    return dict(weight=weight, bias=bias, transposed=transposed, node=down.name, rows=rows.tolist(), scale=scale.tolist())
+    return dict(weight=weight, bias=bias, transposed=transposed, node=down.name, rows=rows.tolist(), scale=channel_scale(actual, base).tolist())
+
+
+def channel_scale(actual: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
+    """One factor per channel j with actual[t, j] ~ scale[j] * base[t, j] ([tokens, channels]): the
+    geometric mean over tokens of the ratio, signed. A norm's ratio is weight[j] / rms[t], rank one,
+    so the factors stay proportional to its weight and the folded map is the teacher's up to one
+    positive factor per token; through shape ops alone every ratio is 1 and so is the scale."""
+    usable = base.abs() > 1e-12 * base.abs().max().clamp_min(1e-300)
+    ratio = torch.where(usable, actual / torch.where(usable, base, 1.0), 1.0)
+    count = usable.sum(0).clamp_min(1)
+    log_size = torch.where(usable, ratio.abs().clamp_min(1e-300).log(), 0.0).sum(0) / count
+    sign = torch.where(usable, ratio.sign(), 0.0).sum(0).sign()
+    return torch.where(sign == 0, 1.0, sign) * log_size.exp()
