@@ -124,6 +124,12 @@ class AttentionSite:
     v_head_dim: int = 0             # V's (and the output's) width per head where it is not head_dim (MLA); 0: head_dim
 
     @property
+    def mixer_head_dim(self) -> int:
+        """The head width of a layer replacing this one: the wider of Q/K's and V's (MLA's differ;
+        replace zero-pads the narrower)."""
+        return max(self.head_dim, self.v_head_dim or self.head_dim)
+
+    @property
     def fused_qkv(self) -> bool:
         return self.q.weight == self.k.weight or self.k.weight == self.v.weight
 
