@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 import surgery
 from surgery import PassManager
 from surgery.decode import generate
-from surgery.errors import ExportError, SiteError
+from surgery.errors import ExportError
 from surgery.io.export import export
 from tcal.mixers.kda import KimiDeltaAttention
 
@@ -167,9 +167,9 @@ def test_cli_help_and_export(exported, tmp_path):
     assert json.loads((tmp_path / "out" / "config.json").read_text())["model_type"] == "kimi_linear"
 
 
-def test_a_kimi_linear_teacher_cannot_be_captured_yet():
-    """The natural teacher (KimiLinear, every layer MLA) stops in site discovery, by name: when MLA
-    captures, kept MLA layers can be exported as KimiLinearAttention and this test must change."""
+def test_a_kimi_linear_teacher_captures():
+    """The natural teacher (KimiLinear, every layer MLA without RoPE) captures, its sites found, the
+    graph's logits the eager model's (tests/test_mla.py converts it)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.for_model("kimi_linear", vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -178,8 +178,11 @@ def test_a_kimi_linear_teacher_cannot_be_captured_yet():
                                   mlp_layer_types=["dense"] * 2, pad_token_id=0, bos_token_id=1, eos_token_id=2)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config).float().eval()
-    with pytest.raises(SiteError, match="new_empty"):
-        surgery.capture(model)
+    graph = surgery.capture(model)
+    assert [(s.num_heads, s.head_dim, s.rope) for s in graph.sites] == [(4, 16, False)] * 2
+    ids = torch.randint(3, 128, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(graph.logits(ids), model(input_ids=ids).logits, rtol=0, atol=1e-5)
 
 
 def test_gate_rows_through_the_low_rank_are_exact_and_decoding_is_exact(stories):

@@ -12,8 +12,8 @@ sites and the recipe before anything is written (qwen3_5_fit reads the blocks, t
     L2 norm (eps 1e-6) on q and k, scale head_dim**-0.5, beta = sigmoid(b_proj x), decay
     -exp(A_log) * softplus(f + dt_bias) per key channel, the delta rule.
   * no kept attention layer. Kimi Linear's attention (KimiLinearAttention) is MLA without RoPE; a GQA
-    or MHA teacher's attention is not that, and an MLA teacher (kimi_linear, deepseek) cannot be
-    captured today (site discovery stops at the aten.new_empty of MLA's latent KV), so a hybrid that
+    or MHA teacher's attention is not that, and an MLA teacher's kept layers (kimi_linear, which
+    captures since surgery.sites.latent) are not written as KimiLinearAttention yet, so a hybrid that
     keeps any attention layer is refused.
 Conversions, each exact: a KDA without short convolutions gets identity taps (shorter kernels are
 padded with zero taps); A_log [H] is written [1, 1, H, 1]; a tied LM head is written as its own copy
