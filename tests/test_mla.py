@@ -169,3 +169,15 @@ def test_a_head_split_of_narrow_values_is_refused_by_name():
     graph = surgery.capture(AutoModelForCausalLM.from_config(deepseek_config(v_head_dim=8)).float().eval())
     with pytest.raises(PassConfigError, match="values and queries differ in width per head"):
         PassManager(["select", "replace"], {"select": {"granularity": "head", "policy": "keep", "heads": {0: [0]}}})(graph)
+
+
+def test_kept_mla_is_refused_by_the_qwen3_5_export_naming_it(tmp_path):
+    from surgery.errors import ExportError
+    from surgery.io.export import export
+
+    torch.manual_seed(0)
+    graph = surgery.capture(AutoModelForCausalLM.from_config(deepseek_config()).eval())
+    PassManager(["select", "replace"], {"select": {"policy": "convert", "layers": [1]}})(graph)
+    with pytest.raises(ExportError, match=r"layer 0: the attention is MLA \(Q/K/V through a low-rank latent\)"):
+        export(graph, tmp_path / "out", format="qwen3_5")
+    assert not (tmp_path / "out").exists()

@@ -34,9 +34,13 @@ def through_shapes(x: Node) -> Node:
 def layer_input(inputs: list[Node], layer: int) -> Node:
     """The input every Q/K/V projection derives from: the one projection input all the others
     depend on (all the same one, except in MLA, where latents sit between)."""
-    for c in dict.fromkeys(inputs):
-        if all(i is c or c in ancestors(i, stop=lambda n, c=c: n is c) for i in inputs):
-            return c
+    candidates = list(dict.fromkeys(inputs))
+    if len(candidates) == 1:
+        return candidates[0]
+    order = {n: k for k, n in enumerate(candidates[0].graph.nodes)}
+    c = min(candidates, key=order.__getitem__)  # the common input comes first; nothing before it leads to it
+    if all(i is c or c in ancestors(i, stop=lambda n: order[n] <= order[c]) for i in candidates):
+        return c
     raise SiteError(f"Attention {layer}: the Q/K/V projections read no common input.",
                     "This attention layout is not supported yet; please report the architecture.")
 
