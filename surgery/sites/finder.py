@@ -45,6 +45,8 @@ def projections_of(arg: Node, params: set[str], what: str, layer: int) -> dict[N
             f"Attention {layer}: expected a parameter projection producing {what}, found none.",
             "This attention layout is not supported yet; please report the architecture.",
         )
+    if len(found) == 1:
+        return found
     order = {n: i for i, n in enumerate(arg.graph.nodes)}
     return dict(sorted(found.items(), key=lambda item: order[item[0]]))
 

@@ -21,12 +21,13 @@ def through_low_rank(params: dict, w, b, via: dict | None):
         return w, b
     a_w, a_b = linear_matrix(params, via["weight"], via["bias"], via["transposed"])
     index = torch.tensor(via["rows"], device=a_w.device)
-    scale = torch.tensor(via["scale"], device=w.device, dtype=w.dtype)
-    folded = (w * scale) @ a_w.index_select(0, index)
+    wide = torch.promote_types(w.dtype, torch.float32)  # a bf16 teacher's product summed in float32
+    scale = torch.tensor(via["scale"], device=w.device, dtype=wide)
+    folded = (w.to(wide) * scale) @ a_w.index_select(0, index).to(wide)
     if a_b is not None:
-        shift = w @ (scale * a_b.index_select(0, index))
-        b = shift if b is None else b + shift
-    return folded, b
+        shift = w.to(wide) @ (scale * a_b.index_select(0, index).to(wide))
+        b = shift if b is None else b.to(wide) + shift
+    return folded.to(w.dtype), (b.to(w.dtype) if b is not None else None)
 
 
 @dataclass
