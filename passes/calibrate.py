@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from surgery.errors import CalibrationError, PassConfigError
 from surgery.core import progress
@@ -69,7 +70,8 @@ class Calibrate(Pass):
                         elif mixer.replaces == "op":
                             reports[layer] = mixer.phase1(gdn, d.qkv, d.ctx, d.stats, options.window_quantile, graph.max_length)
                         else:
-                            reports[layer] = mixer.phase1(gdn, d.x, d.ctx, d.target, d.stats, options)
+                            ctx = F.pad(d.ctx, (0, graph.sites[layer].mixer_head_dim - d.ctx.shape[-1]))  # MLA: as replace padded v
+                            reports[layer] = mixer.phase1(gdn, d.x, ctx, d.target, d.stats, options)
                     except ValueError as exc:
                         raise CalibrationError(f"Phase 1 failed at layer {layer}: {exc}", "Check the calibration text and options.") from exc
                     r = reports[layer]

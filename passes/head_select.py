@@ -93,7 +93,7 @@ def output_scale(ctx: torch.Tensor, site, params: dict) -> torch.Tensor:
     """Per query head, the mean squared norm of what it adds to the layer output: its context ctx
     [N, T, H, D] through its columns of the teacher's o_proj, [H] (float64)."""
     w, _ = site.o.in_matrix(params)
-    w = w.double().unflatten(1, (site.num_heads, site.head_dim))          # [hidden, H, D]
+    w = w.double().unflatten(1, (site.num_heads, site.v_head_dim or site.head_dim))  # [hidden, H, D]
     total = torch.zeros(site.num_heads, dtype=torch.float64)
     for chunk in ctx.flatten(0, 1).split(1024):                          # [tokens, H, D]
         total += torch.einsum("thd,khd->thk", chunk.double(), w).pow(2).sum((0, 2)).cpu()

@@ -82,7 +82,7 @@ class ReplaceConfig(PassConfig):
 def gdn_for_site(site: AttentionSite, config: ReplaceConfig) -> GatedDeltaNet:
     """The layer module of the configured mixer (a "layer" mixer: gdn) for this site."""
     return get_mixer(config.mixer).module(
-        site.hidden_size, site.num_heads, site.head_dim,
+        site.hidden_size, site.num_heads, site.mixer_head_dim,
         q_bias=bool(site.q.bias), k_bias=bool(site.k.bias), v_bias=bool(site.v.bias), o_bias=bool(site.o.bias),
         use_short_conv=config.use_short_conv, conv_size=config.conv_size, norm_eps=config.norm_eps,
         v_activation=config.v_activation, backend=config.backend, layer_idx=site.layer,
@@ -97,19 +97,20 @@ def transfer_weights(gdn: GatedDeltaNet, site: AttentionSite, params: dict, targ
     log, written = [], []
     expanded = site.kv_map  # query head h reads KV head kv_map[h]: GQA expansion repeats rows
     plan = [("q_proj", site.q, None), ("k_proj", site.k, expanded), ("v_proj", site.v, expanded)]
+    width = site.mixer_head_dim
     with torch.no_grad():
         for name, proj, heads in plan:
             w, b = proj.out_matrix(params, heads)
             layer = getattr(gdn, name)
-            layer.weight.copy_(w)
+            layer.weight.copy_(pad_heads(w, site.num_heads, width, 0))
             written.append(f"{name}.weight")
-            log.append(_log_line(proj, heads, f"{target}.{name}.weight"))
+            log.append(_log_line(proj, heads, f"{target}.{name}.weight") + padded_text(proj, width))
             if b is not None:
-                layer.bias.copy_(b)
+                layer.bias.copy_(pad_heads(b, site.num_heads, width, 0))
                 written.append(f"{name}.bias")
                 log.append(f"{proj.bias}[{_row_text(proj, heads)}] -> {target}.{name}.bias")
         w, b = site.o.in_matrix(params)
-        gdn.o_proj.weight.copy_(w)
+        gdn.o_proj.weight.copy_(pad_heads(w, site.num_heads, width, 1))
         written.append("o_proj.weight")
         log.append(f"{site.o.weight}{'^T' if site.o.transposed else ''}[:, {_span(site.o.rows())}] -> {target}.o_proj.weight")
         if b is not None:
@@ -121,6 +122,24 @@ def transfer_weights(gdn: GatedDeltaNet, site: AttentionSite, params: dict, targ
         raise PassFailedError(f"Layer {site.layer}: replace copied {written} from the teacher, but the GDN's copied parameters are {expected}.",
                               "The site's projections and the GDN's biases disagree; this is a bug, run with --debug and report it.")
     return log
+
+
+def pad_heads(t: torch.Tensor, heads: int, width: int, dim: int) -> torch.Tensor:
+    """t with each head's block along dim (heads * d entries) zero-padded to `width`: the narrower of
+    an MLA layer's Q/K and V widths. Zero q/k entries add nothing to q.k; zero v rows (and their o_proj
+    columns) carry nothing to the output."""
+    d = t.shape[dim] // heads
+    if d == width:
+        return t
+    blocks = t.unflatten(dim, (heads, d))
+    pad = list(blocks.shape)
+    pad[dim + 1] = width - d
+    return torch.cat([blocks, blocks.new_zeros(pad)], dim + 1).flatten(dim, dim + 1)
+
+
+def padded_text(proj, width: int) -> str:
+    d = len(proj.heads[0])
+    return f" (each head zero-padded from {d} to {width})" if d != width else ""
 
 
 def _span(rows: list[int]) -> str:
@@ -135,6 +154,8 @@ def _row_text(proj, heads) -> str:
 
 
 def _log_line(proj, heads, dst: str) -> str:
+    if proj.folded:
+        return f"{proj.source_text()}: rows {_row_text(proj, heads)} -> {dst}"
     return f"{proj.weight}{'^T' if proj.transposed else ''}[{_row_text(proj, heads)}] -> {dst}"
 
 
@@ -183,6 +204,10 @@ class Replace(Pass):
             raise PassConfigError(f"graph.meta['select'] is {type(selection).__name__}, not the LayerSelection select records.", "Run select before replace.")
         if not selection.convert:
             raise PassConfigError("select chose no layer to convert.", "Run select with a policy that converts at least one layer.")
+        wide = [str(layer) for layer in selection.split_layers() if graph.sites[layer].v_head_dim]
+        if wide:
+            raise PassConfigError(f"select kept some heads of layer(s) {', '.join(wide)}, whose values and queries differ in width per head "
+                                  "(MLA); a head split keeps one width.", "Use select.granularity=layer for this model.")
         if selection.split_layers() and self.config.mixer != "gdn":
             raise PassConfigError(f"select kept some heads of layers {sorted(selection.split_layers())} (granularity head), whose other heads "
                                   f"become GDN; replace.mixer={self.config.mixer} converts whole layers only.",

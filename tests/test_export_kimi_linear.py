@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 import surgery
 from surgery import PassManager
 from surgery.decode import generate
-from surgery.errors import ExportError, SiteError
+from surgery.errors import ExportError
 from surgery.io.export import export
 from tcal.mixers.kda import KimiDeltaAttention
 
@@ -167,19 +167,57 @@ def test_cli_help_and_export(exported, tmp_path):
     assert json.loads((tmp_path / "out" / "config.json").read_text())["model_type"] == "kimi_linear"
 
 
-def test_a_kimi_linear_teacher_cannot_be_captured_yet():
-    """The natural teacher (KimiLinear, every layer MLA) stops in site discovery, by name: when MLA
-    captures, kept MLA layers can be exported as KimiLinearAttention and this test must change."""
+def kimi_teacher(**overrides):
+    """A tiny KimiLinear with every layer MLA (the natural teacher), float32, eval."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.for_model("kimi_linear", vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                  num_key_value_heads=4, intermediate_size=96, kv_lora_rank=16, qk_nope_head_dim=8,
-                                  qk_rope_head_dim=8, v_head_dim=16, layer_types=["full_attention"] * 2,
-                                  mlp_layer_types=["dense"] * 2, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    config = AutoConfig.for_model("kimi_linear", **{
+        "vocab_size": 128, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4,
+        "intermediate_size": 96, "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 8, "v_head_dim": 16,
+        "layer_types": ["full_attention"] * 2, "mlp_layer_types": ["dense"] * 2, "pad_token_id": 0, "bos_token_id": 1,
+        "eos_token_id": 2, **overrides})
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config).float().eval()
-    with pytest.raises(SiteError, match="new_empty"):
-        surgery.capture(model)
+    return AutoModelForCausalLM.from_config(config).float().eval()
+
+
+def test_a_kimi_linear_teacher_captures():
+    """The natural teacher (KimiLinear, every layer MLA without RoPE) captures, its sites found, the
+    graph's logits the eager model's (tests/test_mla.py converts it)."""
+    model = kimi_teacher()
+    graph = surgery.capture(model)
+    assert [(s.num_heads, s.head_dim, s.rope) for s in graph.sites] == [(4, 16, False)] * 2
+    ids = torch.randint(3, 128, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(graph.logits(ids), model(input_ids=ids).logits, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("q_lora_rank", [None, 24])
+def test_kept_mla_layers_of_a_kimi_teacher_are_written_as_kimi_attention(q_lora_rank, tmp_path):
+    """Layer 0 kept (MLA, q_proj or q_a -> norm -> q_b), layer 1 KDA: the export loads in plain
+    transformers as KimiLinearForCausalLM with layer 0 full attention, the teacher's weights, and
+    its logits equal the hybrid's."""
+    teacher = kimi_teacher(q_lora_rank=q_lora_rank, v_head_dim=8)
+    hybrid = convert(surgery.capture(teacher), [1], {**FITTING, "norm_eps": teacher.config.rms_norm_eps})
+    export(hybrid, tmp_path / "out", format="kimi_linear")
+    model = kimi_load(tmp_path / "out")
+    assert model.config.layer_types == ["full_attention", "linear_attention"] and model.config.q_lora_rank == q_lora_rank
+    for name, p in teacher.model.layers[0].self_attn.named_parameters():
+        assert torch.equal(model.model.layers[0].self_attn.get_parameter(name), p), name
+    ids = torch.randint(3, 128, (2, 13), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids).logits, hybrid.logits(ids), rtol=1e-4, atol=1e-4)
+
+
+def test_kept_mla_of_another_form_is_refused_by_name(tmp_path):
+    """A DeepSeek-V3 teacher's kept MLA applies RoPE: not Kimi Linear's attention."""
+    from transformers import AutoModelForCausalLM
+    from archs import config as arch_config
+
+    torch.manual_seed(0)
+    graph = surgery.capture(AutoModelForCausalLM.from_config(arch_config("deepseek_v3")).eval())
+    with pytest.raises(ExportError, match=r"layer\(s\) 0 keep the teacher's attention, which is not MLA without RoPE.*apply RoPE"):
+        export(convert(graph, [1], FITTING), tmp_path / "out", format="kimi_linear")
+    assert not (tmp_path / "out").exists()
 
 
 def test_gate_rows_through_the_low_rank_are_exact_and_decoding_is_exact(stories):

@@ -15,14 +15,14 @@ from sweep_check import check
 
 # Conv1D fused qkv without rope; fused qkv_proj; eager softmax with softcap and sliding windows; MQA
 # with fused query_key_value; ALiBi (converts, refuses to decode); attention sinks (the same); an eager
-# softmax over [B*H, T, T] (xglm); a baddbmm whose bias is zeros (gpt_neox_japanese: decodes).
-SUBSET = ["gpt2", "phi3", "gemma2", "falcon", "bloom", "gpt_oss", "xglm", "gpt_neox_japanese"]
+# softmax over [B*H, T, T] (xglm); a baddbmm whose bias is zeros (gpt_neox_japanese: decodes); multi-head
+# latent attention (deepseek_v3: K and V through a low-rank latent and a norm, a shared rope key).
+SUBSET = ["gpt2", "phi3", "gemma2", "falcon", "bloom", "gpt_oss", "xglm", "gpt_neox_japanese", "deepseek_v3"]
 # decoding refuses these with a named reason (words of DecodeError.problem)
 REFUSES = {"bloom": "ALiBi", "mpt": "position bias", "falcon_alibi": "position bias",
            "gpt_oss": "attention sinks", "flint": "attention sinks", "granite_swa": "attention sinks"}
 # known not to convert (bench/results/sweep_cpu.json): strict, so a fix shows up as a failure to update this
-_MLA = "site discovery cannot follow projection rows through aten.new_empty (MLA latent kv)"
-KNOWN_FAILURES = {name: _MLA for name in ("minicpm3", "deepseek_v2", "deepseek_v3", "youtu", "glm4_moe_lite", "axk1")}
+KNOWN_FAILURES: dict[str, str] = {}  # name -> why (none today: the MLA families convert since MLA capture)
 # round trips known to fail (bench/results/sweep_cpu.json), the export's to fix: checked to fail with
 # these words, so a fix shows up as a failure to update this. openai-gpt: the exported GDN returns a
 # tuple where OpenAIGPT's block concatenates its attention's list output.

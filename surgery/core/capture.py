@@ -14,6 +14,7 @@ from . import progress
 from .graph import Graph
 from .load import load_model
 from .rewrite import token_dependent
+from .slice_fill import fold_slice_fills
 
 CAPTURE_BATCH = 2
 CAPTURE_LENGTH = 16
@@ -63,6 +64,7 @@ def export_model(model: torch.nn.Module, max_length: int, debug: bool = False,
         ) from failure
     gm = program.module()
     drop_metadata_asserts(gm)
+    fold_slice_fills(gm)
     pin_position_precision(gm)
     gm.meta["max_length"] = max_length
     gm.meta["extra_inputs"] = extra

@@ -11,10 +11,9 @@ sites and the recipe before anything is written (qwen3_5_fit reads the blocks, t
     one (heads, head_dim) for all of them. Term by term the rest is the same computation: SiLU then
     L2 norm (eps 1e-6) on q and k, scale head_dim**-0.5, beta = sigmoid(b_proj x), decay
     -exp(A_log) * softplus(f + dt_bias) per key channel, the delta rule.
-  * no kept attention layer. Kimi Linear's attention (KimiLinearAttention) is MLA without RoPE; a GQA
-    or MHA teacher's attention is not that, and an MLA teacher (kimi_linear, deepseek) cannot be
-    captured today (site discovery stops at the aten.new_empty of MLA's latent KV), so a hybrid that
-    keeps any attention layer is refused.
+  * a kept attention layer is Kimi Linear's attention (KimiLinearAttention: MLA without RoPE, as
+    kimi_linear_mla reads it from the site), written with the teacher's own weights; a GQA or MHA
+    teacher's kept attention is not that, and is refused.
 Conversions, each exact: a KDA without short convolutions gets identity taps (shorter kernels are
 padded with zero taps); A_log [H] is written [1, 1, H, 1]; a tied LM head is written as its own copy
 (KimiLinearForCausalLM ties nothing); norms written offset + w.
@@ -35,6 +34,7 @@ from ..core.graph import Graph
 from ..errors import ExportError
 from ..sites.ops import param_names
 from .hf_export import HYBRID_KEY, write_model_dir
+from .kimi_linear_mla import mla_form
 from .kimi_linear_state import kimi_linear_config, kimi_linear_state
 from .qwen3_5_export import check_probe, mixers
 from .qwen3_5_fit import Layout, read_layout
@@ -49,6 +49,7 @@ class KimiPlan:
     eps: float
     conv_size: int
     kda: dict      # layer -> {"target", "gdn_config"}
+    mla: dict      # kept layer -> kimi_linear_mla.MlaForm
 
 
 def refuse(reason: str) -> ExportError:
@@ -64,15 +65,25 @@ def layout_of(graph: Graph) -> Layout:
         raise refuse(reason.replace("Qwen3.5", "Kimi Linear")) from None
 
 
-def layer_refusals(graph: Graph) -> list[str]:
-    """Why some layers are not KDA layers: kept attention, split layers, other mixers."""
+def kept_forms(graph: Graph) -> dict:
+    """layer -> its kept attention as KimiLinearAttention (kimi_linear_mla.MlaForm), or why it is not one."""
+    return {l: mla_form(graph, graph.sites[l]) for l, kind in enumerate(graph.layer_kinds) if kind == "attention"}
+
+
+def layer_refusals(graph: Graph, forms: dict) -> list[str]:
+    """Why some layers are neither KDA layers nor Kimi Linear's MLA: kept attention of another form,
+    split layers, other mixers."""
     kinds = graph.layer_kinds
-    reasons, kept = [], [l for l, kind in enumerate(kinds) if kind == "attention"]
+    reasons, kept = [], [l for l, form in forms.items() if isinstance(form, str)]
     if kept:
         rope = [l for l in kept if graph.sites[l].rope]
+        why = "; ".join(f"layer {l}: {forms[l]}" for l in kept if not graph.sites[l].rope)
         reasons.append(f"layer(s) {', '.join(map(str, kept))} keep the teacher's attention, which is not MLA without RoPE "
                        "(Kimi Linear's KimiLinearAttention: latent KV through kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj)"
-                       + (f", and layer(s) {', '.join(map(str, rope))} apply RoPE" if rope else ""))
+                       + (f", and layer(s) {', '.join(map(str, rope))} apply RoPE" if rope else "") + (f" ({why})" if why else ""))
+    sizes = {tuple(sorted(form.sizes.items(), key=str)) for form in forms.values() if not isinstance(form, str)}
+    if len(sizes) > 1:
+        reasons.append("the kept MLA layers differ in their sizes; Kimi Linear has one shape for all")
     split = [l for l, kind in enumerate(kinds) if kind == "split"]
     if split:
         reasons.append(f"layer(s) {', '.join(map(str, split))} keep some heads as attention (select.granularity=head)")
@@ -119,7 +130,8 @@ def plan(graph: Graph) -> KimiPlan:
     targets = graph.gdn_targets()
     if not targets:
         raise ExportError("The model has no converted layer: it is the teacher itself.", "Export a hybrid (surgery apply).")
-    reasons = layer_refusals(graph)
+    forms = kept_forms(graph)
+    reasons = layer_refusals(graph, forms)
     if reasons:
         every = ",".join(map(str, range(graph.num_layers)))
         raise ExportError("--format kimi_linear does not fit this hybrid: " + "; ".join(reasons) + ".",
@@ -138,7 +150,7 @@ def plan(graph: Graph) -> KimiPlan:
         fix = f"Convert with {' '.join(fixes)} to build KDAs of Kimi Linear's form." if len(fixes) == len(reasons) else FIX
         raise ExportError("--format kimi_linear does not fit this hybrid: " + "; ".join(reasons) + ".", fix)
     conv = max((c["conv_size"] for c in configs if c["use_short_conv"]), default=DEFAULT_CONV)
-    return KimiPlan(layout, eps, conv, kda)
+    return KimiPlan(layout, eps, conv, kda, forms)
 
 
 def write_kimi_linear(graph: Graph, folder: Path, *, dtype: torch.dtype | None = None, shard_bytes: int) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from .kimi_linear_mla import mla_state
 from .qwen3_5_fit import Norm
 from .qwen3_5_state import conv_taps, linear_tensor
 
@@ -37,27 +38,33 @@ def kimi_linear_state(graph, plan) -> dict:
             state |= {prefix + "input_layernorm.weight": norm_tensor(params, block.input_norm),
                       prefix + "post_attention_layernorm.weight": norm_tensor(params, block.post_norm),
                       **{prefix + f"mlp.{n}_proj.weight": linear_tensor(params, getattr(block, n)) for n in ("gate", "up", "down")}}
-            kda = graph.gm.get_submodule(plan.kda[block.layer]["target"])
-            state |= {prefix + "self_attn." + k: v for k, v in kda_state(kda, plan.conv_size).items()}
+            if block.layer in plan.mla:
+                mixer = mla_state(params, plan.mla[block.layer])
+            else:
+                mixer = kda_state(graph.gm.get_submodule(plan.kda[block.layer]["target"]), plan.conv_size)
+            state |= {prefix + "self_attn." + k: v for k, v in mixer.items()}
     return state
 
 
 def kimi_linear_config(graph, plan, dtype: torch.dtype) -> dict:
-    """KimiLinearConfig's fields for the hybrid: sizes from the weights and the KDA layers' config."""
+    """KimiLinearConfig's fields for the hybrid: sizes from the weights, the KDA layers' config and
+    the kept MLA layers' sizes."""
     from transformers.models.kimi_linear import KimiLinearConfig
 
     params = dict(graph.gm.named_parameters(remove_duplicate=False))
     first = plan.layout.blocks[0]
     kda = next(iter(plan.kda.values()))["gdn_config"]
     teacher, layers = graph.config, len(plan.layout.blocks)
+    mla = next(iter(plan.mla.values())).sizes if plan.mla else {"num_attention_heads": kda["num_heads"]}
     vocab, hidden = params[plan.layout.embedding].shape
     config = KimiLinearConfig(
         vocab_size=vocab, hidden_size=hidden,
         intermediate_size=params[first.gate.weight].shape[0 if not first.gate.transposed else 1],
-        num_hidden_layers=layers, num_attention_heads=kda["num_heads"], num_key_value_heads=kda["num_heads"],
+        num_hidden_layers=layers, **mla, num_key_value_heads=mla["num_attention_heads"],
         hidden_act="silu", rms_norm_eps=plan.eps, tie_word_embeddings=False, use_cache=False,
         max_position_embeddings=getattr(teacher, "max_position_embeddings", graph.max_length),
-        layer_types=["linear_attention"] * layers, mlp_layer_types=["dense"] * layers, attention_bias=False,
+        layer_types=["full_attention" if l in plan.mla else "linear_attention" for l in range(layers)],
+        mlp_layer_types=["dense"] * layers, attention_bias=False,
         linear_num_heads=kda["num_heads"], linear_head_dim=kda["head_dim"], linear_conv_kernel_dim=plan.conv_size,
         pad_token_id=getattr(teacher, "pad_token_id", None), bos_token_id=getattr(teacher, "bos_token_id", None),
         eos_token_id=getattr(teacher, "eos_token_id", None),

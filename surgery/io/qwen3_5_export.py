@@ -84,6 +84,8 @@ def attention_refusals(graph: Graph, kept: list[int], params: set[str]) -> tuple
             reasons.append(f"layer {layer}: the q/k norms are not per-head RMSNorms over head_dim {site.head_dim}")
         else:
             norms[layer] = tuple(found)
+        if site.q.folded or site.k.folded or site.v.folded:
+            reasons.append(f"layer {layer}: the attention is MLA (Q/K/V through a low-rank latent), which Qwen3.5's attention is not")
         if not math.isclose(site.scale, site.head_dim ** -0.5, rel_tol=1e-6):
             reasons.append(f"layer {layer}: the attention scale {site.scale:.6g} is not head_dim**-0.5")
         if site.softcap is not None:

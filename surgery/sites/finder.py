@@ -19,14 +19,16 @@ from ..errors import NoAttentionError, SiteError
 from .attention_op import AttentionOp, find_attention_ops, op_scale, softcap_and_scale
 from .ops import (SHAPE_OPS, SOFTMAX_OPS, SDPA_OPS, bias_add, mask_mode as sdpa_mask_mode, module_path, param_names, path_params,
                   path_scalars, projection_parts, touches)
+from .latent import layer_input, low_rank_via
 from .probe import ValueRun, index_heads
 from .site import AttentionSite, Projection
 
 aten = torch.ops.aten
 
 
-def projection_of(arg: Node, params: set[str], what: str, layer: int) -> tuple[Node, tuple]:
-    """The single parameter projection that feeds an attention input."""
+def projections_of(arg: Node, params: set[str], what: str, layer: int) -> dict[Node, tuple]:
+    """The parameter projections that feed an attention input, first met on each path back from it,
+    in graph order: one, or (MLA's key) a per-head projection and a shared one."""
     found = {}
 
     def stop(n):
@@ -38,12 +40,22 @@ def projection_of(arg: Node, params: set[str], what: str, layer: int) -> tuple[N
 
     if not stop(arg):
         ancestors(arg, stop=stop)
-    if len(found) != 1:
+    if not found:
         raise SiteError(
-            f"Attention {layer}: expected one parameter projection producing {what}, found {len(found)}.",
+            f"Attention {layer}: expected a parameter projection producing {what}, found none.",
             "This attention layout is not supported yet; please report the architecture.",
         )
-    return next(iter(found.items()))
+    if len(found) == 1:
+        return found
+    order = {n: i for i, n in enumerate(arg.graph.nodes)}
+    return dict(sorted(found.items(), key=lambda item: order[item[0]]))
+
+
+def site_projection(found: dict[Node, tuple], heads: list, vias: dict) -> Projection:
+    """The Projection of one attention input: its first projection, and the others (MLA) in `more`."""
+    (first, (_, w, b, t)), *rest = found.items()
+    more = [dict(weight=rw, bias=rb, transposed=rt, node=n.name, via=vias[n]) for n, (_, rw, rb, rt) in rest]
+    return Projection(w, b, t, heads, first.name, via=vias[first], more=more)
 
 
 def input_node(x: Node, run: ValueRun) -> Node:
@@ -79,18 +91,42 @@ def output_projection(layer: int, core: AttentionOp, gm, run: ValueRun, params: 
     return o_proj, (o_w, o_b, o_t), o_heads
 
 
-def build_site(layer: int, core: AttentionOp, gm, run: ValueRun, params: set[str]) -> AttentionSite:
-    q_proj, (q_in, q_w, q_b, q_t) = projection_of(core.q, params, "Q", layer)
-    k_proj, (k_in, k_w, k_b, k_t) = projection_of(core.k, params, "K", layer)
-    v_proj, (v_in, v_w, v_b, v_t) = projection_of(core.v, params, "V", layer)
-    b, heads, t, d = run.shape(core.q)
-
-    def rows(proj, arg, transpose=False):
+def head_rows(run: ValueRun, sources, arg: Node, transpose: bool = False) -> torch.Tensor:
+    """[H, D] rows feeding each head of an attention input; with several source projections (MLA)
+    the rows of each follow those of the ones before it."""
+    values, offset = {}, 0
+    for proj in sources:
         width = run.shape(proj)[-1]
-        p = run.probe(proj, arg, torch.arange(width, dtype=torch.float64, device=run[proj].device).expand(run.shape(proj)))
-        return index_heads(p.transpose(-1, -2) if transpose else p, "Q/K/V")
+        values[proj] = (torch.arange(width, dtype=torch.float64, device=run[proj].device) + offset).expand(run.shape(proj))
+        offset += width
+    p = run.probe(values, arg)
+    return index_heads(p.transpose(-1, -2) if transpose else p, "Q/K/V")
 
-    q_idx, k_idx, v_idx = rows(q_proj, core.q), rows(k_proj, core.k, core.k_transposed), rows(v_proj, core.v)
+
+def source_path(sources: set[Node], arg: Node) -> set[Node]:
+    """The nodes from the projections of an attention input to it; of several projections (MLA's
+    key), not the way from one into another (the latent's norm and up projection)."""
+    return (set().union(*(descendants(n) for n in sources)) & ancestors(arg, stop=lambda n: n in sources)) - sources
+
+
+def attention_inputs(layer: int, core: AttentionOp, run: ValueRun, params: set[str]):
+    """The projections of Q, K and V ({node: (input, weight, bias, transposed)} each, a bias added
+    after a bias-free matmul included), the layer input they all derive from, and each projection's
+    low-rank path from it (None where it reads the layer input itself)."""
+    found = {}
+    for what, arg in (("Q", core.q), ("K", core.k), ("V", core.v)):
+        found[what] = {n: (i, w, b or bias_add(n, params, run.shape(n)[-1], run)[1], t)
+                       for n, (i, w, b, t) in projections_of(arg, params, what, layer).items()}
+    every = {n: parts for f in found.values() for n, parts in f.items()}
+    x = layer_input([parts[0] for parts in every.values()], layer)
+    vias = {n: low_rank_via(parts[0], x, params, run, layer) for n, parts in every.items()}
+    return found, x, vias
+
+
+def build_site(layer: int, core: AttentionOp, gm, run: ValueRun, params: set[str]) -> AttentionSite:
+    found, x, vias = attention_inputs(layer, core, run, params)
+    b, heads, t, d = run.shape(core.q)
+    q_idx, k_idx, v_idx = head_rows(run, found["Q"], core.q), head_rows(run, found["K"], core.k, core.k_transposed), head_rows(run, found["V"], core.v)
     kv_heads_in_arg = k_idx.shape[0]
     if core.gqa or kv_heads_in_arg != heads:
         group = heads // kv_heads_in_arg
@@ -106,16 +142,14 @@ def build_site(layer: int, core: AttentionOp, gm, run: ValueRun, params: set[str
     k_heads = [list(u[0]) for u in unique]
     v_heads = [list(u[1]) for u in unique]
 
-    o_proj, (o_w, o_b, o_t), o_heads = output_projection(layer, core, gm, run, params, heads, d)
+    dv = run.shape(core.attn)[-1]
+    o_proj, (o_w, o_b, o_t), o_heads = output_projection(layer, core, gm, run, params, heads, dv)
     o_out, o_bias_add = bias_add(o_proj, params, run.shape(o_proj)[-1], run)
-    q_b = q_b or bias_add(q_proj, params, run.shape(q_proj)[-1], run)[1]
-    k_b = k_b or bias_add(k_proj, params, run.shape(k_proj)[-1], run)[1]
-    v_b = v_b or bias_add(v_proj, params, run.shape(v_proj)[-1], run)[1]
 
-    x = input_node(q_in, run)
+    x = input_node(x, run)
     out = output_node(o_out, run, run.shape(x))
-    q_path = descendants(q_proj) & ancestors(core.q)
-    k_path = descendants(k_proj) & ancestors(core.k)
+    q_src, k_src = set(found["Q"]), set(found["K"])
+    q_path, k_path = source_path(q_src, core.q), source_path(k_src, core.k)
     if core.kind == "sdpa":
         softcap = None
         scale = (core.scale if core.scale is not None else d ** -0.5) * path_scalars(q_path) * path_scalars(k_path)
@@ -123,20 +157,20 @@ def build_site(layer: int, core: AttentionOp, gm, run: ValueRun, params: set[str
         softcap, scale = softcap_and_scale(core)
         scale *= (core.scale or 1.0) * path_scalars(q_path) * path_scalars(k_path)
     trig = {aten.cos.default, aten.sin.default, aten.arange.default, aten.arange.start, aten.arange.start_step}
+    q_first = next(iter(found["Q"]))
     return AttentionSite(
-        layer=layer, module_path=module_path(core.attn) or module_path(q_proj), kind=core.kind,
+        layer=layer, module_path=module_path(core.attn) or module_path(q_first), kind=core.kind,
         num_heads=heads, num_kv_heads=len(unique), head_dim=d, hidden_size=run.shape(x)[-1], scale=float(scale),
-        q=Projection(q_w, q_b, q_t, q_idx.tolist(), q_proj.name),
-        k=Projection(k_w, k_b, k_t, k_heads, k_proj.name),
-        v=Projection(v_w, v_b, v_t, v_heads, v_proj.name),
+        q=site_projection(found["Q"], q_idx.tolist(), vias), k=site_projection(found["K"], k_heads, vias),
+        v=site_projection(found["V"], v_heads, vias),
         o=Projection(o_w, o_b or o_bias_add, o_t, o_heads, o_proj.name),
-        kv_map=kv_map, rope=touches(q_path, q_proj, trig) or touches(k_path, k_proj, trig),
-        q_norm=path_params(q_path, q_proj, params), k_norm=path_params(k_path, k_proj, params), softcap=softcap,
+        kv_map=kv_map, rope=touches(q_path, q_src, trig) or touches(k_path, k_src, trig),
+        q_norm=path_params(q_path, q_src, params), k_norm=path_params(k_path, k_src, params), softcap=softcap,
         input_node=x.name, output_node=out.name, attn_node=core.attn.name,
         q_node=core.q.name, k_node=core.k.name, v_node=core.v.name,
         probs_node=core.probs.name if core.probs is not None else None,
         mask_node=core.mask.name if core.mask is not None else None,
-        **decode_fields(core, gm, run, d),
+        v_head_dim=dv if dv != d else 0, **decode_fields(core, gm, run, d),
     )
 
 

@@ -104,21 +104,23 @@ def path_scalars(path: set[Node]) -> float:
     return factor
 
 
-def operands(path: set[Node], source: Node) -> set[Node]:
-    """Inputs that enter a projection -> attention path from outside it (RoPE tables, norm weights)."""
-    return {a for n in path for a in n.all_input_nodes if a not in path and a is not source}
+def operands(path: set[Node], source: Node | set) -> set[Node]:
+    """Inputs that enter a projection -> attention path from outside it (RoPE tables, norm weights);
+    source: the projection (or the set of them, MLA's key) the path starts from."""
+    sources = source if isinstance(source, set) else {source}
+    return {a for n in path for a in n.all_input_nodes if a not in path and a not in sources}
 
 
 def local_ancestors(a: Node) -> set[Node]:
     return ancestors(a, stop=lambda x: x.op in ("placeholder", "get_attr")) | {a}
 
 
-def touches(path: set[Node], source: Node, targets) -> bool:
+def touches(path: set[Node], source: Node | set, targets) -> bool:
     """Does an operand of the path come from cos/sin or from positions (RoPE, table or computed)?"""
     return any(x.op == "call_function" and x.target in targets for a in operands(path, source) for x in local_ancestors(a))
 
 
-def path_params(path: set[Node], source: Node, params: set[str]) -> list[str]:
+def path_params(path: set[Node], source: Node | set, params: set[str]) -> list[str]:
     """Parameters applied on the path (q/k norms), also through `1 + weight` style reparametrisations."""
     names = set()
     for a in operands(path, source):

@@ -40,13 +40,16 @@ class ValueRun:
         v = self.env[n]
         return tuple(v.shape) if isinstance(v, torch.Tensor) else ()
 
-    def probe(self, src: Node, dst: Node, value: torch.Tensor) -> torch.Tensor:
+    def probe(self, src: Node | dict, dst: Node, value: torch.Tensor | None = None) -> torch.Tensor:
         """Push `value` (standing for src's output) along every path src -> dst, moving indices through
-        shape ops and passing the main operand through value-changing ops."""
-        between = descendants(src) & (ancestors(dst) | {dst})
-        probed = {src: value}
-        for n in src.graph.nodes:
-            if n not in between:
+        shape ops and passing the main operand through value-changing ops. src may be a dict
+        {node: value} of several sources at once (MLA's key joins two projections)."""
+        sources = src if isinstance(src, dict) else {src: value}
+        reach = set().union(*(descendants(s) for s in sources))
+        between = reach & (ancestors(dst) | {dst})
+        probed = dict(sources)
+        for n in dst.graph.nodes:
+            if n not in between or n in sources:
                 continue
             if n.op == "call_function" and n.target in SHAPE_OPS:
                 if not any(a in probed for a in n.all_input_nodes):
