@@ -242,6 +242,7 @@ def prefill(s: Setup, rows: Rows) -> None:
             applied_default(s, rows, ids, config, default)
             if a.profile:
                 eager = default_eager_runner(s.hybrid)
+                eager(ids)  # the bucket's first call builds its graph (the causal-flag proof runs the masks): not profiled
                 top_kernels(lambda: eager(ids), s.device, f"{s.label()} default route, eager (not replayed), {config}")
         del ids
         free(s.device)
