@@ -108,10 +108,13 @@ COMPILE_SECONDS = 30.0
 # 0.08 s capture, bit-identical to eager (8k: 19.57 ms; 32k: 86.92 ms against transformers' 130.81).
 # So on CUDA the default takes the flags and replays from a shape's second call; compiling, which
 # would save 2 ms a call at 2k (12,000 calls to win back its 25 s), stays what --compile asks for.
-# Fused RMSNorms (surgery.decode.fused_norms) on the uncompiled routes and in a Decoder's static steps: on
-# the H200 profile of the hybrid's 32k forward, the norms' unfused arithmetic was a large part of ~27 ms of
-# elementwise work (RESULTS, sixteenth session). The rewrite is exact on the CPU, but its speed on the GPU
-# was not measured (the session's device time ran out), so it stays off until bench/speed.py measures it.
+# Fused elementwise work (surgery.decode.fusions: each RMSNorm whole, each residual add with the norm that
+# reads it, each SwiGLU product, as one kernel) on the uncompiled routes and in a Decoder's static steps.
+# Seventeenth session, H200, random SmolLM2 shapes, 75% GDN, default route with / without (RESULTS.md):
+# prefill 32k 67.25 / 83.79 ms (transformers 131.4), 2k 5.10 / 6.73 ms; decode step at 64k, batch 1,
+# 1.601 / 2.755 ms (teacher 3.119 / 4.146), batch 16 3.088 / 4.081 ms. Nearer float32 than the traced
+# kernels on real SmolLM2 (mean relative logit gap 0.0194 / 0.0213 for the teacher, 0.0213 / 0.0226 for
+# the hybrid `surgery apply` wrote), WikiText-2 perplexity unchanged (21.98).
 FUSED_BY_DEFAULT = True
 ROUTES: dict[tuple[str, str], Route] = {
     ("cuda", "eval"): Route(causal_flags=True, compile_after=None, replay=True, fused=FUSED_BY_DEFAULT),
