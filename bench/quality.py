@@ -259,7 +259,7 @@ def swiglu_check(rows: Rows) -> bool:
     """The fast route's SwiGLU kernel (surgery.decode.swiglu) against float32 silu(a) * b: contiguous
     inputs and the two halves of one fused projection (strided views), decode and prefill sizes. The
     kernel rounds once, so its error is at most the traced bf16 form's (anchor: that error). Then the
-    residual add + RMSNorm kernel (residual_norm_check)."""
+    residual add + RMSNorm kernel (residual_norm_check) and the RoPE kernel (rope_check)."""
     import torch.nn.functional as F
 
     from surgery.decode.swiglu import silu_mul_torch, silu_mul_triton
@@ -295,6 +295,25 @@ def residual_norm_check(rows: Rows) -> bool:
         rows.add("add + RMSNorm: Triton against add, fused_rms_norm", f"bfloat16, {rows_} x {width}, sum equal: {same_sum}",
                  "max err / max entry", err, "rel", ("tolerance", 1 / 64))
         ok = ok and same_sum and err <= 1 / 64
+    return rope_check(rows) and ok
+
+
+def rope_check(rows: Rows) -> bool:
+    """surgery.decode.rope's kernel against float32 x * cos + rotate_half(x) * sin, x a transposed view
+    as q and k are: one rounding, so its error is at most the traced bf16 form's (anchor)."""
+    from surgery.decode.rope import kernel_takes, rope_torch, rope_triton
+
+    ok = True
+    for batch, heads, length in ((1, 9, 1), (1, 9, 4096), (16, 3, 1)):
+        g = torch.Generator("cuda").manual_seed(length)
+        x = torch.randn(batch, length, heads, 64, device="cuda", generator=g).bfloat16().transpose(1, 2)
+        cos, sin = (torch.randn(1, 1, length, 64, device="cuda", generator=g).bfloat16() for _ in range(2))
+        exact = rope_torch(x.float(), cos.float(), sin.float())
+        kernel = float((rope_triton(x, cos, sin).float() - exact).abs().max())
+        traced = float((rope_torch(x, cos, sin).float() - exact).abs().max())
+        rows.add("rope: Triton against float32", f"bfloat16, [{batch}, {heads}, {length}, 64], taken: {kernel_takes(x, cos, sin)}",
+                 "max abs err", kernel, "abs err", ("traced bf16 form", traced))
+        ok = ok and kernel <= traced and kernel_takes(x, cos, sin)
     return ok
 
 

@@ -68,11 +68,11 @@ def test_cpu_path_is_the_traced_arithmetic():
 
 
 def test_fusions_together(tiny):
-    """fuse_elementwise: the norms, the residual adds into them and the SwiGLU products of one graph, in
-    one fork, the logits kept."""
+    """fuse_elementwise: the norms, the residual adds into them, the SwiGLU products and the RoPEs of one
+    graph, in one fork, the logits kept."""
     graph = tiny("llama").graph
     fused, counts = fuse_elementwise(graph.gm)
     layers = graph.config.num_hidden_layers
-    assert counts == {"norms": 2 * layers + 1, "residual norms": 2 * layers, "swiglu": layers} and calls(graph.gm) == 0
+    assert counts == {"norms": 2 * layers + 1, "residual norms": 2 * layers, "swiglu": layers, "rope": 2 * layers} and calls(graph.gm) == 0
     ids = torch.randint(3, graph.config.vocab_size, (1, 13), generator=torch.Generator().manual_seed(5))
     torch.testing.assert_close(logits(fused, ids), logits(graph.gm, ids), rtol=1e-5, atol=1e-5)
