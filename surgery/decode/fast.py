@@ -67,13 +67,12 @@ class FastGraph:
         return bucket(length, self.limit) if self.route.causal_flags else None
 
     def graph(self, key):
-        """The eager graph of a bucket: the flags' rewrite and the fusions (if the route has them),
-        then `rewrite`."""
+        """The eager graph of a bucket: the flags' rewrite, then `rewrite` (which names nodes of the
+        captured graph, a Decoder's cache taps), then the fusions (if the route has them)."""
         if key not in self.graphs:
             gm = CausalFlags(key)(self.gm) if key is not None else self.gm
-            if self.route.fused:
-                gm = fuse_elementwise(gm)[0]
-            self.graphs[key] = self.rewrite(gm) if self.rewrite is not None else gm
+            gm = self.rewrite(gm) if self.rewrite is not None else gm
+            self.graphs[key] = fuse_elementwise(gm)[0] if self.route.fused else gm
         return self.graphs[key]
 
     def compiling(self) -> bool:
