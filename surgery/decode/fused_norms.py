@@ -21,7 +21,7 @@ import operator
 import torch
 from torch.fx import GraphModule, Node
 
-from ..core.rewrite import fork
+from ..core.rewrite import call_in_place_of, rewrite_matches
 
 aten = torch.ops.aten
 
@@ -99,25 +99,16 @@ def fuse_rms_norms(gm: GraphModule, in_place: bool = False) -> tuple[GraphModule
     """A fork of `gm` (gm itself with in_place) with every RMSNorm core as one fused_rms_norm call,
     and how many; `gm` itself (and 0) when there is none or this torch lacks the op."""
     op = fused_op()
-    if op is None or not any(rms_core(n) for n in gm.graph.nodes):
+    if op is None:
         return gm, 0
-    forked = gm if in_place else fork(gm)
-    graph, count = forked.graph, 0
-    for mul in list(graph.nodes):
-        found = rms_core(mul)
-        if found is None:
-            continue
+
+    def fuse(graph, mul: Node, found) -> None:
         x, eps = found
         whole = weighted_form(mul, x)
         source, weight, last = whole if whole is not None else (x, None, mul)
         with graph.inserting_before(last):
             fused = graph.call_function(op.default, (source, [x.meta["val"].shape[-1]], weight, eps))
-            out = graph.call_function(operator.getitem, (fused, 0))
-        out.meta = dict(last.meta)
-        last.replace_all_uses_with(out)
-        graph.erase_node(last)  # with the whole form, its cast and the core are dead now: removed below
-        count += 1
-    graph.eliminate_dead_code()
-    forked.recompile()
-    return forked, count
+        call_in_place_of(last, operator.getitem, (fused, 0))  # the whole form's cast and core are dead now
+
+    return rewrite_matches(gm, rms_core, fuse, in_place)
 

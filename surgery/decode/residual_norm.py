@@ -15,7 +15,7 @@ import operator
 import torch
 from torch.fx import GraphModule, Node
 
-from ..core.rewrite import fork
+from ..core.rewrite import rewrite_matches
 from .fused_norms import fused_op, is_call
 
 try:  # Triton is a CUDA-side extra: CPU installs do not have it
@@ -104,14 +104,7 @@ def residual_pair(norm: Node) -> tuple[Node, Node, Node, object, float] | None:
 def fuse_residual_norms(gm: GraphModule, in_place: bool = False) -> tuple[GraphModule, int]:
     """A fork of `gm` (gm itself with in_place) with every add -> fused RMSNorm pair as one
     add_rms_norm call, and how many; `gm` itself (and 0) when it has none."""
-    if not any(residual_pair(n) for n in gm.graph.nodes):
-        return gm, 0
-    forked = gm if in_place else fork(gm)
-    graph, count = forked.graph, 0
-    for norm in list(graph.nodes):
-        found = residual_pair(norm)
-        if found is None:
-            continue
+    def fuse(graph, norm: Node, found) -> None:
         add, a, b, weight, eps = found
         with graph.inserting_before(add.next):  # right after the add: any earlier reader of the sum comes after h
             pair = graph.call_function(add_rms_norm, (a, b, weight, eps))
@@ -121,8 +114,6 @@ def fuse_residual_norms(gm: GraphModule, in_place: bool = False) -> tuple[GraphM
         for user in list(norm.users):  # the norm's getitem(., 0): the normalised rows
             if is_call(user, operator.getitem) and user.args[1] == 0:
                 user.replace_all_uses_with(normed)
-        add.replace_all_uses_with(h)
-        count += 1
-    graph.eliminate_dead_code()
-    forked.recompile()
-    return forked, count
+        add.replace_all_uses_with(h)  # the norm and the add are dead now
+
+    return rewrite_matches(gm, residual_pair, fuse, in_place)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch.fx import GraphModule, Node
 
-from ..core.rewrite import fork
+from ..core.rewrite import call_in_place_of, rewrite_matches
 from .fused_norms import is_call
 
 try:  # Triton is a CUDA-side extra: CPU installs do not have it
@@ -136,21 +136,5 @@ def rope_pattern(add: Node) -> tuple[Node, Node, Node] | None:
 def fuse_rope(gm: GraphModule, in_place: bool = False) -> tuple[GraphModule, int]:
     """A fork of `gm` (gm itself with in_place) with every rotate-half RoPE as one rope call, and how
     many; `gm` itself (and 0) when it has none."""
-    if not any(rope_pattern(n) for n in gm.graph.nodes):
-        return gm, 0
-    forked = gm if in_place else fork(gm)
-    graph, count = forked.graph, 0
-    for add in list(graph.nodes):
-        found = rope_pattern(add)
-        if found is None:
-            continue
-        with graph.inserting_before(add):
-            fused = graph.call_function(rope, found)
-        fused.meta = dict(add.meta)
-        add.replace_all_uses_with(fused)
-        graph.erase_node(add)
-        count += 1
-    graph.eliminate_dead_code()
-    forked.recompile()
-    return forked, count
+    return rewrite_matches(gm, rope_pattern, lambda graph, add, found: call_in_place_of(add, rope, found), in_place)
 

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch.fx import GraphModule, Node
 
-from ..core.rewrite import fork
+from ..core.rewrite import call_in_place_of, rewrite_matches
 
 try:  # Triton is a CUDA-side extra: CPU installs do not have it
     import triton
@@ -92,20 +92,4 @@ def swiglu_pair(mul: Node) -> tuple[Node, Node] | None:
 def fuse_swiglu(gm: GraphModule, in_place: bool = False) -> tuple[GraphModule, int]:
     """A fork of `gm` (gm itself with in_place) with every silu(a) * b as one silu_mul call, and how
     many; `gm` itself (and 0) when it has none."""
-    if not any(swiglu_pair(n) for n in gm.graph.nodes):
-        return gm, 0
-    forked = gm if in_place else fork(gm)
-    graph, count = forked.graph, 0
-    for mul in list(graph.nodes):
-        pair = swiglu_pair(mul)
-        if pair is None:
-            continue
-        with graph.inserting_before(mul):
-            fused = graph.call_function(silu_mul, pair)
-        fused.meta = dict(mul.meta)
-        mul.replace_all_uses_with(fused)
-        graph.erase_node(mul)
-        count += 1
-    graph.eliminate_dead_code()
-    forked.recompile()
-    return forked, count
+    return rewrite_matches(gm, swiglu_pair, lambda graph, mul, pair: call_in_place_of(mul, silu_mul, pair), in_place)
