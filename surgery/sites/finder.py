@@ -18,7 +18,7 @@ from ..core.rewrite import ancestors, descendants
 from ..errors import NoAttentionError, SiteError
 from .attention_op import AttentionOp, find_attention_ops, op_scale, softcap_and_scale
 from .ops import (SHAPE_OPS, SOFTMAX_OPS, SDPA_OPS, bias_add, mask_mode as sdpa_mask_mode, module_path, param_names, path_params,
-                  path_scalars, projection_parts, touches)
+                  path_scalars, projection_parts, projections_before, touches)
 from .latent import layer_input, low_rank_via
 from .probe import ValueRun, index_heads
 from .site import AttentionSite, Projection
@@ -29,17 +29,7 @@ aten = torch.ops.aten
 def projections_of(arg: Node, params: set[str], what: str, layer: int) -> dict[Node, tuple]:
     """The parameter projections that feed an attention input, first met on each path back from it,
     in graph order: one, or (MLA's key) a per-head projection and a shared one."""
-    found = {}
-
-    def stop(n):
-        parts = projection_parts(n, params)
-        if parts is not None:
-            found[n] = parts
-            return True
-        return n.op in ("placeholder", "get_attr") or (n.op == "call_function" and (n.target in SDPA_OPS or n.target in SOFTMAX_OPS))
-
-    if not stop(arg):
-        ancestors(arg, stop=stop)
+    found = projections_before(arg, params, lambda n: n.op == "call_function" and (n.target in SDPA_OPS or n.target in SOFTMAX_OPS))
     if not found:
         raise SiteError(
             f"Attention {layer}: expected a parameter projection producing {what}, found none.",

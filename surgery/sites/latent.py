@@ -20,7 +20,7 @@ from torch.fx import Node
 
 from ..core.rewrite import ancestors
 from ..errors import SiteError
-from .ops import SHAPE_OPS, projection_parts
+from .ops import SHAPE_OPS, projections_before
 from .probe import ValueRun
 
 
@@ -45,28 +45,12 @@ def layer_input(inputs: list[Node], layer: int) -> Node:
                     "This attention layout is not supported yet; please report the architecture.")
 
 
-def projections_before(node: Node, x: Node, params: set[str]) -> dict[Node, tuple]:
-    """The parameter projections first met walking back from `node`, not past `x`."""
-    found = {}
-
-    def stop(n):
-        parts = projection_parts(n, params)
-        if parts is not None:
-            found[n] = parts
-            return True
-        return n is x or n.op in ("placeholder", "get_attr")
-
-    if not stop(node):
-        ancestors(node, stop=stop)
-    return found
-
-
 def low_rank_via(proj_in: Node, x: Node, params: set[str], run: ValueRun, layer: int) -> dict | None:
     """None when a projection reads the layer input `x`; else its down projection (which reads x),
     the rows of it that feed each input column, and the fitted per-column scale (see the module doc)."""
     if proj_in is x or through_shapes(proj_in) is through_shapes(x):
         return None
-    found = projections_before(proj_in, x, params)
+    found = projections_before(proj_in, params, lambda n: n is x)
     if len(found) != 1 or through_shapes(next(iter(found.values()))[0]) is not through_shapes(x):
         raise SiteError(f"Attention {layer}: a Q/K/V projection reads a latent that is not one down projection of the layer input.",
                         "This attention layout is not supported yet; please report the architecture.")

@@ -72,6 +72,23 @@ def projection_parts(node: Node, params: set[str]):
     return node.args[0], w[0], None, not w[1]
 
 
+def projections_before(node: Node, params: set[str], boundary) -> dict[Node, tuple]:
+    """The parameter projections first met on each path walking back from `node` (node -> its
+    projection_parts), not past a node where boundary(n) holds, nor past placeholders and parameters."""
+    found = {}
+
+    def stop(n):
+        parts = projection_parts(n, params)
+        if parts is not None:
+            found[n] = parts
+            return True
+        return n.op in ("placeholder", "get_attr") or boundary(n)
+
+    if not stop(node):
+        ancestors(node, stop=stop)
+    return found
+
+
 def bias_add(node: Node, params: set[str], width: int, env) -> tuple[Node, str | None]:
     """A bias added right after a bias-free matmul (Falcon's linear does this)."""
     if len(node.users) == 1:
