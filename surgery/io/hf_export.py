@@ -180,6 +180,12 @@ def hf_config(graph: Graph, layers: dict, dtype: torch.dtype, names: dict | None
     return config
 
 
+def staged_state(state: dict, dtype: torch.dtype | None) -> dict:
+    """A native format's tensors as written: floating ones in `dtype` (if given), on the CPU, contiguous."""
+    return {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v).detach().cpu().contiguous()
+            for k, v in state.items()}
+
+
 def write_model_dir(graph: Graph, folder: Path, state: dict, config: dict, shard_bytes: int) -> None:
     """What every export format writes: the weights (sharded when large), config.json, the
     generation config and the tokenizer."""

@@ -33,7 +33,7 @@ import torch
 from ..core.graph import Graph
 from ..errors import ExportError
 from ..sites.ops import param_names
-from .hf_export import HYBRID_KEY, write_model_dir
+from .hf_export import HYBRID_KEY, staged_state, write_model_dir
 from .kimi_linear_mla import mla_form
 from .kimi_linear_state import kimi_linear_config, kimi_linear_state
 from .qwen3_5_export import check_probe, mixers
@@ -158,8 +158,7 @@ def write_kimi_linear(graph: Graph, folder: Path, *, dtype: torch.dtype | None =
     from transformers.models.kimi_linear import KimiLinearForCausalLM
 
     found = plan(graph)
-    state = {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v).detach().cpu().contiguous()
-             for k, v in kimi_linear_state(graph, found).items()}
+    state = staged_state(kimi_linear_state(graph, found), dtype)
     config = kimi_linear_config(graph, found, dtype or graph.dtype)
     config[HYBRID_KEY] = {"format": "kimi_linear", "layer_kinds": graph.layer_kinds, "passes": [e["pass"] for e in graph.history]}
     write_model_dir(graph, folder, state, config, shard_bytes)

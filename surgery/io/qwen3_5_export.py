@@ -29,7 +29,7 @@ from ..core.rewrite import nodes_by_name
 from ..decode.plan import plan_decode
 from ..errors import DecodeError, ExportError, first_line
 from ..sites.ops import param_names
-from .hf_export import HYBRID_KEY, gdn_call, refuse_other_mixers, write_model_dir
+from .hf_export import HYBRID_KEY, gdn_call, refuse_other_mixers, staged_state, write_model_dir
 from .qwen3_5_fit import FIX, Layout, Norm, norm_of, read_layout, refuse
 from .qwen3_5_state import qwen3_5_config, qwen3_5_state
 
@@ -166,8 +166,7 @@ def rope_of(config) -> tuple[str, float, float]:
 def write_qwen3_5(graph: Graph, folder: Path, *, dtype: torch.dtype | None = None, shard_bytes: int) -> None:
     """Everything of DIR into `folder` (export stages it and renames it into place)."""
     found = plan(graph)
-    state = {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v).detach().cpu().contiguous()
-             for k, v in qwen3_5_state(graph, found).items()}
+    state = staged_state(qwen3_5_state(graph, found), dtype)
     config = qwen3_5_config(graph, found, dtype or graph.dtype)
     config[HYBRID_KEY] = {"format": "qwen3_5", "layer_kinds": graph.layer_kinds, "passes": [e["pass"] for e in graph.history]}
     write_model_dir(graph, folder, state, config, shard_bytes)
