@@ -16,13 +16,12 @@ tokens (`mask_probe`); a window longer than that is not seen, and the layer is t
 causal attention past that length (the Decoder warns when decoding gets there)."""
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, field
 
 import torch
 from torch.fx import GraphModule, Node
 
-from ..core.rewrite import ancestors, descendants, fork, nodes_by_name, set_submodule
+from ..core.rewrite import ancestors, descendants, fork, nodes_by_name
 from ..errors import DecodeError
 from ..sites import vocab_size
 from ..sites.probe import ValueRun
@@ -127,10 +126,9 @@ def window_mixers(graph, gm: GraphModule) -> dict[int, Node]:
 def plan_window_mixer(layer: int, call: Node, gm: GraphModule, max_length: int) -> AttentionPlan:
     """A windowed-attention module's call as a kept attention layer: causal, its own window, scale
     and softcap, K and V as it receives them (plan_cache then checks the cache reproduces it). The
-    fork gets its own copy of the module: the decode graph drops the call, and pruning it would
-    otherwise delete the window buffer from the module the graph itself still runs."""
-    module = copy.deepcopy(gm.get_submodule(call.target))
-    set_submodule(gm, call.target, module)
+    decode graph then drops the call; pruning drops the module from the fork only, never its window
+    buffer from the module the graph and the prefill graph still run (core.rewrite.drop_unused_attributes)."""
+    module = gm.get_submodule(call.target)
     window = int(module.window)
     q, k, v = call.args
     return AttentionPlan(layer, call, q, k, v, float(module.scale), module.softcap, MaskRule(None, "causal"), UNLIMITED,
