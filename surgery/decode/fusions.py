@@ -13,11 +13,14 @@ from .rope import fuse_rope
 from .swiglu import fuse_swiglu
 
 
+# In this order: the residual fusion reads the fused norms.
+FUSIONS = (("norms", fuse_rms_norms), ("residual norms", fuse_residual_norms), ("swiglu", fuse_swiglu), ("rope", fuse_rope))
+
+
 def fuse_elementwise(gm: GraphModule, in_place: bool = False) -> tuple[GraphModule, dict[str, int]]:
     """A fork of `gm` (gm itself with in_place; gm itself when nothing matched) with every fusion, and
-    how many of each."""
-    fused, norms = fuse_rms_norms(gm, in_place)
-    fused, residuals = fuse_residual_norms(fused, in_place=in_place or fused is not gm)
-    fused, swiglus = fuse_swiglu(fused, in_place=in_place or fused is not gm)
-    fused, ropes = fuse_rope(fused, in_place=in_place or fused is not gm)
-    return fused, {"norms": norms, "residual norms": residuals, "swiglu": swiglus, "rope": ropes}
+    how many of each (one fork at most: each rewrite after the first works on it in place)."""
+    fused, counts = gm, {}
+    for name, fuse in FUSIONS:
+        fused, counts[name] = fuse(fused, in_place=in_place or fused is not gm)
+    return fused, counts
