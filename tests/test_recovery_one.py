@@ -97,6 +97,8 @@ def test_one_init_per_call_appends_and_the_table_compares(both, monkeypatch, cap
     for init in ("baseline", "tcal"):
         assert (init, "init") in pk and (init, "end") in pk
         assert all(r["trials_per_length"] == 5 and set(r["by_length"]) == {"300", "400"} for r in records if r["kind"] in ("passkey", "multikey"))
+    init_rows = [r for r in records if r["kind"] in ("passkey", "multikey") and r["point"] == "init"]
+    assert init_rows and all(r["warm_seconds"] > 0 for r in init_rows)  # the reserve's measure, beside the first pass
     crossed = {(r["init"], r["point"]) for r in records if r["kind"] == "crossing"}
     assert crossed and crossed <= set(pk)  # each crossing (Taylor-Calibrate's, here) has its passkey row
     assert not list(out.glob("*snapshot*"))  # the weights saved at a crossing go once scored
@@ -177,3 +179,17 @@ def test_the_shipped_recipe_study_is_valid():
     configs = [run_config(args, 0.0, **fields) for _, fields in recipes]
     assert len({name for name, _ in recipes}) == len(recipes) >= 6
     assert {c.stage for c in configs} == {"kl", "both"} and any(c.freeze_gates_steps for c in configs)
+
+
+def test_the_passkey_reserve_counts_the_warm_repeat_not_the_first_pass():
+    """The first pass at init compiles kernels for each length; the rows after training are warm."""
+    import argparse
+    from bench.recovery_one import UNKNOWN_PASSKEY_S, reserve_seconds
+
+    args = argparse.Namespace(reserve_s=None, retrieval=["passkey", "multikey"])
+    rows = [{"kind": "passkey", "point": "init", "seconds": 38.0, "warm_seconds": 4.0},
+            {"kind": "passkey", "point": "end", "seconds": 3.0}]
+    assert reserve_seconds(args, rows) == 3 * (4.0 + UNKNOWN_PASSKEY_S) + 30.0
+    rows.append({"kind": "multikey", "point": "init", "seconds": 9.0})  # a row written before warm repeats existed
+    assert reserve_seconds(args, rows) == 3 * (4.0 + 9.0) + 30.0
+    assert reserve_seconds(argparse.Namespace(reserve_s=12.0, retrieval=["passkey"]), rows) == 12.0
