@@ -206,12 +206,25 @@ def reserve_seconds(args, records: list[dict]) -> float:
     return 3 * sum(timed.get(task, UNKNOWN_PASSKEY_S) for task in args.retrieval) + 30.0
 
 
+def earlier_selection(args, records: list[dict]) -> dict | None:
+    """The layers an earlier run in this records file converted (the same teacher, a data-driven
+    policy): the other init converts exactly those, not a fresh scoring that bf16 could tip."""
+    if args.select_policy == "uniform":
+        return None
+    runs = [r for r in records if r.get("kind") == "run" and r.get("teacher") == str(args.model)
+            and (r.get("layers") or {}).get("policy") == "keep"]
+    if runs:
+        log(f"layers from the records' {runs[-1]['init']} run ({runs[-1]['run_id']}): {runs[-1]['layers']['layers']}")
+        return dict(runs[-1]["layers"])
+    return None
+
+
 def start(args, out: Path, teacher) -> tuple[Records, dict, Path]:
     """A new run: the init built and saved, the host marker, the teacher's passkey row (once per
     records file) and the init's. -> (records, the marker's content, the init directory)."""
     marker = {"host": socket.gethostname(), "run_id": f"{args.init}-{uuid.uuid4().hex[:8]}", "init": args.init}
     records = Records(Path(args.records), marker["run_id"])
-    init_dir, select = build_init(args, teacher, out)
+    init_dir, select = build_init(args, teacher, out, earlier_selection(args, records.read()))
     marker["select"] = select
     marker_path(out, args.init).write_text(json.dumps(marker))
     done = {r.get("kind") for r in records.read() if r.get("model") == "teacher"}

@@ -193,3 +193,17 @@ def test_the_passkey_reserve_counts_the_warm_repeat_not_the_first_pass():
     rows.append({"kind": "multikey", "point": "init", "seconds": 9.0})  # a row written before warm repeats existed
     assert reserve_seconds(args, rows) == 3 * (4.0 + 9.0) + 30.0
     assert reserve_seconds(argparse.Namespace(reserve_s=12.0, retrieval=["passkey"]), rows) == 12.0
+
+
+def test_the_second_init_converts_the_layers_the_first_run_recorded():
+    import argparse
+    from bench.recovery_one import earlier_selection
+
+    keep = {"policy": "keep", "layers": [0, 3, 5]}
+    records = [{"kind": "passkey", "model": "teacher"},
+               {"kind": "run", "init": "baseline", "run_id": "baseline-1", "teacher": "/m/t.gguf", "layers": keep}]
+    ar = argparse.Namespace(select_policy="ar", model="/m/t.gguf")
+    assert earlier_selection(ar, records) == keep
+    assert earlier_selection(argparse.Namespace(select_policy="ar", model="/m/other.gguf"), records) is None
+    assert earlier_selection(argparse.Namespace(select_policy="uniform", model="/m/t.gguf"), records) is None
+    assert earlier_selection(ar, records[:1]) is None
