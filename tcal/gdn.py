@@ -16,6 +16,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .delta_inputs import delta_inputs_triton, kernel_takes
 from .kernels import fla_available, gated_delta_rule
 from .token_step import gdn_token_step, token_step_fits
 
@@ -364,6 +365,16 @@ class GatedDeltaNet(RecurrentLayer):
         self.dt_bias.copy_(dt_bias)
         self.a_proj.weight.mul_(proj_scale)
 
+    def gated_delta_inputs(self, p: dict, cache: GDNCache | None):
+        """q, k, v, g, beta for the recurrence from the input projections p: on fla's path without a
+        gradient one kernel after the short convolutions (tcal.delta_inputs: the same math, rounded
+        once), else the composition (delta_rule_inputs and the decay), which every CPU run keeps."""
+        if takes_fused_inputs(self, p):
+            q, k, v = (self._stream(p[f"{n}_proj"], n, lambda x: x, cache) for n in "qkv")
+            return delta_inputs_triton(q, k, v, p["a_proj"], p["b_proj"], self.A_log, self.dt_bias, self.v_activation == "silu")
+        q, k, v, _, beta = self.delta_rule_inputs(p, cache)
+        return q, k, v, self._decay(p["a_proj"]), beta
+
     def forward_parts(self, hidden_states: torch.Tensor, cache: GDNCache | None = None, projection=None) -> dict[str, torch.Tensor]:
         """Every intermediate of the forward pass, for calibration and diagnostics.
 
@@ -372,8 +383,8 @@ class GatedDeltaNet(RecurrentLayer):
         updated in place. gated_delta_rule picks the token loop (or fla's fused recurrent kernel)
         for short calls such as one decoded token, the chunked form for a long prefill."""
         p = self._input_projections(hidden_states, projection)
-        q, k, v, beta_logit, beta = self.delta_rule_inputs(p, cache)
-        g = self._decay(p["a_proj"])
+        q, k, v, g, beta = self.gated_delta_inputs(p, cache)
+        beta_logit = p["b_proj"]
         if cache is None:
             core, _ = gated_delta_rule(q, k, v, g, beta, scale=self.head_dim**-0.5, backend=self.backend)
         else:
@@ -390,6 +401,18 @@ class GatedDeltaNet(RecurrentLayer):
         if cache is not None and takes_token_step(self, hidden_states, cache):
             return token_step_forward(self, hidden_states, cache, projection)
         return self.forward_parts(hidden_states, cache, projection)["out"]
+
+
+def takes_fused_inputs(layer: GatedDeltaNet, p: dict) -> bool:
+    """Whether the recurrence's inputs come from one kernel (tcal.delta_inputs): the layer's fused norms are
+    on (fla's path on CUDA, never under torch.compile: _fused_norms), nothing needs a gradient (the
+    kernel has no backward), and the kernel takes the projections (a short convolution keeps shapes)."""
+    q = p["q_proj"]
+    if not _fused_norms(q, layer.backend) or not q.is_cuda:
+        return False
+    if torch.is_grad_enabled() and (any(t.requires_grad for t in p.values()) or any(w.requires_grad for w in layer.parameters())):
+        return False
+    return kernel_takes(*(layer._split_heads(p[f"{n}_proj"]) for n in "qkv"), p["a_proj"], p["b_proj"])
 
 
 def takes_token_step(layer: GatedDeltaNet, x: torch.Tensor, cache: GDNCache) -> bool:
