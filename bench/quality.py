@@ -25,7 +25,7 @@ the copy-only baseline of its keep ratio and policy, the through-save row's is i
         --eval D/wiki.test.raw --mixers gdn,swa,gla,kda --cli-apply --json mixers.jsonl
     python bench/quality.py --smoke --mixers gdn,swa,gla,kda   # the same on the CPU, stories260K
     python bench/quality.py --kernel-check           # CUDA: fla's gla/kda kernels against the PyTorch references, the
-                                                     # fusion kernels and tcal.delta_inputs' against theirs
+                                                     # fusion kernels, tcal.delta_inputs' and tcal.gated_norm's against theirs
     python bench/quality.py --smoke                  # CPU, stories260K, tiny settings
 """
 from __future__ import annotations
@@ -253,13 +253,14 @@ def kernel_check(rows: Rows) -> bool:
                     rows.add(f"{mixer}: fla against PyTorch", f"{str(dtype).removeprefix('torch.')}, T={t}", what, error, "rel err",
                              ("tolerance", tolerance))
                     ok = ok and error <= tolerance
-    return all([fusion_kernels_check(rows), delta_inputs_check(rows), ok])
+    return all([fusion_kernels_check(rows), delta_inputs_check(rows), gated_norm_check(rows), ok])
 
 
 def delta_inputs_check(rows: Rows) -> bool:
     """tcal.delta_inputs' kernel (a GDN layer's q, k, v, g, beta from its projections) against the float64
     reference, on bf16 slices of one projection as the layer has them: q and k within the composition's
-    own error (tcal.gdn's SiLU then fla's l2norm, anchor), v, g and beta within a tolerance."""
+    own error (tcal.gdn's SiLU then fla's l2norm, anchor); v within one bf16 rounding to nearest (2^-9
+    relative), g and beta within float32's."""
     import torch.nn.functional as F
 
     from tcal.delta_inputs import delta_inputs_torch, delta_inputs_triton
@@ -278,10 +279,35 @@ def delta_inputs_check(rows: Rows) -> bool:
         composed = {"q": l2norm(F.silu(q), backend="auto"), "k": l2norm(F.silu(k), backend="auto")}
         for name, x, want in zip(("q", "k", "v", "g", "beta"), got, exact):
             error = rel(x, want)
-            anchor = ("composition", rel(composed[name], want)) if name in composed else ("tolerance", 1 / 256 if name == "v" else 1e-5)
+            anchor = ("composition", rel(composed[name], want)) if name in composed else ("tolerance", 2**-9 if name == "v" else 1e-5)
             rows.add("GDN inputs: Triton against float64", f"bfloat16, [{batch}, {length}, {heads}, {dim}], {name}", "rel err", error,
                      "rel err", anchor)
             ok = ok and error <= anchor[1]
+    return ok
+
+
+def gated_norm_check(rows: Rows) -> bool:
+    """tcal.gated_norm's kernel against the float64 reference, the gate a bf16 slice of a wider projection:
+    the same float32 math and one rounding as fla's FusedRMSNormGated, so within 10% of its error."""
+    from fla.modules.norm.fused_norm_gate import rms_norm_gated
+
+    from tcal.gated_norm import gated_rms_norm_torch, gated_rms_norm_triton
+
+    ok, heads, dim = True, 9, 64
+    rel = lambda got, want: float((got.double() - want).norm() / want.norm())  # noqa: E731
+    for batch, length in ((1, 1), (1, 32768), (16, 64)):
+        g = torch.Generator("cuda").manual_seed(length)
+        x = torch.randn(batch, length, heads, dim, device="cuda", generator=g).bfloat16()
+        gate = torch.randn(batch, length, 4 * heads * dim, device="cuda", generator=g).bfloat16()[..., heads * dim:2 * heads * dim]
+        gate = gate.unflatten(-1, (heads, dim))
+        weight = (torch.rand(dim, device="cuda", generator=g) + 0.5).bfloat16()
+        for activation, fla_name in (("silu", "swish"), ("sigmoid", "sigmoid")):
+            exact = gated_rms_norm_torch(x.double(), gate.double(), weight.double(), 1e-5, activation)
+            error = rel(gated_rms_norm_triton(x, gate, weight, 1e-5, activation), exact)
+            fla = rel(rms_norm_gated(x, gate, weight, None, activation=fla_name, eps=1e-5), exact)
+            rows.add("gated RMSNorm: Triton against float64", f"bfloat16, [{batch}, {length}, {heads}, {dim}], {activation}",
+                     "rel err", error, "rel err", ("fla's kernel's x 1.1", 1.1 * fla))
+            ok = ok and error <= 1.1 * fla
     return ok
 
 

@@ -17,6 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .delta_inputs import delta_inputs_triton, kernel_takes
+from .gated_norm import gated_rms_norm_triton, kernel_takes as gated_norm_takes
 from .kernels import fla_available, gated_delta_rule
 from .token_step import gdn_token_step, token_step_fits
 
@@ -60,6 +61,8 @@ class GatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor, backend: str = "torch") -> torch.Tensor:
+        if _fused_norms(x, backend) and self.takes_strided_kernel(x, gate):  # the gate read as the strided slice it is
+            return gated_rms_norm_triton(x, gate, self.weight, self.eps, self.activation)
         if _fused_norms(x, backend):  # fla's FusedRMSNormGated kernel: same float32 math, one pass
             from fla.modules.norm.fused_norm_gate import rms_norm_gated
 
@@ -67,6 +70,11 @@ class GatedRMSNorm(nn.Module):
         xf = x.float()
         normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return (normed * self.weight.float() * GATE_ACTIVATIONS[self.activation](gate.float())).to(x.dtype)
+
+    def takes_strided_kernel(self, x: torch.Tensor, gate: torch.Tensor) -> bool:
+        """tcal.gated_norm's kernel (no copy of the gate, no backward): CUDA tensors it takes, no gradient needed."""
+        needs_grad = torch.is_grad_enabled() and (x.requires_grad or gate.requires_grad or self.weight.requires_grad)
+        return x.is_cuda and not needs_grad and gated_norm_takes(x, gate, self.weight, self.activation)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}" + ("" if self.activation == "silu" else f", activation={self.activation}")

@@ -80,8 +80,8 @@ def test_kernel_takes_only_what_it_computes():
 def test_kernel_in_the_interpreter():
     """The Triton kernel in Triton's CPU interpreter against the float64 reference: slices of one
     projection and transposed views (a short convolution's output), a head size that is not a power
-    of two, both dtypes and v activations; then GatedDeltaNet on the kernel (with and without short
-    convolutions, prefill and a cached continuation) against the same layer composed."""
+    of two, both dtypes and v activations; then GatedDeltaNet on this kernel and tcal.gated_norm's (with
+    and without short convolutions, prefill and a cached continuation) against the same layer composed."""
     script = textwrap.dedent("""
         import torch
         import tcal.gdn as gdn
@@ -99,19 +99,21 @@ def test_kernel_in_the_interpreter():
                     for name, x, y in zip("qkvgb", got, exact):
                         assert x.is_contiguous() and x.dtype == (dtype if name in "qkv" else torch.float32)
                         assert rel(x, y) < (tol if name in "qkv" else 1e-6), (dtype, name, rel(x, y))
-        real = gdn.takes_fused_inputs
-        on_cpu = lambda layer, p: kernel_takes(*(layer._split_heads(p[n + "_proj"]) for n in "qkv"), p["a_proj"], p["b_proj"])
+        from tcal.gated_norm import kernel_takes as norm_takes
+        real = (gdn.takes_fused_inputs, gdn._fused_norms, gdn.GatedRMSNorm.takes_strided_kernel)
+        on_cpu = (lambda layer, p: kernel_takes(*(layer._split_heads(p[n + "_proj"]) for n in "qkv"), p["a_proj"], p["b_proj"]),
+                  lambda x, backend: True, lambda norm, x, gate: norm_takes(x, gate, norm.weight, norm.activation))
         x = torch.randn(2, 40, 48)
         for conv in (False, True):
             m = gdn.GatedDeltaNet(48, 3, 16, use_short_conv=conv, conv_identity_init=False, v_activation="silu", backend="torch")
             with torch.no_grad():
                 want = m.forward_parts(x)
-                gdn.takes_fused_inputs = on_cpu
+                gdn.takes_fused_inputs, gdn._fused_norms, gdn.GatedRMSNorm.takes_strided_kernel = on_cpu
                 got, cache = m.forward_parts(x), gdn.GDNCache()
                 m.forward_parts(x[:, :30], cache)
                 tail = m.forward_parts(x[:, 30:], cache)["out"]
-                gdn.takes_fused_inputs = real
-            for name in ("q", "k", "v", "g", "beta", "out"):
+                gdn.takes_fused_inputs, gdn._fused_norms, gdn.GatedRMSNorm.takes_strided_kernel = real
+            for name in ("q", "k", "v", "g", "beta", "normed", "out"):
                 torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-5)
             torch.testing.assert_close(tail, want["out"][:, 30:], rtol=1e-5, atol=1e-5)
         print("ok")
