@@ -416,11 +416,15 @@ def takes_fused_inputs(layer: GatedDeltaNet, p: dict) -> bool:
     on (fla's path on CUDA, never under torch.compile: _fused_norms), nothing needs a gradient (the
     kernel has no backward), and the kernel takes the projections (a short convolution keeps shapes)."""
     q = p["q_proj"]
-    if not _fused_norms(q, layer.backend) or not q.is_cuda:
-        return False
-    if torch.is_grad_enabled() and (any(t.requires_grad for t in p.values()) or any(w.requires_grad for w in layer.parameters())):
+    if not _fused_norms(q, layer.backend) or not q.is_cuda or needs_gradient(layer, p):
         return False
     return kernel_takes(*(layer._split_heads(p[f"{n}_proj"]) for n in "qkv"), p["a_proj"], p["b_proj"])
+
+
+def needs_gradient(layer: nn.Module, p: dict) -> bool:
+    """Whether autograd is on and a projection or any of the layer's parameters (A_log and dt_bias among
+    them, which reach the output only through the decay) asks for a gradient."""
+    return torch.is_grad_enabled() and (any(t.requires_grad for t in p.values()) or any(w.requires_grad for w in layer.parameters()))
 
 
 def takes_token_step(layer: GatedDeltaNet, x: torch.Tensor, cache: GDNCache) -> bool:

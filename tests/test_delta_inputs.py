@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from tcal.delta_inputs import delta_inputs_torch, kernel_takes
-from tcal.gdn import GatedDeltaNet, l2norm, takes_fused_inputs
+from tcal.gdn import GatedDeltaNet, l2norm, needs_gradient, takes_fused_inputs
 
 
 def projections(dtype=torch.float32, batch=2, length=37, heads=3, dim=24, seed=0):
@@ -66,6 +66,22 @@ def test_cpu_and_training_keep_the_composition():
         assert not takes_fused_inputs(m, p)  # CPU
         fla = GatedDeltaNet(48, 3, 16, backend="fla")
         assert not takes_fused_inputs(fla, fla._input_projections(x))  # backend fla, still CPU tensors
+
+
+def test_the_kernel_waits_for_no_gradient():
+    """The kernel has no backward: any gradient the layer's inputs or parameters ask for (A_log alone too)
+    keeps the composition; frozen layers and no_grad take the kernel."""
+    m = GatedDeltaNet(48, 3, 16)
+    x = torch.randn(1, 5, 48)
+    assert needs_gradient(m, m._input_projections(x))
+    with torch.no_grad():
+        assert not needs_gradient(m, m._input_projections(x))
+    m.requires_grad_(False)
+    assert not needs_gradient(m, m._input_projections(x))
+    m.A_log.requires_grad_(True)
+    assert needs_gradient(m, m._input_projections(x))
+    m.A_log.requires_grad_(False)
+    assert needs_gradient(m, m._input_projections(x.requires_grad_()))
 
 
 def test_kernel_takes_only_what_it_computes():
