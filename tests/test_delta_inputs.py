@@ -86,7 +86,7 @@ def test_the_kernel_waits_for_no_gradient():
 
 def test_kernel_takes_only_what_it_computes():
     q, k, v, a, b = projections()
-    assert kernel_takes(q, k, v, a, b)
+    assert kernel_takes(q, k, v, a, b) == (importlib.util.find_spec("triton") is not None)  # CPU installs have none
     assert not kernel_takes(q.double(), k.double(), v.double(), a, b)  # float64 is the reference's
     assert not kernel_takes(q, k[:, :-1], v, a, b)
     assert not kernel_takes(q, k, v, a[..., :-1], b)
