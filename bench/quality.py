@@ -24,7 +24,8 @@ the copy-only baseline of its keep ratio and policy, the through-save row's is i
     python bench/quality.py --model /root/m/smol.gguf --calibration D/austen.txt.xz D/shakespeare.txt.xz D/kjv.txt.xz \
         --eval D/wiki.test.raw --mixers gdn,swa,gla,kda --cli-apply --json mixers.jsonl
     python bench/quality.py --smoke --mixers gdn,swa,gla,kda   # the same on the CPU, stories260K
-    python bench/quality.py --kernel-check           # CUDA: fla's gla/kda kernels against the PyTorch references
+    python bench/quality.py --kernel-check           # CUDA: fla's gla/kda kernels against the PyTorch references, the
+                                                     # fusion kernels, tcal.delta_inputs' and tcal.gated_norm's against theirs
     python bench/quality.py --smoke                  # CPU, stories260K, tiny settings
 """
 from __future__ import annotations
@@ -252,7 +253,62 @@ def kernel_check(rows: Rows) -> bool:
                     rows.add(f"{mixer}: fla against PyTorch", f"{str(dtype).removeprefix('torch.')}, T={t}", what, error, "rel err",
                              ("tolerance", tolerance))
                     ok = ok and error <= tolerance
-    return fusion_kernels_check(rows) and ok
+    return all([fusion_kernels_check(rows), delta_inputs_check(rows), gated_norm_check(rows), ok])
+
+
+def delta_inputs_check(rows: Rows) -> bool:
+    """tcal.delta_inputs' kernel (a GDN layer's q, k, v, g, beta from its projections) against the float64
+    reference, on bf16 slices of one projection as the layer has them: q and k within the composition's
+    own error (tcal.gdn's SiLU then fla's l2norm, anchor); v within one bf16 rounding to nearest (2^-9
+    relative), g and beta within float32's."""
+    import torch.nn.functional as F
+
+    from tcal.delta_inputs import delta_inputs_torch, delta_inputs_triton
+    from tcal.gdn import l2norm
+
+    ok, heads, dim = True, 9, 64
+    rel = lambda got, want: float((got.double() - want).norm() / want.norm().clamp_min(1e-30))  # noqa: E731
+    for batch, length in ((1, 1), (1, 4096), (1, 32768), (16, 64)):
+        g = torch.Generator("cuda").manual_seed(length)
+        proj = torch.randn(batch, length, 3 * heads * dim + 2 * heads, device="cuda", generator=g).bfloat16()
+        q, k, v, a, b = proj.split([heads * dim] * 3 + [heads] * 2, dim=-1)
+        q, k, v = (x.unflatten(-1, (heads, dim)) for x in (q, k, v))
+        A_log, dt_bias = torch.randn(heads, device="cuda", generator=g), torch.randn(heads, device="cuda", generator=g) - 4
+        got = delta_inputs_triton(q, k, v, a, b, A_log, dt_bias, True)
+        exact = delta_inputs_torch(*(x.double() for x in (q, k, v, a, b, A_log, dt_bias)), True)
+        composed = {"q": l2norm(F.silu(q), backend="auto"), "k": l2norm(F.silu(k), backend="auto")}
+        for name, x, want in zip(("q", "k", "v", "g", "beta"), got, exact):
+            error = rel(x, want)
+            anchor = ("composition", rel(composed[name], want)) if name in composed else ("tolerance", 2**-9 if name == "v" else 1e-5)
+            rows.add("GDN inputs: Triton against float64", f"bfloat16, [{batch}, {length}, {heads}, {dim}], {name}", "rel err", error,
+                     "rel err", anchor)
+            ok = ok and error <= anchor[1]
+    return ok
+
+
+def gated_norm_check(rows: Rows) -> bool:
+    """tcal.gated_norm's kernel against the float64 reference, the gate a bf16 slice of a wider projection:
+    the same float32 math and one rounding as fla's FusedRMSNormGated, so within 10% of its error."""
+    from fla.modules.norm.fused_norm_gate import rms_norm_gated
+
+    from tcal.gated_norm import gated_rms_norm_torch, gated_rms_norm_triton
+
+    ok, heads, dim = True, 9, 64
+    rel = lambda got, want: float((got.double() - want).norm() / want.norm())  # noqa: E731
+    for batch, length in ((1, 1), (1, 32768), (16, 64)):
+        g = torch.Generator("cuda").manual_seed(length)
+        x = torch.randn(batch, length, heads, dim, device="cuda", generator=g).bfloat16()
+        gate = torch.randn(batch, length, 4 * heads * dim, device="cuda", generator=g).bfloat16()[..., heads * dim:2 * heads * dim]
+        gate = gate.unflatten(-1, (heads, dim))
+        weight = (torch.rand(dim, device="cuda", generator=g) + 0.5).bfloat16()
+        for activation, fla_name in (("silu", "swish"), ("sigmoid", "sigmoid")):
+            exact = gated_rms_norm_torch(x.double(), gate.double(), weight.double(), 1e-5, activation)
+            error = rel(gated_rms_norm_triton(x, gate, weight, 1e-5, activation), exact)
+            fla = rel(rms_norm_gated(x, gate, weight, None, activation=fla_name, eps=1e-5), exact)
+            rows.add("gated RMSNorm: Triton against float64", f"bfloat16, [{batch}, {length}, {heads}, {dim}], {activation}",
+                     "rel err", error, "rel err", ("fla's kernel's x 1.1", 1.1 * fla))
+            ok = ok and error <= 1.1 * fla
+    return ok
 
 
 def fusion_kernels_check(rows: Rows) -> bool:

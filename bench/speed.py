@@ -27,6 +27,7 @@ so it measures whatever the library's default paths are. Rows: bench.harness.Row
     python bench/speed.py --random --sections prefill --json speed.jsonl     # one H200; one section per run fits a call
     python bench/speed.py --model /root/m/SmolLM2-135M-Instruct.Q4_1.gguf --sections apply --json speed.jsonl
     python bench/speed.py --random --sections prefill --profile                # + the top CUDA kernels of one hybrid eager forward
+    python bench/speed.py --random --sections prefill --casts                  # + its copies and dtype conversions (bench/casts.py)
     python bench/speed.py --sections fsdp --fsdp-modes fsdp_offload,plain --fsdp-batches 4,8,16,32 --fsdp-micro 4 --json fsdp.jsonl
     python bench/speed.py --sections fsdp --fsdp-shape smollm2 --keep-ratio 0.5 --fsdp-batches 16 --fsdp-lr-rest 7e-6
     python bench/speed.py --smoke --sections prefill,generate,decode,export,distill,apply,fsdp   # CPU, stories260K, tiny sizes
@@ -61,6 +62,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+from bench.casts import copies, print_copies  # noqa: E402
 from bench.harness import (SMOLLM2_SHAPE, STORIES, SAMPLE, Rows, check_names, common_args, median_ms, parse,  # noqa: E402
                            placement, random_smollm2, surgery_cli, sync, transformers_teacher)
 from surgery import Decoder, DistillConfig, PassManager, capture, distill, export, fast_logits, generate, load, save  # noqa: E402
@@ -109,6 +111,8 @@ def arguments(argv=None) -> argparse.Namespace:
     ap.add_argument("--no-compiled", action="store_true", help="prefill: leave out the compiled rows (a compile per shape and model)")
     ap.add_argument("--profile", action="store_true", help="prefill: torch.profiler on one hybrid eager forward per shape, "
                     "the top 15 CUDA kernels (CPU ops on the CPU) by total time")
+    ap.add_argument("--casts", action="store_true", help="prefill: the copies (dtype conversions, copy_, clone) of one hybrid "
+                    "eager forward per shape on the default route, per source line (bench/casts.py)")
     ap.add_argument("--fsdp-shape", choices=["stories", *FSDP_SHAPES], default="llama8b", help="fsdp: the random pair's shapes")
     ap.add_argument("--fsdp-modes", default="plain,fsdp,fsdp_offload", help=f"fsdp: of {','.join(FSDP_MODES)} (plain runs first: the anchor)")
     ap.add_argument("--fsdp-batches", default="8,16", help="fsdp: global batches, ascending; a mode stops at its first that does not fit")
@@ -244,6 +248,10 @@ def prefill(s: Setup, rows: Rows) -> None:
                 eager = default_eager_runner(s.hybrid)
                 eager(ids)  # the bucket's first call builds its graph (the causal-flag proof runs the masks): not profiled
                 top_kernels(lambda: eager(ids), s.device, f"{s.label()} default route, eager (not replayed), {config}")
+            if a.casts:
+                eager = default_eager_runner(s.hybrid)
+                eager(ids)  # the graph built (and fla's autotuning done) before the census
+                print_copies(copies(lambda: eager(ids)), f"{s.label()} default route, eager (not replayed), {config}")
         del ids
         free(s.device)
 

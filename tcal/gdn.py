@@ -16,6 +16,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .delta_inputs import delta_inputs_triton, kernel_takes
+from .gated_norm import gated_rms_norm_triton, kernel_takes as gated_norm_takes
 from .kernels import fla_available, gated_delta_rule
 from .token_step import gdn_token_step, token_step_fits
 
@@ -59,6 +61,8 @@ class GatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor, backend: str = "torch") -> torch.Tensor:
+        if _fused_norms(x, backend) and self.takes_strided_kernel(x, gate):  # the gate read as the strided slice it is
+            return gated_rms_norm_triton(x, gate, self.weight, self.eps, self.activation)
         if _fused_norms(x, backend):  # fla's FusedRMSNormGated kernel: same float32 math, one pass
             from fla.modules.norm.fused_norm_gate import rms_norm_gated
 
@@ -66,6 +70,11 @@ class GatedRMSNorm(nn.Module):
         xf = x.float()
         normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return (normed * self.weight.float() * GATE_ACTIVATIONS[self.activation](gate.float())).to(x.dtype)
+
+    def takes_strided_kernel(self, x: torch.Tensor, gate: torch.Tensor) -> bool:
+        """tcal.gated_norm's kernel (no copy of the gate, no backward): CUDA tensors it takes, no gradient needed."""
+        needs_grad = torch.is_grad_enabled() and (x.requires_grad or gate.requires_grad or self.weight.requires_grad)
+        return x.is_cuda and not needs_grad and gated_norm_takes(x, gate, self.weight, self.activation)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}" + ("" if self.activation == "silu" else f", activation={self.activation}")
@@ -364,6 +373,16 @@ class GatedDeltaNet(RecurrentLayer):
         self.dt_bias.copy_(dt_bias)
         self.a_proj.weight.mul_(proj_scale)
 
+    def gated_delta_inputs(self, p: dict, cache: GDNCache | None):
+        """q, k, v, g, beta for the recurrence from the input projections p: on fla's path without a
+        gradient one kernel after the short convolutions (tcal.delta_inputs: the same math, rounded
+        once), else the composition (delta_rule_inputs and the decay), which every CPU run keeps."""
+        if takes_fused_inputs(self, p):
+            q, k, v = (self._stream(p[f"{n}_proj"], n, lambda x: x, cache) for n in "qkv")
+            return delta_inputs_triton(q, k, v, p["a_proj"], p["b_proj"], self.A_log, self.dt_bias, self.v_activation == "silu")
+        q, k, v, _, beta = self.delta_rule_inputs(p, cache)
+        return q, k, v, self._decay(p["a_proj"]), beta
+
     def forward_parts(self, hidden_states: torch.Tensor, cache: GDNCache | None = None, projection=None) -> dict[str, torch.Tensor]:
         """Every intermediate of the forward pass, for calibration and diagnostics.
 
@@ -372,8 +391,8 @@ class GatedDeltaNet(RecurrentLayer):
         updated in place. gated_delta_rule picks the token loop (or fla's fused recurrent kernel)
         for short calls such as one decoded token, the chunked form for a long prefill."""
         p = self._input_projections(hidden_states, projection)
-        q, k, v, beta_logit, beta = self.delta_rule_inputs(p, cache)
-        g = self._decay(p["a_proj"])
+        q, k, v, g, beta = self.gated_delta_inputs(p, cache)
+        beta_logit = p["b_proj"]
         if cache is None:
             core, _ = gated_delta_rule(q, k, v, g, beta, scale=self.head_dim**-0.5, backend=self.backend)
         else:
@@ -390,6 +409,22 @@ class GatedDeltaNet(RecurrentLayer):
         if cache is not None and takes_token_step(self, hidden_states, cache):
             return token_step_forward(self, hidden_states, cache, projection)
         return self.forward_parts(hidden_states, cache, projection)["out"]
+
+
+def takes_fused_inputs(layer: GatedDeltaNet, p: dict) -> bool:
+    """Whether the recurrence's inputs come from one kernel (tcal.delta_inputs): the layer's fused norms are
+    on (fla's path on CUDA, never under torch.compile: _fused_norms), nothing needs a gradient (the
+    kernel has no backward), and the kernel takes the projections (a short convolution keeps shapes)."""
+    q = p["q_proj"]
+    if not _fused_norms(q, layer.backend) or not q.is_cuda or needs_gradient(layer, p):
+        return False
+    return kernel_takes(*(layer._split_heads(p[f"{n}_proj"]) for n in "qkv"), p["a_proj"], p["b_proj"])
+
+
+def needs_gradient(layer: nn.Module, p: dict) -> bool:
+    """Whether autograd is on and a projection or any of the layer's parameters (A_log and dt_bias among
+    them, which reach the output only through the decay) asks for a gradient."""
+    return torch.is_grad_enabled() and (any(t.requires_grad for t in p.values()) or any(w.requires_grad for w in layer.parameters()))
 
 
 def takes_token_step(layer: GatedDeltaNet, x: torch.Tensor, cache: GDNCache) -> bool:

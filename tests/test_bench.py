@@ -81,7 +81,7 @@ def test_speed_smoke(tmp_path, capsys, monkeypatch):
     out = tmp_path / "speed.jsonl"
     rows = speed.main(["--smoke", "--sections", "prefill,generate,decode", "--shapes", "24x1", "--decode-batches", "1",
                        "--decode-compile", "off", "--decode-context", "16", "--generate-lengths", "16", "--repeats", "1",
-                       "--decode-mixers", "mamba2", "--profile", "--json", str(out)])
+                       "--decode-mixers", "mamba2", "--profile", "--casts", "--json", str(out)])
     check_rows(rows, out)
     names = {(r["name"], r["metric"]) for r in rows.rows}
     assert ("transformers forward (teacher)", "prefill") in names
@@ -98,6 +98,8 @@ def test_speed_smoke(tmp_path, capsys, monkeypatch):
     assert "| hybrid 75% GDN: Decoder (surgery.load) | context 16 x 1, compile off | decode step |" in printed
     top = printed.split("top 15 CPU ops of ")[1].split("|---|---:|---:|\n")[1].splitlines()[:15]  # --profile's table
     assert all(line.startswith("| ") and line.count(" | ") == 2 and float(line.split(" | ")[2].rstrip(" |")) >= 0 for line in top), top
+    census = printed.split("default route, eager (not replayed), 24 x 1: ")[-1]  # --casts: the GDN kernels' chunk copies, by line
+    assert "| kernels.py:" in census and "| graph: torch.ops.aten." in census
 
 
 def test_speed_fsdp_smoke(tmp_path, monkeypatch):

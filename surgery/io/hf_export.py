@@ -3,7 +3,7 @@
 DIR holds config.json (the teacher's config, `surgery_hybrid` with each converted attention module's
 GDN, an auto_map to the modeling file), model.safetensors (the teacher's own parameter names, each
 GDN's under its attention module's path), the tokenizer, generation_config.json, and the modeling
-file with tcal's gdn.py, kernels.py and token_step.py copied verbatim beside it: one source of the GDN math,
+file with tcal's GDN files (GDN_SOURCES) copied verbatim beside it: one source of the GDN math,
 and surgery_teacher.py naming the teacher's config class (which the modeling file's class declares).
 It loads in transformers 4.57 to 5.x: config.json also carries the RoPE keys 4.x reads (legacy_rope),
 and the tokenizer is named by a class both know.
@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 
+import tcal.delta_inputs
+import tcal.gated_norm
 import tcal.gdn
 import tcal.kernels
 import tcal.token_step
@@ -34,7 +36,8 @@ MODELING_FILE = Path(__file__).parent / "hf_modeling" / "modeling_surgery_hybrid
 MODEL_CLASS = "SurgeryHybridForCausalLM"
 HYBRID_KEY = "surgery_hybrid"  # the config.json field the modeling file reads
 GDN_SOURCES = {"gdn.py": Path(tcal.gdn.__file__), "kernels.py": Path(tcal.kernels.__file__),
-               "token_step.py": Path(tcal.token_step.__file__)}
+               "token_step.py": Path(tcal.token_step.__file__), "delta_inputs.py": Path(tcal.delta_inputs.__file__),
+               "gated_norm.py": Path(tcal.gated_norm.__file__)}
 # ops that pass a tensor through unchanged in eval mode (an attention module's output dropout)
 IDENTITY_OPS = {"aten.dropout.default", "aten.clone.default", "aten.alias.default", "aten.contiguous.default"}
 DROPPED_CONFIG = ("_name_or_path", "_model_name_or_path", "architectures", "auto_map", "transformers_version")

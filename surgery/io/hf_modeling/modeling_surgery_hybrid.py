@@ -2,12 +2,12 @@
 
 The teacher's own transformers class is built from this config; each attention module that was
 converted (config.surgery_hybrid["gdn_layers"], keyed by module path) is then swapped for a
-GDNAttention: the project's GatedDeltaNet (gdn.py, kernels.py and token_step.py beside this file,
-copied verbatim by `surgery export`) called the way the teacher's decoder layer calls its attention.
+GDNAttention: the project's GatedDeltaNet (gdn.py, kernels.py, token_step.py, delta_inputs.py and
+gated_norm.py beside this file, copied verbatim by `surgery export`) called the way the teacher's decoder layer calls its attention.
 
 Imports only torch, transformers and, when they import, fla (through kernels.py, on CUDA) and
-Triton (token_step.py). Loads in transformers 4.57 and later (tests/test_export_versions.py checks
-4.57.6 and the 5.x range); an older one is refused at import in one line.
+Triton (token_step.py, delta_inputs.py, gated_norm.py). Loads in transformers 4.57 and later
+(tests/test_export_versions.py checks 4.57.6 and the 5.x range); an older one is refused at import in one line.
 """
 from __future__ import annotations
 
