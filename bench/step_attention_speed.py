@@ -4,7 +4,7 @@ the max-length cache, as KVCacheAttention's static step calls it), each replayed
 and which SDPA backends take that call. SmolLM2-135M's attention shapes by default (9 query heads, 3 KV
 heads, head width 64), bf16.
 
-    python bench/step_attention_speed.py --context 65536 --batches 1,16
+    python bench/step_attention_speed.py --context 65536 --batches 1,16 [--sweep]
 """
 from __future__ import annotations
 
@@ -83,12 +83,29 @@ def forms() -> None:
                   f"{'ok' if err <= bound else 'FAIL'}")
 
 
+def sweep(context: int, batches: list, heads: int, kv_heads: int) -> None:
+    """ms of the split-KV kernels at a full cache for each (BLOCK_N, PROGRAMS per SM, WARPS)."""
+    print("sweep: batch | BLOCK_N | programs/SM | warps | ms | K+V bytes / time")
+    for batch in batches:
+        g = torch.Generator("cuda").manual_seed(batch)
+        q = torch.randn(batch, heads, 1, 64, device="cuda", generator=g).bfloat16()
+        k, v = (torch.randn(batch, kv_heads, context, 64, device="cuda", generator=g).bfloat16() for _ in range(2))
+        index = torch.tensor([context - 1], device="cuda")
+        for block in (32, 64, 128):
+            for programs in (2, 4, 8, 16):
+                for warps in (4, 8):
+                    step.BLOCK_N, step.PROGRAMS, step.WARPS = block, programs, warps
+                    ms = graph_ms(lambda: step.step_attention_triton(q, k, v, index, scale=0.125, softcap=None))
+                    print(f"sweep: {batch} | {block} | {programs} | {warps} | {ms:.4f} | {2 * k.numel() * 2 / (ms * 1e-3) / 1e9:.0f} GB/s")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--context", type=int, default=65536, help="the cache's capacity (the mask's length)")
     ap.add_argument("--batches", default="1,16")
     ap.add_argument("--heads", type=int, default=9)
     ap.add_argument("--kv-heads", type=int, default=3)
+    ap.add_argument("--sweep", action="store_true", help="also time the kernels' untuned constants (BLOCK_N, PROGRAMS, WARPS)")
     args = ap.parse_args()
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}")
     forms()
@@ -108,6 +125,8 @@ def main() -> None:
                     (step.step_attention_triton(q, k, v, index, scale=0.125, softcap=None), existing(q, k, v, slots <= index[:, None]))]
             print(f"{batch} | {valid} | {backends(q, k, v, slots <= index[:, None])} | {old:.4f} | {new:.4f} | {gbs:.0f} GB/s"
                   f" | {errs[0]:.2e}, {errs[1]:.2e}{'' if step.kernel_takes(q, k, v) else ' (guard says no!)'}")
+    if args.sweep:
+        sweep(args.context, [int(b) for b in args.batches.split(",")], args.heads, args.kv_heads)
 
 
 if __name__ == "__main__":

@@ -29,6 +29,8 @@ except Exception:  # a broken install raises more than ImportError
 
 BLOCK_N = 64          # keys per inner iteration
 PROGRAMS = 4          # aim for this many programs per streaming multiprocessor
+WARPS = 8             # per split program: the [group, BLOCK_N, D] products stay within registers
+# (BLOCK_N, PROGRAMS, WARPS) are untuned: bench/step_attention_speed.py --sweep times the alternatives
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -45,12 +47,13 @@ def step_attention_reference(q, keys, values, index, *, scale: float, softcap: f
     return torch.softmax(scores, dim=-1) @ v
 
 
-def splits_for(batch: int, kv_heads: int, size: int, programs: int) -> tuple[int, int]:
-    """(number of key splits, keys per split, a multiple of BLOCK_N) so that about `programs`
-    programs cover the cache: more splits only add partials for the combine to read."""
-    blocks = max(1, math.ceil(size / BLOCK_N))
+def splits_for(batch: int, kv_heads: int, size: int, programs: int, block: int | None = None) -> tuple[int, int]:
+    """(number of key splits, keys per split, a multiple of `block` (BLOCK_N)) so that about
+    `programs` programs cover the cache: more splits only add partials for the combine to read."""
+    block = block or BLOCK_N
+    blocks = max(1, math.ceil(size / block))
     wanted = max(1, min(blocks, math.ceil(programs / max(1, batch * kv_heads))))
-    per = math.ceil(blocks / wanted) * BLOCK_N
+    per = math.ceil(blocks / wanted) * block
     return math.ceil(size / per), per
 
 
@@ -181,7 +184,7 @@ def step_attention_triton(q, keys, values, index, *, scale: float, softcap: floa
         q, keys, values, index, m, l, acc, kv_heads, size, per, splits, float(scale), float(softcap or 1.0),
         q.stride(0), q.stride(1), keys.stride(0), keys.stride(1), keys.stride(2), values.stride(0), values.stride(1),
         values.stride(2), GROUP=group, GP=triton.next_power_of_2(group), DK=width, DV=dv, BK=triton.next_power_of_2(width),
-        BV=triton.next_power_of_2(dv), BN=BLOCK_N, STEPS=per // BLOCK_N, SOFTCAP=softcap is not None, num_warps=4)
+        BV=triton.next_power_of_2(dv), BN=BLOCK_N, STEPS=per // BLOCK_N, SOFTCAP=softcap is not None, num_warps=WARPS)
     _combine_kernel[(batch * heads,)](m, l, acc, out, heads, splits, out.stride(0), out.stride(1), DV=dv,
                                       BV=triton.next_power_of_2(dv), BS=triton.next_power_of_2(splits), num_warps=4)
     return out
