@@ -93,7 +93,8 @@ def test_guard_refuses_what_the_kernel_does_not_do():
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed (a CUDA-side extra)")
 def test_kernels_in_the_interpreter():
     """The two Triton kernels in Triton's CPU interpreter against float64: GQA, MHA, softcap, odd head
-    widths, q a transposed view, batch 2, the first and the last slot; slots past the index hold NaN."""
+    widths, q a transposed view, batch 2, the first and the last slot; slots past the index hold NaN.
+    And the custom op torch.compile sees passes opcheck (its fake output is the kernels' output)."""
     script = textwrap.dedent("""
         import torch
         import surgery.decode.step_attention as sa
@@ -111,6 +112,7 @@ def test_kernels_in_the_interpreter():
             want = sa.step_attention_reference(q, k, v, index, scale=0.3, softcap=cap)
             assert got.shape == (b, h, 1, dv), got.shape
             torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+        torch.library.opcheck(sa.split_kv_attention_op, (q, k.nan_to_num(0), v.nan_to_num(0), index, 0.3, 2.0))
         print("ok")
     """)
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))

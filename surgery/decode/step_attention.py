@@ -85,8 +85,8 @@ def step_attention_torch(q, keys, values, index, *, scale: float, softcap: float
 
 def kernel_takes(q, keys, values, k_map=None, v_map=None) -> bool:
     """q [B, H, 1, D] and a grouped cache [B, Hc, S, D] (H a multiple of Hc, no head maps), one float
-    dtype, unit last strides, head widths up to 256, on CUDA with Triton (not inside torch.compile)."""
-    if triton is None or not q.is_cuda or k_map is not None or v_map is not None or torch.compiler.is_compiling():
+    dtype, unit last strides, head widths up to 256, on CUDA with Triton."""
+    if triton is None or not q.is_cuda or k_map is not None or v_map is not None:
         return False
     if q.dim() != 4 or keys.dim() != 4 or values.dim() != 4 or q.shape[2] != 1:
         return False
@@ -169,9 +169,16 @@ def device_programs(device) -> int:
 
 def step_attention_triton(q, keys, values, index, *, scale: float, softcap: float | None) -> torch.Tensor:
     """The two Triton kernels (inputs that kernel_takes, index a one-entry long tensor on q's
-    device); output [B, H, 1, Dv] in q's dtype."""
+    device); output [B, H, 1, Dv] in q's dtype. Under torch.compile, the custom op around them."""
     if triton is None:
         raise RuntimeError("step_attention_triton needs Triton; use step_attention_torch.")
+    if torch.compiler.is_compiling():
+        return split_kv_attention_op(q, keys, values, index, float(scale), softcap)
+    return launch(q, keys, values, index, scale, softcap)
+
+
+def launch(q, keys, values, index, scale: float, softcap: float | None) -> torch.Tensor:
+    """The split kernel over (row x KV head, split), then the combine over (row x head)."""
     batch, heads, _, width = q.shape
     kv_heads, size, dv = keys.shape[1], keys.shape[2], values.shape[3]
     group = heads // kv_heads
@@ -188,3 +195,18 @@ def step_attention_triton(q, keys, values, index, *, scale: float, softcap: floa
     _combine_kernel[(batch * heads,)](m, l, acc, out, heads, splits, out.stride(0), out.stride(1), DV=dv,
                                       BV=triton.next_power_of_2(dv), BS=triton.next_power_of_2(splits), num_warps=4)
     return out
+
+
+if hasattr(torch.ops.surgery, "split_kv_attention"):  # this file executed again (a standalone load)
+    split_kv_attention_op = torch.ops.surgery.split_kv_attention.default
+else:
+
+    @torch.library.custom_op("surgery::split_kv_attention", mutates_args=())
+    def split_kv_attention_op(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, index: torch.Tensor, scale: float,
+                              softcap: float | None) -> torch.Tensor:
+        """The kernels as one opaque op (what torch.compile sees: a compiled static step keeps them)."""
+        return launch(q, keys, values, index, scale, softcap)
+
+    @split_kv_attention_op.register_fake
+    def _(q, keys, values, index, scale, softcap):
+        return q.new_empty(q.shape[0], q.shape[1], 1, values.shape[3])
