@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import itertools
 import os
 
 import torch
@@ -67,7 +68,16 @@ def backends(q, k, v, allowed) -> str:
 
 def forms() -> None:
     """The compiled kernels on the forms the interpreter test covers (GQA, MHA, softcap, odd widths,
-    q a transposed view, batch 2, the first and last slot; NaN past the index), against float64."""
+    q a transposed view, batch 2, the first and last slot; NaN past the index), against float64;
+    with DOT off and on (on: 16-bit inputs with both widths >= 16 only)."""
+    for dot in (False, True):
+        step.DOT = dot
+        print(f"forms with DOT={dot}:")
+        forms_once()
+    step.DOT = False
+
+
+def forms_once() -> None:
     g = torch.Generator("cuda").manual_seed(0)
     for b, h, hc, s, d, dv, idx, cap in ((1, 9, 3, 300, 64, 64, 130, None), (2, 4, 4, 70, 12, 20, 69, 50.0),
                                          (1, 2, 1, 5, 8, 8, 0, None), (3, 8, 2, 5000, 128, 128, 4095, 5.0)):
@@ -84,19 +94,17 @@ def forms() -> None:
 
 
 def sweep(context: int, batches: list, heads: int, kv_heads: int) -> None:
-    """ms of the split-KV kernels at a full cache for each (BLOCK_N, PROGRAMS per SM, WARPS)."""
-    print("sweep: batch | BLOCK_N | programs/SM | warps | ms | K+V bytes / time")
+    """ms of the split-KV kernels at a full cache for each (DOT, BLOCK_N, PROGRAMS per SM, WARPS)."""
+    print("sweep: batch | DOT | BLOCK_N | programs/SM | warps | ms | K+V bytes / time")
     for batch in batches:
         g = torch.Generator("cuda").manual_seed(batch)
         q = torch.randn(batch, heads, 1, 64, device="cuda", generator=g).bfloat16()
         k, v = (torch.randn(batch, kv_heads, context, 64, device="cuda", generator=g).bfloat16() for _ in range(2))
         index = torch.tensor([context - 1], device="cuda")
-        for block in (32, 64, 128):
-            for programs in (2, 4, 8, 16):
-                for warps in (4, 8):
-                    step.BLOCK_N, step.PROGRAMS, step.WARPS = block, programs, warps
-                    ms = graph_ms(lambda: step.step_attention_triton(q, k, v, index, scale=0.125, softcap=None))
-                    print(f"sweep: {batch} | {block} | {programs} | {warps} | {ms:.4f} | {2 * k.numel() * 2 / (ms * 1e-3) / 1e9:.0f} GB/s")
+        for dot, block, programs, warps in itertools.product((False, True), (32, 64, 128), (2, 4, 8, 16), (4, 8)):
+            step.DOT, step.BLOCK_N, step.PROGRAMS, step.WARPS = dot, block, programs, warps
+            ms = graph_ms(lambda: step.step_attention_triton(q, k, v, index, scale=0.125, softcap=None))
+            print(f"sweep: {batch} | {dot} | {block} | {programs} | {warps} | {ms:.4f} | {2 * k.numel() * 2 / (ms * 1e-3) / 1e9:.0f} GB/s")
 
 
 def main() -> None:
@@ -105,7 +113,7 @@ def main() -> None:
     ap.add_argument("--batches", default="1,16")
     ap.add_argument("--heads", type=int, default=9)
     ap.add_argument("--kv-heads", type=int, default=3)
-    ap.add_argument("--sweep", action="store_true", help="also time the kernels' untuned constants (BLOCK_N, PROGRAMS, WARPS)")
+    ap.add_argument("--sweep", action="store_true", help="also time the kernels' untuned constants (DOT, BLOCK_N, PROGRAMS, WARPS)")
     args = ap.parse_args()
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}")
     forms()

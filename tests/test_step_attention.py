@@ -113,6 +113,14 @@ def test_kernels_in_the_interpreter():
             assert got.shape == (b, h, 1, dv), got.shape
             torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
         torch.library.opcheck(sa.split_kv_attention_op, (q, k.nan_to_num(0), v.nan_to_num(0), index, 0.3, 2.0))
+        sa.DOT = True  # the tensor-core form (float16: the interpreter's tl.dot misreads bfloat16 bits)
+        for b, h, hc, s, d, idx, cap in [(1, 9, 3, 300, 64, 130, None), (2, 4, 2, 90, 16, 89, 30.0)]:
+            q = torch.randn(b, 1, h, d, generator=g).transpose(1, 2).half()
+            k, v = torch.randn(b, hc, s, d, generator=g).half(), torch.randn(b, hc, s, d, generator=g).half()
+            index = torch.tensor([idx])
+            want = sa.step_attention_reference(q, k, v, index, scale=0.125, softcap=cap)
+            got = sa.step_attention_triton(q, k, v, index, scale=0.125, softcap=cap)
+            assert (got.double() - want).abs().max() < 2e-3, (got.double() - want).abs().max()
         print("ok")
     """)
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))

@@ -30,7 +30,8 @@ except Exception:  # a broken install raises more than ImportError
 BLOCK_N = 64          # keys per inner iteration
 PROGRAMS = 4          # aim for this many programs per streaming multiprocessor
 WARPS = 8             # per split program: the [group, BLOCK_N, D] products stay within registers
-# (BLOCK_N, PROGRAMS, WARPS) are untuned: bench/step_attention_speed.py --sweep times the alternatives
+DOT = False           # the products on tensor cores (query heads padded to 16) instead of broadcast sums
+# (BLOCK_N, PROGRAMS, WARPS, DOT) are untuned: bench/step_attention_speed.py --sweep times the alternatives
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -104,15 +105,18 @@ if triton is not None:
     def _split_kernel(q, k, v, index, m_out, l_out, acc_out, kv_heads, size, per, splits, scale, softcap,
                       sqb, sqh, skb, skh, skn, svb, svh, svn, GROUP: tl.constexpr, GP: tl.constexpr, DK: tl.constexpr,
                       DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BN: tl.constexpr, STEPS: tl.constexpr,
-                      SOFTCAP: tl.constexpr):
+                      SOFTCAP: tl.constexpr, DOT: tl.constexpr):
         """Program (row b, KV head c, split s): the partial softmax of the GROUP query heads on KV head c
-        over keys [s * per, (s + 1) * per) that are at or before the index; m, l, acc in float32."""
+        over keys [s * per, (s + 1) * per) that are at or before the index; m, l, acc in float32. DOT:
+        the two products on tensor cores (16-bit inputs, GP >= 16; the weights rounded to the input
+        dtype as flash attention does), else as float32 broadcast sums."""
         bc, s = tl.program_id(0).to(tl.int64), tl.program_id(1)
         b, c = bc // kv_heads, bc % kv_heads
         g, dk, dv = tl.arange(0, GP), tl.arange(0, BK), tl.arange(0, BV)
         heads = c * GROUP + g
         qm = (g[:, None] < GROUP) & (dk[None, :] < DK)
-        qv = tl.load(q + b * sqb + heads[:, None] * sqh + dk[None, :], mask=qm, other=0).to(tl.float32)
+        qraw = tl.load(q + b * sqb + heads[:, None] * sqh + dk[None, :], mask=qm, other=0)
+        qv = qraw.to(tl.float32)
         valid = tl.minimum(tl.load(index).to(tl.int32) + 1, size)
         lo = s * per
         hi = tl.minimum(lo + per, valid)
@@ -126,7 +130,10 @@ if triton is not None:
                 n = start + tl.arange(0, BN)
                 inside = n < hi
                 kt = tl.load(kb + n[:, None].to(tl.int64) * skn + dk[None, :], mask=inside[:, None] & (dk[None, :] < DK), other=0)
-                sc = tl.sum(qv[:, None, :] * kt.to(tl.float32)[None, :, :], axis=2) * scale   # [GP, BN]
+                if DOT:
+                    sc = tl.dot(qraw, tl.trans(kt)) * scale   # [GP, BN], float32
+                else:
+                    sc = tl.sum(qv[:, None, :] * kt.to(tl.float32)[None, :, :], axis=2) * scale
                 if SOFTCAP:
                     sc = softcap * (1.0 - 2.0 / (tl.exp(2.0 * sc / softcap) + 1.0))  # tanh, overflow-safe
                 sc = tl.where(inside[None, :], sc, float("-inf"))
@@ -134,7 +141,10 @@ if triton is not None:
                 alpha = tl.exp(m - new)
                 p = tl.exp(sc - new[:, None])
                 vt = tl.load(vb + n[:, None].to(tl.int64) * svn + dv[None, :], mask=inside[:, None] & (dv[None, :] < DV), other=0)
-                acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * vt.to(tl.float32)[None, :, :], axis=1)
+                if DOT:
+                    acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
+                else:
+                    acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * vt.to(tl.float32)[None, :, :], axis=1)
                 l = l * alpha + tl.sum(p, axis=1)
                 m = new
         row = (b * kv_heads * GROUP + heads) * splits + s
@@ -182,6 +192,7 @@ def launch(q, keys, values, index, scale: float, softcap: float | None) -> torch
     batch, heads, _, width = q.shape
     kv_heads, size, dv = keys.shape[1], keys.shape[2], values.shape[3]
     group = heads // kv_heads
+    dot = DOT and q.dtype != torch.float32 and min(width, dv) >= 16
     splits, per = splits_for(batch, kv_heads, size, device_programs(q.device))
     m = torch.empty(batch * heads * splits, dtype=torch.float32, device=q.device)
     l = torch.empty_like(m)
@@ -190,8 +201,8 @@ def launch(q, keys, values, index, scale: float, softcap: float | None) -> torch
     _split_kernel[(batch * kv_heads, splits)](
         q, keys, values, index, m, l, acc, kv_heads, size, per, splits, float(scale), float(softcap or 1.0),
         q.stride(0), q.stride(1), keys.stride(0), keys.stride(1), keys.stride(2), values.stride(0), values.stride(1),
-        values.stride(2), GROUP=group, GP=triton.next_power_of_2(group), DK=width, DV=dv, BK=triton.next_power_of_2(width),
-        BV=triton.next_power_of_2(dv), BN=BLOCK_N, STEPS=per // BLOCK_N, SOFTCAP=softcap is not None, num_warps=WARPS)
+        values.stride(2), GROUP=group, GP=max(16 if dot else 1, triton.next_power_of_2(group)), DK=width, DV=dv, BK=triton.next_power_of_2(width),
+        BV=triton.next_power_of_2(dv), BN=BLOCK_N, STEPS=per // BLOCK_N, SOFTCAP=softcap is not None, DOT=dot, num_warps=WARPS)
     _combine_kernel[(batch * heads,)](m, l, acc, out, heads, splits, out.stride(0), out.stride(1), DV=dv,
                                       BV=triton.next_power_of_2(dv), BS=triton.next_power_of_2(splits), num_warps=4)
     return out
