@@ -1,11 +1,12 @@
 """One query token's attention over a static KV cache, split over the keys (flash-decoding).
 
 A static decode step (surgery.decode.static_step) attends with one query token over the whole
-max-length cache under a position mask. Through SDPA that is a bool mask [1, S] built every step, and
-with GQA and a mask CUDA's SDPA falls back to its math kernel (K/V repeated per query head, the scores
-and the mask materialised): several times slower than reading the cache once. With batch 1 and one
-token there are only (heads) rows of work, so a kernel that does not split the keys leaves most of the
-GPU idle.
+max-length cache under a position mask. Through SDPA that is a bool mask [1, S] built every step and
+turned into an additive one inside SDPA; a mask rules flash attention out, so CUDA takes the
+memory-efficient kernel (where the installed torch lets it take GQA) or the math one (K/V repeated per
+query head, the scores materialised). With batch 1 and one token there are only (batch x heads) rows
+of work, and a kernel that does not split the keys leaves most of the GPU idle: the measured ~70 us
+per 64k layer against ~12 us of bytes (bench/step_attention_speed.py prints which backends take the call).
 
 `step_attention_triton` launches programs per (batch row, KV head, key split): each reads its split's
 keys and values once for all the query heads that share that KV head (GQA), keeps a running max, sum
