@@ -312,8 +312,9 @@ def gated_norm_check(rows: Rows) -> bool:
 
 
 def fusion_kernels_check(rows: Rows) -> bool:
-    """The fast route's fusion kernels (surgery.decode.fusions), each against its reference: every check runs."""
-    return all([check(rows) for check in (swiglu_check, residual_norm_check, rope_check)])
+    """The fast route's fusion kernels (surgery.decode.fusions) and the static step's split-KV attention,
+    each against its reference: every check runs."""
+    return all([check(rows) for check in (swiglu_check, residual_norm_check, rope_check, step_attention_check)])
 
 
 def swiglu_check(rows: Rows) -> bool:
@@ -374,6 +375,34 @@ def rope_check(rows: Rows) -> bool:
         rows.add("rope: Triton against float32", f"bfloat16, [{batch}, {heads}, {length}, 64], taken: {kernel_takes(x, cos, sin)}",
                  "max abs err", kernel, "abs err", ("traced bf16 form", traced))
         ok = ok and kernel <= traced and kernel_takes(x, cos, sin)
+    return ok
+
+
+def step_attention_check(rows: Rows) -> bool:
+    """surgery.decode.step_attention's split-KV kernels against float64 softmax attention over the valid
+    slots of a max-length cache (slots past the index hold NaN, which must not leak), bf16, GQA and MHA,
+    with and without softcap: within the existing path's (SDPA under a mask) error, or 1/256 (anchor)."""
+    from surgery.decode.caches import attend
+    from surgery.decode.step_attention import kernel_takes, step_attention_reference, step_attention_triton
+
+    ok = True
+    for batch, heads, kv_heads, size, at, softcap in ((1, 9, 3, 65536, 65535, None), (1, 9, 3, 65536, 700, None),
+                                                      (16, 9, 3, 8192, 5000, None), (1, 8, 8, 4096, 4000, 50.0)):
+        g = torch.Generator("cuda").manual_seed(size + at)
+        q = torch.randn(batch, 1, heads, 64, device="cuda", generator=g).bfloat16().transpose(1, 2)
+        k, v = (torch.randn(batch, kv_heads, size, 64, device="cuda", generator=g).bfloat16() for _ in range(2))
+        index = torch.tensor([at], device="cuda")
+        exact = step_attention_reference(q, k, v, index, scale=0.125, softcap=softcap)
+        allowed = torch.arange(size, device="cuda")[None, :] <= index[:, None]
+        existing = attend(q, k, v, allowed, scale=0.125, softcap=softcap, k_map=None, v_map=None)
+        k[:, :, at + 1:], v[:, :, at + 1:] = float("nan"), float("nan")
+        kernel = float((step_attention_triton(q, k, v, index, scale=0.125, softcap=softcap).double() - exact).abs().max())
+        traced = float((existing.double() - exact).abs().max())
+        taken = kernel_takes(q, k, v)
+        rows.add("step attention: split-KV Triton against float64",
+                 f"bfloat16, B={batch}, heads {heads}/{kv_heads}, cache {size}, index {at}, softcap {softcap}, taken: {taken}",
+                 "max abs err", kernel, "abs err", ("SDPA path / 1/256", traced))
+        ok = ok and taken and kernel <= max(traced, 1 / 256)
     return ok
 
 

@@ -1,7 +1,8 @@
 """Incremental decoding of a captured or converted graph: a plan read from the sites (plan), KV
 caches for kept attention (caches), recurrent state for GDN layers (gdn_state), positions continued
 from the graph (positions), the Decoder that runs them (runtime), static and CUDA-graph steps
-(static_step), sampling and generate (sampling); and the fast route every inference forward takes
+(static_step, with split-KV attention on CUDA: step_attention, and the position tables kept per
+capacity: step_tables), sampling and generate (sampling); and the fast route every inference forward takes
 (fast: the runner evaluation, passkey and a Decoder's prefill use)."""
 from ..errors import DecodeError
 from .fast import fast_logits, fast_runner

@@ -11,6 +11,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..errors import DecodeError
+from .step_attention import kernel_takes, step_attention_triton
 
 
 class DecodeState(nn.Module):
@@ -157,11 +158,14 @@ class KVCacheAttention(nn.Module):
     def _static_step(self, q, k, v, index):
         """One token per row written at its slot through a device index and attention over the whole
         buffer under a position mask: the same kernels and shapes at every offset. The buffer was
-        allocated at full capacity by the prefill (linear) or holds the ring (sliding window)."""
+        allocated at full capacity by the prefill (linear) or holds the ring (sliding window); a linear
+        buffer on CUDA: split-KV kernels reading the valid length from the index, no mask (step_attention)."""
         size = self.k_cache.shape[2]
         slot = index if self.window is None else index.remainder(size)
         self.k_cache.index_copy_(2, slot, k)
         self.v_cache.index_copy_(2, slot, v)
+        if self.window is None and kernel_takes(q, self.k_cache, self.v_cache, self.k_map, self.v_map):
+            return step_attention_triton(q, self.k_cache, self.v_cache, index, scale=self.scale, softcap=self.softcap).to(self.out_dtype)
         if self.window is None:
             allowed = self._slots(size, index.device) <= index[:, None]
         else:

@@ -27,6 +27,7 @@ from .agreement import check_probe, probes, references
 from .caches import DecodeState, KVCacheAttention
 from .fused_linears import fuse_sibling_linears
 from .fusions import fuse_elementwise
+from .step_tables import hoist_tables
 from .gdn_state import GDNState
 from .lengths import FIX_FULL
 from .masks import MASK_PROBE
@@ -83,6 +84,7 @@ def static_step_graph(gm, gdn: dict, fuse: bool | None, compiled: bool):
     fused = fuse_sibling_linears(step_gm) + [m.fuse_projection() for m in gdn.values()]
     if (FUSED_BY_DEFAULT if fuse is None else fuse) and not compiled:
         fuse_elementwise(step_gm, in_place=True)
+        hoist_tables(step_gm)  # the RoPE / position tables once per capacity, not at every step
     return step_gm, fused
 
 
