@@ -1,0 +1,90 @@
+"""Why a mixer's Decoder self-check refuses on random weights (issue 31): for each replace.mixer, a random
+SmolLM2-shaped 75% hybrid (bench/speed.py --random's) in float32 and in bf16 on one device, and per
+hybrid two numbers:
+
+  self-check   the Decoder self-check's own measure (surgery.decode.agreement: a 12-token probe, prefill
+               then one-token steps, against full recomputation), taken as the Decoder takes it on that
+               device (on CUDA: the captured static steps), without refusing
+  bf16 drift   (bf16 rows) the worst position's relative logit error of the bf16 hybrid's full
+               recomputation against the float32 hybrid's on the same ids: how far rounding alone
+               moves this model's logits
+
+A convention mistake in a kernel wrapper (the decay on the wrong tensor, a state layout) shows in
+float32, whose check is tight; rounding shows only in bf16, and there about as large as the drift.
+
+    python3 bench/mixer_agreement.py --mixers gla,kda,mamba2              # CUDA when present
+    python3 bench/mixer_agreement.py --mixers gla,kda,mamba2 --device cpu
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from bench.harness import Rows, check_names, random_smollm2  # noqa: E402
+from surgery import Decoder, PassManager, capture  # noqa: E402
+from surgery.decode.agreement import SELF_CHECK, agrees, references  # noqa: E402
+from tcal.mixers import MIXERS  # noqa: E402
+
+MAX_LENGTH = 2048  # the probe is 12 tokens; the position tables need no more
+
+
+def hybrid(mixer: str, device, dtype, keep_ratio: float):
+    """select + replace on a fresh random teacher (the same seed, so float32 and bf16 share weights)."""
+    graph = capture(random_smollm2(MAX_LENGTH), device=device, dtype=dtype, max_length=MAX_LENGTH).branch()
+    PassManager(["select", "replace"], {"select": {"keep_ratio": keep_ratio}, "replace": {"mixer": mixer}})(graph)
+    return graph
+
+
+def self_check(graph, ids: torch.Tensor, first: int) -> tuple[bool, str, float]:
+    """(passed, the self-check's measure, the worst position's relative logit error) of Decoder._self_check's
+    probe on these ids, returned instead of raised."""
+    decoder = Decoder(graph, verify=False)
+    decoder.reset(1, ids.shape[1])
+    with torch.no_grad():
+        got = [decoder.prefill(ids[:, :first])] + [decoder.step(ids[:, t:t + 1]) for t in range(first, ids.shape[1])]
+    decoder.reset()
+    got, full = torch.cat(got, dim=1), references(graph, ids, first)
+    return (*agrees(got, full), worst_relative(got, full))
+
+
+def worst_relative(got: torch.Tensor, want: torch.Tensor) -> float:
+    g, w = got.float(), want.float()
+    return ((g - w).norm(dim=-1) / w.norm(dim=-1).clamp_min(1e-6)).max().item()
+
+
+def main(argv=None) -> Rows:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--mixers", default="gla,kda,mamba2", help=f"replace.mixer values, of: {','.join(MIXERS)}")
+    ap.add_argument("--device", default=None, help="default: cuda when available")
+    ap.add_argument("--keep-ratio", type=float, default=0.25)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    check_names(ap, args.mixers, MIXERS, "mixer(s)")
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    rows = Rows(args.json)
+    ids = torch.randint(0, 49152, (1, SELF_CHECK), generator=torch.Generator().manual_seed(0)).to(device)
+    first = SELF_CHECK - 4
+    for mixer in args.mixers.split(","):
+        logits = {}
+        for dtype in (torch.float32, torch.bfloat16):
+            graph = hybrid(mixer, device, dtype, args.keep_ratio)
+            ok, measure, error = self_check(graph, ids, first)
+            config = f"{str(dtype).removeprefix('torch.')}, {device.type}, {SELF_CHECK}-token probe"
+            rows.add(f"{mixer}: Decoder self-check", config, f"worst position's relative logit error ({'passed' if ok else 'REFUSED'}: {measure})",
+                     error, "rel err")
+            with torch.no_grad():
+                logits[dtype] = graph.logits(ids)
+            del graph
+        drift = worst_relative(logits[torch.bfloat16], logits[torch.float32])
+        rows.add(f"{mixer}: bf16 drift", f"bf16 against float32, {device.type}, {SELF_CHECK} tokens", "worst position's relative logit error",
+                 drift, "rel err")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
