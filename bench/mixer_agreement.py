@@ -9,21 +9,28 @@ hybrid two numbers:
                recomputation against the float32 hybrid's on the same ids: how far rounding alone
                moves this model's logits
 
+  rounded      (--rounding-seeds, bf16) the self-check's measure when every bf16 matmul of the
+               incremental pass rounds stochastically (its float32 result up or down to a neighbouring
+               bf16 value) and the full recomputation's to nearest: a device-free stand-in for the GPU,
+               whose GEMMs round differently at one token than at twelve
+
 A convention mistake in a kernel wrapper (the decay on the wrong tensor, a state layout) shows in
 float32, whose check is tight; rounding shows only in bf16, and there about as large as the drift.
 
     python3 bench/mixer_agreement.py --mixers gla,kda,mamba2              # CUDA when present
-    python3 bench/mixer_agreement.py --mixers gla,kda,mamba2 --device cpu
+    python3 bench/mixer_agreement.py --mixers gla,kda,mamba2 --device cpu --rounding-seeds 0,1,2
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from bench.harness import Rows, check_names, random_smollm2  # noqa: E402
 from surgery import Decoder, PassManager, capture  # noqa: E402
@@ -31,6 +38,25 @@ from surgery.decode.agreement import SELF_CHECK, agrees, references  # noqa: E40
 from tcal.mixers import MIXERS  # noqa: E402
 
 MAX_LENGTH = 2048  # the probe is 12 tokens; the position tables need no more
+aten = torch.ops.aten
+MATMULS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default}
+
+
+class StochasticMatmuls(TorchDispatchMode):
+    """Every bf16 matmul computed in float32, then rounded up or down to a neighbouring bf16 value with
+    probability by distance (random low 16 bits added before truncation)."""
+
+    def __init__(self, seed: int):
+        super().__init__()
+        self.gen = torch.Generator().manual_seed(seed)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func not in MATMULS or args[-1].dtype != torch.bfloat16:
+            return func(*args, **kwargs)
+        exact = func(*[a.float() if isinstance(a, torch.Tensor) else a for a in args], **kwargs)
+        noise = torch.randint(0, 1 << 16, exact.shape, generator=self.gen, dtype=torch.int32).to(exact.device)
+        return ((exact.view(torch.int32) + noise) & ~0xFFFF).view(torch.float32).to(torch.bfloat16)
 
 
 def hybrid(mixer: str, device, dtype, keep_ratio: float):
@@ -40,12 +66,12 @@ def hybrid(mixer: str, device, dtype, keep_ratio: float):
     return graph
 
 
-def self_check(graph, ids: torch.Tensor, first: int) -> tuple[bool, str, float]:
+def self_check(graph, ids: torch.Tensor, first: int, seed: int | None = None) -> tuple[bool, str, float]:
     """(passed, the self-check's measure, the worst position's relative logit error) of Decoder._self_check's
-    probe on these ids, returned instead of raised."""
+    probe on these ids, returned instead of raised; with `seed`, the incremental pass under StochasticMatmuls."""
     decoder = Decoder(graph, verify=False)
     decoder.reset(1, ids.shape[1])
-    with torch.no_grad():
+    with torch.no_grad(), (StochasticMatmuls(seed) if seed is not None else contextlib.nullcontext()):
         got = [decoder.prefill(ids[:, :first])] + [decoder.step(ids[:, t:t + 1]) for t in range(first, ids.shape[1])]
     decoder.reset()
     got, full = torch.cat(got, dim=1), references(graph, ids, first)
@@ -62,6 +88,8 @@ def main(argv=None) -> Rows:
     ap.add_argument("--mixers", default="gla,kda,mamba2", help=f"replace.mixer values, of: {','.join(MIXERS)}")
     ap.add_argument("--device", default=None, help="default: cuda when available")
     ap.add_argument("--keep-ratio", type=float, default=0.25)
+    ap.add_argument("--rounding-seeds", default="", help="bf16: also the self-check with stochastically rounded "
+                    "matmuls in the incremental pass, once per seed (comma-separated)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     check_names(ap, args.mixers, MIXERS, "mixer(s)")
@@ -77,6 +105,10 @@ def main(argv=None) -> Rows:
             config = f"{str(dtype).removeprefix('torch.')}, {device.type}, {SELF_CHECK}-token probe"
             rows.add(f"{mixer}: Decoder self-check", config, f"worst position's relative logit error ({'passed' if ok else 'REFUSED'}: {measure})",
                      error, "rel err")
+            for seed in [int(x) for x in args.rounding_seeds.split(",") if x] if dtype == torch.bfloat16 else []:
+                error = self_check(graph, ids, first, seed)[2]
+                rows.add(f"{mixer}: Decoder self-check, matmuls rounded stochastically", f"{config}, seed {seed}",
+                         "worst position's relative logit error", error, "rel err")
             with torch.no_grad():
                 logits[dtype] = graph.logits(ids)
             del graph
