@@ -1,6 +1,6 @@
 """Why a mixer's Decoder self-check refuses on random weights (issue 31): for each replace.mixer, a random
 SmolLM2-shaped 75% hybrid (bench/speed.py --random's) in float32 and in bf16 on one device, and per
-hybrid two numbers:
+hybrid these numbers:
 
   self-check   the Decoder self-check's own measure (surgery.decode.agreement: a 12-token probe, prefill
                then one-token steps, against full recomputation), taken as the Decoder takes it on that
@@ -8,7 +8,6 @@ hybrid two numbers:
   bf16 drift   (bf16 rows) the worst position's relative logit error of the bf16 hybrid's full
                recomputation against the float32 hybrid's on the same ids: how far rounding alone
                moves this model's logits
-
   rounded      (--rounding-seeds, bf16) the self-check's measure when every bf16 matmul of the
                incremental pass rounds stochastically (its float32 result up or down to a neighbouring
                bf16 value) and the full recomputation's to nearest: a device-free stand-in for the GPU,
@@ -17,25 +16,21 @@ hybrid two numbers:
 A convention mistake in a kernel wrapper (the decay on the wrong tensor, a state layout) shows in
 float32, whose check is tight; rounding shows only in bf16, and there about as large as the drift.
 
-    python3 bench/mixer_agreement.py --mixers gla,kda,mamba2              # CUDA when present
-    python3 bench/mixer_agreement.py --mixers gla,kda,mamba2 --device cpu --rounding-seeds 0,1,2
+Run by bench/quality.py (not an entry point of its own):
+
+    python3 bench/quality.py --decode-agreement gla,kda,mamba2              # CUDA when present
+    python3 bench/quality.py --decode-agreement gla,kda,mamba2 --device cpu --rounding-seeds 0,1,2
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
-import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
-import torch  # noqa: E402
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
-
-from bench.harness import Rows, check_names, random_smollm2  # noqa: E402
-from surgery import Decoder, PassManager, capture  # noqa: E402
-from surgery.decode.agreement import SELF_CHECK, agrees, references  # noqa: E402
-from tcal.mixers import MIXERS  # noqa: E402
+from bench.harness import Rows, random_smollm2
+from surgery import Decoder, PassManager, capture
+from surgery.decode.agreement import SELF_CHECK, agrees, references
 
 MAX_LENGTH = 2048  # the probe is 12 tokens; the position tables need no more
 aten = torch.ops.aten
@@ -83,29 +78,21 @@ def worst_relative(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((g - w).norm(dim=-1) / w.norm(dim=-1).clamp_min(1e-6)).max().item()
 
 
-def main(argv=None) -> Rows:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--mixers", default="gla,kda,mamba2", help=f"replace.mixer values, of: {','.join(MIXERS)}")
-    ap.add_argument("--device", default=None, help="default: cuda when available")
-    ap.add_argument("--keep-ratio", type=float, default=0.25)
-    ap.add_argument("--rounding-seeds", default="", help="bf16: also the self-check with stochastically rounded "
-                    "matmuls in the incremental pass, once per seed (comma-separated)")
-    ap.add_argument("--json", default=None)
-    args = ap.parse_args(argv)
-    check_names(ap, args.mixers, MIXERS, "mixer(s)")
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    rows = Rows(args.json)
+def decode_agreement(rows: Rows, mixers: list[str], device: torch.device, rounding_seeds: list[int],
+                     keep_ratio: float = 0.25) -> Rows:
+    """The rows above for each mixer: the self-check in float32 and bf16 (and, per rounding seed, bf16
+    under StochasticMatmuls), then the bf16 drift."""
     ids = torch.randint(0, 49152, (1, SELF_CHECK), generator=torch.Generator().manual_seed(0)).to(device)
     first = SELF_CHECK - 4
-    for mixer in args.mixers.split(","):
+    for mixer in mixers:
         logits = {}
         for dtype in (torch.float32, torch.bfloat16):
-            graph = hybrid(mixer, device, dtype, args.keep_ratio)
+            graph = hybrid(mixer, device, dtype, keep_ratio)
             ok, measure, error = self_check(graph, ids, first)
             config = f"{str(dtype).removeprefix('torch.')}, {device.type}, {SELF_CHECK}-token probe"
             rows.add(f"{mixer}: Decoder self-check", config, f"worst position's relative logit error ({'passed' if ok else 'REFUSED'}: {measure})",
                      error, "rel err")
-            for seed in [int(x) for x in args.rounding_seeds.split(",") if x] if dtype == torch.bfloat16 else []:
+            for seed in rounding_seeds if dtype == torch.bfloat16 else []:
                 error = self_check(graph, ids, first, seed)[2]
                 rows.add(f"{mixer}: Decoder self-check, matmuls rounded stochastically", f"{config}, seed {seed}",
                          "worst position's relative logit error", error, "rel err")
@@ -116,7 +103,3 @@ def main(argv=None) -> Rows:
         rows.add(f"{mixer}: bf16 drift", f"bf16 against float32, {device.type}, {SELF_CHECK} tokens", "worst position's relative logit error",
                  drift, "rel err")
     return rows
-
-
-if __name__ == "__main__":
-    main()

@@ -25,6 +25,7 @@ the copy-only baseline of its keep ratio and policy, the through-save row's is i
         --eval D/wiki.test.raw --mixers gdn,swa,gla,kda --cli-apply --json mixers.jsonl
     python bench/quality.py --smoke --mixers gdn,swa,gla,kda   # the same on the CPU, stories260K
     python bench/quality.py --kernel-check           # CUDA: fla's gla/kda/mamba2 kernels against the PyTorch references
+    python bench/quality.py --decode-agreement gla,kda,mamba2   # a mixer's Decoder self-check: float32, bf16, bf16 drift
     python bench/quality.py --smoke                  # CPU, stories260K, tiny settings
 """
 from __future__ import annotations
@@ -98,12 +99,19 @@ def arguments(argv=None) -> argparse.Namespace:
     ap.add_argument("--agreement", nargs="+", metavar="MODEL", default=None, help="only: each model (a teacher, or a saved "
                     "hybrid's directory) in bf16 on the first --chunk tokens of --eval: eager, compiled and the default route "
                     "against float32 (surgery.decode.precision; issue 29)")
+    ap.add_argument("--decode-agreement", default=None, metavar="MIXERS", help="only: per replace.mixer (comma-separated), "
+                    "a random SmolLM2-shaped hybrid's Decoder self-check in float32 and bf16 and its bf16 logit drift "
+                    "(bench/mixer_agreement.py; issue 31)")
+    ap.add_argument("--rounding-seeds", default="", help="--decode-agreement: also the bf16 self-check with stochastically "
+                    "rounded matmuls in the incremental pass, once per seed (comma-separated)")
     ap.add_argument("--chunk", type=int, default=2048)
     ap.add_argument("--batch-size", type=int, default=1)
     args = parse(ap, argv, {"model": str(STORIES), "eval": str(SAMPLE), **SMOKE})
     if args.agreement and not args.eval:
         ap.error("--agreement scores the first --chunk tokens of --eval: pass --eval")
-    if not args.kernel_check and not args.agreement and (not args.model or not args.eval):
+    if args.decode_agreement:
+        check_names(ap, args.decode_agreement, MIXERS, "mixer(s)")
+    if not args.kernel_check and not args.agreement and not args.decode_agreement and (not args.model or not args.eval):
         ap.error("pass --model (the teacher) and --eval (the text to score), or --smoke")
     args.set = (SMOKE_SETS if args.smoke else []) + (args.set or [])
     args.rows = args.rows or (MIXER_ROWS if args.mixers else ALL_ROWS)
@@ -454,6 +462,11 @@ def main(argv=None) -> Rows:
         return rows
     if args.agreement:
         return agreement(args, device, rows)
+    if args.decode_agreement:
+        from bench.mixer_agreement import decode_agreement
+
+        seeds = [int(x) for x in args.rounding_seeds.split(",") if x]
+        return decode_agreement(rows, args.decode_agreement.split(","), device, seeds)
     with tempfile.TemporaryDirectory(prefix="bench_quality.") as folder:
         work = Path(folder)
         texts = {Path(args.eval).name: cut(args.eval, args.max_chars, work)}  # rows name each text by its file
