@@ -24,8 +24,9 @@ the copy-only baseline of its keep ratio and policy, the through-save row's is i
     python bench/quality.py --model /root/m/smol.gguf --calibration D/austen.txt.xz D/shakespeare.txt.xz D/kjv.txt.xz \
         --eval D/wiki.test.raw --mixers gdn,swa,gla,kda --cli-apply --json mixers.jsonl
     python bench/quality.py --smoke --mixers gdn,swa,gla,kda   # the same on the CPU, stories260K
-    python bench/quality.py --kernel-check           # CUDA: fla's gla/kda kernels against the PyTorch references, the
+    python bench/quality.py --kernel-check           # CUDA: fla's gla/kda/mamba2 kernels against the PyTorch references, the
                                                      # fusion kernels, tcal.delta_inputs' and tcal.gated_norm's against theirs
+    python bench/quality.py --decode-agreement gla,kda,mamba2   # a mixer's Decoder self-check: float32, bf16, bf16 drift
     python bench/quality.py --smoke                  # CPU, stories260K, tiny settings
 """
 from __future__ import annotations
@@ -99,12 +100,19 @@ def arguments(argv=None) -> argparse.Namespace:
     ap.add_argument("--agreement", nargs="+", metavar="MODEL", default=None, help="only: each model (a teacher, or a saved "
                     "hybrid's directory) in bf16 on the first --chunk tokens of --eval: eager, compiled and the default route "
                     "against float32 (surgery.decode.precision; issue 29)")
+    ap.add_argument("--decode-agreement", default=None, metavar="MIXERS", help="only: per replace.mixer (comma-separated), "
+                    "a random SmolLM2-shaped hybrid's Decoder self-check in float32 and bf16 and its bf16 logit drift "
+                    "(bench/mixer_agreement.py; issue 31)")
+    ap.add_argument("--rounding-seeds", default="", help="--decode-agreement: also the bf16 self-check with stochastically "
+                    "rounded matmuls in the incremental pass, once per seed (comma-separated)")
     ap.add_argument("--chunk", type=int, default=2048)
     ap.add_argument("--batch-size", type=int, default=1)
     args = parse(ap, argv, {"model": str(STORIES), "eval": str(SAMPLE), **SMOKE})
     if args.agreement and not args.eval:
         ap.error("--agreement scores the first --chunk tokens of --eval: pass --eval")
-    if not args.kernel_check and not args.agreement and (not args.model or not args.eval):
+    if args.decode_agreement:
+        check_names(ap, args.decode_agreement, MIXERS, "mixer(s)")
+    if not args.kernel_check and not args.agreement and not args.decode_agreement and (not args.model or not args.eval):
         ap.error("pass --model (the teacher) and --eval (the text to score), or --smoke")
     args.set = (SMOKE_SETS if args.smoke else []) + (args.set or [])
     args.rows = args.rows or (MIXER_ROWS if args.mixers else ALL_ROWS)
@@ -237,22 +245,51 @@ def kernel_case(run, mixer: str, t: int, dtype, seed: int = 0) -> dict:
     return {"output": rel(o1, o2), "final state": rel(s1, s2), "gradients": max(rel(a, b) for a, b in zip(g1, g2))}
 
 
+def decode_case(run, mixer: str, prefill: int, dtype, steps: int = 4, device: str = "cuda") -> dict:
+    """What a Decoder asks of fla (no gradient, so fla's recurrent kernel up to 64 tokens, its chunked one
+    past them): a prefill, then `steps` one-token calls each given the last final state, against the
+    float64 PyTorch reference of the whole sequence (b 2, h 9, d 64, the random case's inputs)."""
+    gen = torch.Generator(device=device).manual_seed(1)
+    b, h, d, t = 2, 9, 64, prefill + steps
+    rand = lambda *shape: torch.randn(*shape, generator=gen, device=device)  # noqa: E731
+    q, k, v = rand(b, t, h, d), torch.nn.functional.normalize(rand(b, t, h, d), dim=-1), rand(b, t, h, d)
+    g = -torch.rand(*((b, t, h) if mixer == "mamba2" else (b, t, h, d)), generator=gen, device=device) * 0.5
+    x = [q, k, v, g] + ([torch.rand(b, t, h, generator=gen, device=device)] if mixer == "kda" else [])
+    want, want_state = run(*[a.double() for a in x], output_final_state=True, backend="torch")
+    x = [a.to(dtype) if i < 3 else a for i, a in enumerate(x)]
+    with torch.no_grad():
+        o, state = run(*[a[:, :prefill] for a in x], output_final_state=True, backend="fla")
+        outs = [o]
+        for i in range(prefill, t):
+            o, state = run(*[a[:, i:i + 1] for a in x], initial_state=state, output_final_state=True, backend="fla")
+            outs.append(o)
+    rel = lambda a, b: float((a.double() - b).norm() / b.norm().clamp_min(1e-30))  # noqa: E731
+    got = torch.cat(outs, 1)
+    return {"decode output": rel(got, want), "decode steps' output": rel(got[:, prefill:], want[:, prefill:]),
+            "decode final state": rel(state, want_state)}
+
+
 def kernel_check(rows: Rows) -> bool:
     """fla's gla and kda kernels against the PyTorch references (tcal.mixers), forward at chunked
-    and short/recurrent lengths and backward, in float32 and bfloat16: a row per error, anchored to
-    its tolerance (ratio >= 1 passes). True when every one is within it."""
+    and short/recurrent lengths and backward, in float32 and bfloat16, then gla's, kda's and mamba2's
+    as a Decoder calls them (decode_case): a row per error, anchored to its tolerance (ratio >= 1
+    passes). True when every one is within it."""
     from tcal.mixers.gla_kernels import gla
     from tcal.mixers.kda_kernels import kda
+    from tcal.mixers.mamba2_kernels import ssd
 
     ok = True
-    for mixer, run in (("gla", gla), ("kda", kda)):
+    cases = [(mixer, f"T={t}", lambda dtype, run=run, mixer=mixer, t=t: kernel_case(run, mixer, t, dtype))
+             for mixer, run in (("gla", gla), ("kda", kda)) for t in (1, 40, 300)]
+    cases += [(mixer, f"prefill {p} + steps", lambda dtype, run=run, mixer=mixer, p=p: decode_case(run, mixer, p, dtype))
+              for mixer, run in (("gla", gla), ("kda", kda), ("mamba2", ssd)) for p in (8, 100)]
+    for mixer, config, case in cases:
         for dtype in KERNEL_TOLERANCE:
-            for t in (1, 40, 300):
-                for what, error in kernel_case(run, mixer, t, dtype).items():
-                    tolerance = KERNEL_TOLERANCE[dtype]
-                    rows.add(f"{mixer}: fla against PyTorch", f"{str(dtype).removeprefix('torch.')}, T={t}", what, error, "rel err",
-                             ("tolerance", tolerance))
-                    ok = ok and error <= tolerance
+            for what, error in case(dtype).items():
+                tolerance = KERNEL_TOLERANCE[dtype]
+                rows.add(f"{mixer}: fla against PyTorch", f"{str(dtype).removeprefix('torch.')}, {config}", what, error, "rel err",
+                         ("tolerance", tolerance))
+                ok = ok and error <= tolerance
     return all([fusion_kernels_check(rows), delta_inputs_check(rows), gated_norm_check(rows), ok])
 
 
@@ -510,6 +547,11 @@ def main(argv=None) -> Rows:
         return rows
     if args.agreement:
         return agreement(args, device, rows)
+    if args.decode_agreement:
+        from bench.mixer_agreement import decode_agreement
+
+        seeds = [int(x) for x in args.rounding_seeds.split(",") if x]
+        return decode_agreement(rows, args.decode_agreement.split(","), device, seeds)
     with tempfile.TemporaryDirectory(prefix="bench_quality.") as folder:
         work = Path(folder)
         texts = {Path(args.eval).name: cut(args.eval, args.max_chars, work)}  # rows name each text by its file

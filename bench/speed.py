@@ -27,6 +27,7 @@ so it measures whatever the library's default paths are. Rows: bench.harness.Row
     python bench/speed.py --random --sections prefill --json speed.jsonl     # one H200; one section per run fits a call
     python bench/speed.py --model /root/m/SmolLM2-135M-Instruct.Q4_1.gguf --sections apply --json speed.jsonl
     python bench/speed.py --random --sections prefill --profile                # + the top CUDA kernels of one hybrid eager forward
+    python bench/speed.py --sections step_attention --decode-context 65536 --decode-batches 1,16   # split-KV against SDPA
     python bench/speed.py --random --sections prefill --casts                  # + its copies and dtype conversions (bench/casts.py)
     python bench/speed.py --sections fsdp --fsdp-modes fsdp_offload,plain --fsdp-batches 4,8,16,32 --fsdp-micro 4 --json fsdp.jsonl
     python bench/speed.py --sections fsdp --fsdp-shape smollm2 --keep-ratio 0.5 --fsdp-batches 16 --fsdp-lr-rest 7e-6
@@ -70,7 +71,7 @@ from surgery.core.run import run_graph  # noqa: E402
 from surgery.decode.fast import FastGraph  # noqa: E402
 from surgery.errors import SurgeryError  # noqa: E402
 
-SECTIONS = ("prefill", "generate", "decode", "export", "distill", "apply", "fsdp", "offload")
+SECTIONS = ("prefill", "generate", "decode", "export", "distill", "apply", "fsdp", "offload", "step_attention")
 FSDP_SHAPES = {  # transformers LlamaConfig fields of the random pairs the fsdp section trains ("stories": the real tiny teacher)
     "smollm2": SMOLLM2_SHAPE,
     "llama8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
@@ -111,6 +112,8 @@ def arguments(argv=None) -> argparse.Namespace:
     ap.add_argument("--no-compiled", action="store_true", help="prefill: leave out the compiled rows (a compile per shape and model)")
     ap.add_argument("--profile", action="store_true", help="prefill: torch.profiler on one hybrid eager forward per shape, "
                     "the top 15 CUDA kernels (CPU ops on the CPU) by total time")
+    ap.add_argument("--step-attention-sweep", action="store_true", help="step_attention: also time the split-KV kernels' "
+                    "untuned constants (bench/step_attention_bench.py)")
     ap.add_argument("--casts", action="store_true", help="prefill: the copies (dtype conversions, copy_, clone) of one hybrid "
                     "eager forward per shape on the default route, per source line (bench/casts.py)")
     ap.add_argument("--fsdp-shape", choices=["stories", *FSDP_SHAPES], default="llama8b", help="fsdp: the random pair's shapes")
@@ -137,7 +140,7 @@ def arguments(argv=None) -> argparse.Namespace:
         surgery.core.compiled.BACKEND = "aot_eager"  # as the tests compile: inductor's C++ builds take minutes on the CPU
     check_names(ap, args.sections, SECTIONS, "section(s)")
     check_names(ap, args.fsdp_modes, FSDP_MODES, "fsdp mode(s)")
-    if not args.model and not args.random and set(args.sections.split(",")) - {"offload", "fsdp"}:  # these build their own teachers
+    if not args.model and not args.random and set(args.sections.split(",")) - {"offload", "fsdp", "step_attention"}:  # these build their own teachers (or none)
         ap.error("name a teacher with --model, or pass --random (SmolLM2-135M's shapes, random weights)")
     return args
 
@@ -669,6 +672,9 @@ def main(argv=None) -> Rows:
                 offloaded_conversion(args, rows)
             elif section == "fsdp":
                 fsdp_section(args, rows)
+            elif section == "step_attention":  # the kept-attention op of a static step alone: needs only torch and Triton
+                from bench.step_attention_bench import run as step_attention
+                step_attention(args.decode_context, args.decode_batches, sweep_constants=args.step_attention_sweep)
             else:
                 runs[section](setup, rows)
             print(f"# {section}: {time.perf_counter() - start:.1f} s", flush=True)

@@ -182,3 +182,21 @@ def test_quality_set_accumulates_after_the_smoke_settings():
     passes, configs = quality.row_configs(args, "phase1+2", 0.5, "uniform", "gla")
     assert configs["select"]["policy"] == "convert" and configs["select"]["layers"] == "1,3"
     assert configs["align"]["steps"] == "3" and configs["calibrate"]["samples"] == "2" and configs["replace"]["mixer"] == "gla"
+
+
+def test_stochastic_matmuls_round_to_a_neighbouring_bf16_value():
+    """quality.py --decode-agreement's stand-in for the GPU's rounding: each bf16 matmul result is one of the
+    two bf16 values around the float32 product (so within one bf16 step of it), not always the nearest."""
+    import torch
+
+    from bench.mixer_agreement import StochasticMatmuls
+
+    gen = torch.Generator().manual_seed(0)
+    a, b = (torch.randn(64, 64, generator=gen).bfloat16() for _ in range(2))
+    exact = a.float() @ b.float()
+    with StochasticMatmuls(0):
+        got = (a @ b).float()
+    down = (exact.view(torch.int32) & ~0xFFFF).view(torch.float32)
+    up = ((exact.view(torch.int32) & ~0xFFFF) + 0x10000).view(torch.float32)
+    assert bool(((got == down) | (got == up)).all())
+    assert not torch.equal(got, exact.bfloat16().float())

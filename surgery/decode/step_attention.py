@@ -6,7 +6,7 @@ turned into an additive one inside SDPA; a mask rules flash attention out, so CU
 memory-efficient kernel (where the installed torch lets it take GQA) or the math one (K/V repeated per
 query head, the scores materialised). With batch 1 and one token there are only (batch x heads) rows
 of work, and a kernel that does not split the keys leaves most of the GPU idle: the measured ~70 us
-per 64k layer against ~12 us of bytes (bench/step_attention_speed.py prints which backends take the call).
+per 64k layer against ~12 us of bytes (bench/speed.py --sections step_attention prints which backends take the call).
 
 `step_attention_triton` launches programs per (batch row, KV head, key split): each reads its split's
 keys and values once for all the query heads that share that KV head (GQA), keeps a running max, sum
@@ -32,7 +32,7 @@ BLOCK_N = 64          # keys per inner iteration
 PROGRAMS = 4          # aim for this many programs per streaming multiprocessor
 WARPS = 8             # per split program: the [group, BLOCK_N, D] products stay within registers
 DOT = False           # the products on tensor cores (query heads padded to 16) instead of broadcast sums
-# (BLOCK_N, PROGRAMS, WARPS, DOT) are untuned: bench/step_attention_speed.py --sweep times the alternatives
+# (BLOCK_N, PROGRAMS, WARPS, DOT) are untuned: bench/speed.py --sections step_attention --step-attention-sweep times the alternatives
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 

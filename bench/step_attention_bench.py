@@ -4,7 +4,7 @@ the max-length cache, as KVCacheAttention's static step calls it), each replayed
 and which SDPA backends take that call. SmolLM2-135M's attention shapes by default (9 query heads, 3 KV
 heads, head width 64), bf16.
 
-    python bench/step_attention_speed.py --context 65536 --batches 1,16 [--sweep]
+    python bench/speed.py --sections step_attention --decode-context 65536 --decode-batches 1,16 [--step-attention-sweep]
 """
 from __future__ import annotations
 
@@ -107,14 +107,10 @@ def sweep(context: int, batches: list, heads: int, kv_heads: int) -> None:
             print(f"sweep: {batch} | {dot} | {block} | {programs} | {warps} | {ms:.4f} | {2 * k.numel() * 2 / (ms * 1e-3) / 1e9:.0f} GB/s")
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--context", type=int, default=65536, help="the cache's capacity (the mask's length)")
-    ap.add_argument("--batches", default="1,16")
-    ap.add_argument("--heads", type=int, default=9)
-    ap.add_argument("--kv-heads", type=int, default=3)
-    ap.add_argument("--sweep", action="store_true", help="also time the kernels' untuned constants (DOT, BLOCK_N, PROGRAMS, WARPS)")
-    args = ap.parse_args()
+def run(context: int = 65536, batches: str = "1,16", heads: int = 9, kv_heads: int = 3, sweep_constants: bool = False) -> None:
+    """The forms against float64, then the old path against the split-KV kernels per batch and valid length;
+    with sweep_constants also the kernels' untuned constants (DOT, BLOCK_N, PROGRAMS, WARPS)."""
+    args = argparse.Namespace(context=context, batches=batches, heads=heads, kv_heads=kv_heads, sweep=sweep_constants)
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}")
     forms()
     print("batch | valid | SDPA backends | SDPA path ms | split-KV ms | K+V bytes / split-KV time | max err vs float64 (split, SDPA)")
@@ -136,6 +132,3 @@ def main() -> None:
     if args.sweep:
         sweep(args.context, [int(b) for b in args.batches.split(",")], args.heads, args.kv_heads)
 
-
-if __name__ == "__main__":
-    main()
