@@ -21,8 +21,10 @@ from transformers import PreTrainedModel
 from transformers.cache_utils import Cache
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-from .gdn import GatedDeltaNet
 # transformers 4.x copies only the files this module imports itself: name gdn.py's own imports here
+from .delta_inputs import delta_inputs_torch  # noqa: F401
+from .gated_norm import gated_rms_norm_torch  # noqa: F401
+from .gdn import GatedDeltaNet
 from .kernels import fla_available  # noqa: F401
 from .surgery_teacher import TEACHER_CONFIG
 from .token_step import gdn_token_step  # noqa: F401
