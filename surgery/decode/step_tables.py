@@ -16,6 +16,7 @@ import torch.nn as nn
 from torch.fx import GraphModule, Node
 
 from ..core.rewrite import SHAPE_QUERIES, ancestors, set_submodule
+from ..core.run import attribute
 
 TARGET = "_step_tables"
 
@@ -37,7 +38,7 @@ class StepTables(nn.Module):
         state = self._state[0]
         if not state.static:
             return tuple(self.sub(*sizes))
-        read = (getattr_path(self.sub, t) for t in self.reads)
+        read = (attribute(self.sub, t) for t in self.reads)
         key = (state.static_length, sizes, tuple((id(t), getattr(t, "_version", 0)) for t in read))
         if key != self.key:
             fresh = tuple(self.sub(*sizes))
@@ -48,12 +49,6 @@ class StepTables(nn.Module):
                 self.values = fresh
             self.key = key
         return self.values
-
-
-def getattr_path(module: nn.Module, target: str):
-    for part in target.split("."):
-        module = getattr(module, part)
-    return module
 
 
 def same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
