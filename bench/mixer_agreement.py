@@ -30,7 +30,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from bench.harness import Rows, random_smollm2
 from surgery import Decoder, PassManager, capture
-from surgery.decode.agreement import SELF_CHECK, agrees, references
+from surgery.decode.agreement import SELF_CHECK, agrees, references, worst_relative
 
 MAX_LENGTH = 2048  # the probe is 12 tokens; the position tables need no more
 aten = torch.ops.aten
@@ -71,11 +71,6 @@ def self_check(graph, ids: torch.Tensor, first: int, seed: int | None = None) ->
     decoder.reset()
     got, full = torch.cat(got, dim=1), references(graph, ids, first)
     return (*agrees(got, full), worst_relative(got, full))
-
-
-def worst_relative(got: torch.Tensor, want: torch.Tensor) -> float:
-    g, w = got.float(), want.float()
-    return ((g - w).norm(dim=-1) / w.norm(dim=-1).clamp_min(1e-6)).max().item()
 
 
 def decode_agreement(rows: Rows, mixers: list[str], device: torch.device, rounding_seeds: list[int],

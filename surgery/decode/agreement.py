@@ -25,6 +25,12 @@ def close(a: torch.Tensor, b: torch.Tensor) -> tuple[bool, float]:
     return diff <= tolerance(b.dtype) * scale, diff
 
 
+def worst_relative(got: torch.Tensor, want: torch.Tensor) -> float:
+    """The largest relative logit error over positions (|got - want| / |want| per position's vector)."""
+    g, w = got.float(), want.float()
+    return ((g - w).norm(dim=-1) / w.norm(dim=-1).clamp_min(1e-6)).max().item()
+
+
 def agrees(got: torch.Tensor, full: torch.Tensor) -> tuple[bool, str]:
     """The self-check's criterion: float32/64 as tight as `close`; bf16/fp16 by the worst position's
     relative error, since 30 layers of rounding move single logits by O(1) while a structural
@@ -32,8 +38,7 @@ def agrees(got: torch.Tensor, full: torch.Tensor) -> tuple[bool, str]:
     if full.dtype in (torch.float32, torch.float64):
         ok, diff = close(got, full)
         return ok, f"max logit difference {diff:.3g}"
-    g, f = got.float(), full.float()
-    rel = ((g - f).norm(dim=-1) / f.norm(dim=-1).clamp_min(1e-6)).max().item()
+    rel = worst_relative(got, full)
     return rel <= LOW_PRECISION_REL_ERROR, f"relative logit error {rel:.3g} at the worst position, in {str(full.dtype).removeprefix('torch.')}"
 
 
