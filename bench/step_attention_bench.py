@@ -9,19 +9,13 @@ heads, head width 64), bf16.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import itertools
-import os
 
 import torch
 import torch.nn.functional as F
 
-# the module alone (it imports only torch and Triton): this runs on a bare GPU image, without the
-# transformers version `import surgery` requires
-HERE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "surgery", "decode", "step_attention.py")
-spec = importlib.util.spec_from_file_location("step_attention", HERE)
-step = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(step)
+import surgery.decode.step_attention as step
+from surgery.decode.replay import capture
 
 
 def existing(q, k, v, allowed):
@@ -31,15 +25,7 @@ def existing(q, k, v, allowed):
 
 def graph_ms(fn, replays: int = 200) -> float:
     """ms per replay of fn captured as a CUDA graph (after warm-up)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
+    graph = capture(fn, warmup=3)[0]
     graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     torch.cuda.synchronize()

@@ -209,16 +209,13 @@ def launch(q, keys, values, index, scale: float, softcap: float | None) -> torch
     return out
 
 
-if hasattr(torch.ops.surgery, "split_kv_attention"):  # this file executed again (a standalone load)
-    split_kv_attention_op = torch.ops.surgery.split_kv_attention.default
-else:
+@torch.library.custom_op("surgery::split_kv_attention", mutates_args=())
+def split_kv_attention_op(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, index: torch.Tensor, scale: float,
+                          softcap: float | None) -> torch.Tensor:
+    """The kernels as one opaque op (what torch.compile sees: a compiled static step keeps them)."""
+    return launch(q, keys, values, index, scale, softcap)
 
-    @torch.library.custom_op("surgery::split_kv_attention", mutates_args=())
-    def split_kv_attention_op(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, index: torch.Tensor, scale: float,
-                              softcap: float | None) -> torch.Tensor:
-        """The kernels as one opaque op (what torch.compile sees: a compiled static step keeps them)."""
-        return launch(q, keys, values, index, scale, softcap)
 
-    @split_kv_attention_op.register_fake
-    def _(q, keys, values, index, scale, softcap):
-        return q.new_empty(q.shape[0], q.shape[1], 1, values.shape[3])
+@split_kv_attention_op.register_fake
+def _(q, keys, values, index, scale, softcap):
+    return q.new_empty(q.shape[0], q.shape[1], 1, values.shape[3])
