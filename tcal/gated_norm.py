@@ -23,7 +23,7 @@ except Exception:  # a broken install raises more than ImportError
 
 MAX_WIDTH = 1024  # a program holds rows of one head: wider heads keep fla's kernel
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-ACTIVATIONS = {"silu": F.silu, "sigmoid": torch.sigmoid}
+ACTIVATIONS = {"silu": F.silu, "sigmoid": torch.sigmoid}  # "sigmoid": Kimi Linear's gated norm
 
 
 def gated_rms_norm_torch(x, gate, weight, eps: float, activation: str = "silu") -> torch.Tensor:

@@ -17,7 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .delta_inputs import delta_inputs_triton, kernel_takes
-from .gated_norm import gated_rms_norm_triton, kernel_takes as gated_norm_takes
+from .gated_norm import ACTIVATIONS as GATE_ACTIVATIONS, gated_rms_norm_triton, kernel_takes as gated_norm_takes
 from .kernels import fla_available, gated_delta_rule
 from .token_step import gdn_token_step, token_step_fits
 
@@ -47,7 +47,6 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6, backend: str = "torch") -> torch.
     return (xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + eps)).to(x.dtype)
 
 
-GATE_ACTIVATIONS = {"silu": F.silu, "sigmoid": torch.sigmoid}  # "sigmoid": Kimi Linear's gated norm
 
 
 class GatedRMSNorm(nn.Module):
@@ -61,10 +60,10 @@ class GatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor, backend: str = "torch") -> torch.Tensor:
-        if _fused_norms(x, backend) and self.takes_strided_kernel(x, gate):  # the gate read as the strided slice it is
-            return gated_rms_norm_triton(x, gate, self.weight, self.eps, self.activation)
-        if _fused_norms(x, backend):  # fla's FusedRMSNormGated kernel: same float32 math, one pass
-            from fla.modules.norm.fused_norm_gate import rms_norm_gated
+        if _fused_norms(x, backend):
+            if self.takes_strided_kernel(x, gate):  # the gate read as the strided slice it is
+                return gated_rms_norm_triton(x, gate, self.weight, self.eps, self.activation)
+            from fla.modules.norm.fused_norm_gate import rms_norm_gated  # same float32 math, one pass, a backward
 
             return rms_norm_gated(x, gate, self.weight, None, activation="swish" if self.activation == "silu" else self.activation, eps=self.eps)
         xf = x.float()
@@ -73,8 +72,7 @@ class GatedRMSNorm(nn.Module):
 
     def takes_strided_kernel(self, x: torch.Tensor, gate: torch.Tensor) -> bool:
         """tcal.gated_norm's kernel (no copy of the gate, no backward): CUDA tensors it takes, no gradient needed."""
-        needs_grad = torch.is_grad_enabled() and (x.requires_grad or gate.requires_grad or self.weight.requires_grad)
-        return x.is_cuda and not needs_grad and gated_norm_takes(x, gate, self.weight, self.activation)
+        return x.is_cuda and not needs_gradient(self, {"x": x, "gate": gate}) and gated_norm_takes(x, gate, self.weight, self.activation)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}" + ("" if self.activation == "silu" else f", activation={self.activation}")
@@ -422,8 +420,8 @@ def takes_fused_inputs(layer: GatedDeltaNet, p: dict) -> bool:
 
 
 def needs_gradient(layer: nn.Module, p: dict) -> bool:
-    """Whether autograd is on and a projection or any of the layer's parameters (A_log and dt_bias among
-    them, which reach the output only through the decay) asks for a gradient."""
+    """Whether autograd is on and a tensor of p (the projections) or any of the layer's parameters (A_log
+    and dt_bias among them, which reach the output only through the decay) asks for a gradient."""
     return torch.is_grad_enabled() and (any(t.requires_grad for t in p.values()) or any(w.requires_grad for w in layer.parameters()))
 
 
