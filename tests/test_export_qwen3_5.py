@@ -102,6 +102,21 @@ def test_gdn_without_short_conv_exports_with_identity_taps(teacher, tmp_path):
         assert relative_error(model(ids).logits, hybrid(ids)) <= 1e-4
 
 
+def test_a_probe_transformers_cannot_run_is_a_named_error_and_writes_nothing(teacher, tmp_path, monkeypatch):
+    """transformers' linear-attention layers take fla's Triton kernels whenever fla imports, which fails on
+    CPU tensors (Triton without a GPU: "0 active drivers"): the export says so, and --out stays unwritten."""
+    from transformers.models.qwen3_5 import Qwen3_5ForCausalLM
+
+    def no_driver(self, *args, **kwargs):
+        raise RuntimeError("0 active drivers ([]). There should only be one.")
+
+    monkeypatch.setattr(Qwen3_5ForCausalLM, "forward", no_driver)
+    hybrid = randomise_gdns(convert(teacher.branch(), [0, 2], FITTING))
+    with pytest.raises(ExportError, match=r"Qwen3_5ForCausalLM could not run the probe on cpu \(0 active drivers.*export without Triton"):
+        export(hybrid, tmp_path / "out", format="qwen3_5")
+    assert not (tmp_path / "out").exists()
+
+
 def test_default_gdn_form_is_refused_with_the_options_that_fit(teacher, tmp_path):
     with pytest.raises(ExportError, match=r"v has no SiLU.*--set replace.v_activation=silu --set replace.norm_eps=1e-06"):
         export(convert(teacher.branch(), [0], {}), tmp_path / "out", format="qwen3_5")

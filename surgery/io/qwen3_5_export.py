@@ -185,10 +185,19 @@ def check_probe(graph: Graph, folder: Path, model_class=None) -> None:
     if wrong:
         raise ExportError(f"{name} does not load the written weights exactly: {wrong}.", "Please report this hybrid.")
     vocab = model.config.vocab_size
-    ids = torch.randint(0, vocab, (1, 16), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, vocab, (1, 16), generator=torch.Generator().manual_seed(0)).to(graph.device)
+    # on the hybrid's device: transformers' linear-attention layers take fla's Triton kernels whenever fla
+    # imports, which CPU tensors cannot run
+    model = model.to(graph.device)
     with torch.no_grad():
-        expected = graph.logits(ids.to(graph.device)).float().cpu()
-        got = model.eval()(ids).logits.float()
+        expected = graph.logits(ids).float().cpu()
+        try:
+            got = model.eval()(ids).logits.float().cpu()
+        except Exception as exc:
+            raise ExportError(f"transformers' {name} could not run the probe on {graph.device} ({first_line(exc)}).",
+                              "Export where transformers' own model runs on the hybrid's device: with fla and Triton "
+                              "installed it takes their CUDA kernels, so export a hybrid loaded on CUDA "
+                              "(surgery.export(surgery.load(DIR, device='cuda'), OUT, format=...)), or export without Triton.") from exc
     error = ((got - expected).abs().max() / expected.abs().max().clamp_min(1e-12)).item()
     if not error <= PROBE_TOLERANCE.get(graph.dtype, 5e-2):
         raise ExportError(f"{name} on the export differs from the hybrid on a probe (relative error {error:.3g}).",
