@@ -10,7 +10,9 @@
 #          after the last:     bash bench/gpu.sh setup      # checks sha256; GGUFs in /root/m, texts in /root/d
 #          eval "$(bash bench/gpu.sh env [TF_VERSION])"    # PYTHONPATH: Triton, a carried transformers, the wheels
 #          bash bench/gpu.sh start NAME COMMAND...          # detached (setsid): outlives the call; log /root/bg/NAME.log
-#          bash bench/gpu.sh wait NAME SECONDS              # exit 0 once NAME ended (status in /root/bg/NAME.rc), 3 if not
+#          bash bench/gpu.sh wait NAME SECONDS [FILE...]    # exit 0 once NAME ended (status in /root/bg/NAME.rc), 3 if not,
+#                                                           # 4 at once if NAME is not on this machine (it was released);
+#                                                           # copies NAME's log and each FILE to $OUT on every poll
 # setup also copies the checkout to /root/repo and installs it there (-e): later calls re-send the
 # checkout, which must not change what a background run reads; run background jobs from /root/repo.
 set -euo pipefail
@@ -18,7 +20,7 @@ root=${BUNDLE_ROOT:-/root}
 bg=${BG_DIR:-$root/bg}
 data=${DATA:-/work/shared/data}  # pack --data: the corpus and WikiText-2 test
 part_bytes=57000000
-usage="usage: $0 pack [--triton WHEEL] [--tf WHEEL]... [--data] GGUF... | append .gpu/qK | setup | env [TF_VERSION] | start NAME COMMAND... | wait NAME SECONDS"
+usage="usage: $0 pack [--triton WHEEL] [--tf WHEEL]... [--data] GGUF... | append .gpu/qK | setup | env [TF_VERSION] | start NAME COMMAND... | wait NAME SECONDS [FILE...]"
 
 pack() {
   local triton="" texts=0 tfs=() models=()
@@ -102,9 +104,16 @@ case "${1:-}" in
     echo "started $name (pid $!), log $bg/$name.log"
     ;;
   wait)
-    name=$2; limit=$3; start=$SECONDS
+    name=$2; limit=$3; shift 3; start=$SECONDS
+    if [ ! -f "$bg/$name.log" ]; then  # a fresh machine: the one that ran NAME was released (idle past its limit)
+      echo "no job $name on this machine ($bg/$name.log is missing): the machine that ran it was released, and its files with it" >&2
+      exit 4
+    fi
     while [ ! -f "$bg/$name.rc" ] && [ $((SECONDS - start)) -lt "$limit" ]; do sleep 2; done
     tail -c 3000 "$bg/$name.log"
+    if [ -n "${OUT:-}" ]; then  # what the run has written so far comes back with every poll, not only after the last
+      for f in "$bg/$name.log" "$@"; do [ -f "$f" ] && cp "$f" "$OUT/" || true; done
+    fi
     if [ -f "$bg/$name.rc" ]; then echo "$name ended with status $(cat "$bg/$name.rc")"; exit 0; fi
     echo "$name still running after ${limit} s"; exit 3
     ;;

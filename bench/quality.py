@@ -26,6 +26,8 @@ the copy-only baseline of its keep ratio and policy, the through-save row's is i
     python bench/quality.py --smoke --mixers gdn,swa,gla,kda   # the same on the CPU, stories260K
     python bench/quality.py --kernel-check           # CUDA: fla's gla/kda/mamba2 kernels against the PyTorch references, the
                                                      # fusion kernels, tcal.delta_inputs' and tcal.gated_norm's against theirs
+    python bench/quality.py --kernel-check ours      # only the project's own kernels (fusions, GDN inputs, gated norm): under
+                                                     # a minute, where fla's autotuned gla/kda rows took over 4 (2026-12-03)
     python bench/quality.py --decode-agreement gla,kda,mamba2   # a mixer's Decoder self-check: float32, bf16, bf16 drift
     python bench/quality.py --smoke                  # CPU, stories260K, tiny settings
 """
@@ -94,9 +96,10 @@ def arguments(argv=None) -> argparse.Namespace:
                     "on which each converted block's output is compared with the teacher's")
     ap.add_argument("--state-context", type=int, default=65536, help="--mixers: the context (capped at the teacher's "
                     "position limit) at which a Decoder's cache bytes are counted")
-    ap.add_argument("--kernel-check", nargs="?", const="all", default=None, choices=("all", "fusions"),
+    ap.add_argument("--kernel-check", nargs="?", const="all", default=None, choices=("all", "ours", "fusions"),
                     help="only fla's gla/kda kernels against their PyTorch references on CUDA (forward, final state, gradients; "
-                    "float32 and bfloat16), then the fast route's fusion kernels ('fusions': those alone); exits 1 past the tolerance")
+                    "float32 and bfloat16), then the project's own kernels: the fast route's fusions, GDN inputs, gated norm "
+                    "('ours': those alone; 'fusions': the fusions alone); exits 1 past the tolerance")
     ap.add_argument("--agreement", nargs="+", metavar="MODEL", default=None, help="only: each model (a teacher, or a saved "
                     "hybrid's directory) in bf16 on the first --chunk tokens of --eval: eager, compiled and the default route "
                     "against float32 (surgery.decode.precision; issue 29)")
@@ -290,7 +293,13 @@ def kernel_check(rows: Rows) -> bool:
                 rows.add(f"{mixer}: fla against PyTorch", f"{str(dtype).removeprefix('torch.')}, {config}", what, error, "rel err",
                          ("tolerance", tolerance))
                 ok = ok and error <= tolerance
-    return all([fusion_kernels_check(rows), delta_inputs_check(rows), gated_norm_check(rows), ok])
+    return own_kernels_check(rows) and ok
+
+
+def own_kernels_check(rows: Rows) -> bool:
+    """The project's own Triton kernels (no fla autotuning, so quick): the fast route's fusions, the GDN
+    inputs and the gated norm, each against its reference. True when every row is within tolerance."""
+    return all([fusion_kernels_check(rows), delta_inputs_check(rows), gated_norm_check(rows)])
 
 
 def delta_inputs_check(rows: Rows) -> bool:
@@ -542,7 +551,8 @@ def main(argv=None) -> Rows:
     if args.kernel_check:
         if device.type != "cuda":
             raise SystemExit("--kernel-check compares fla's CUDA kernels: run it where CUDA is (not with --smoke or --device cpu)")
-        if not (fusion_kernels_check(rows) if args.kernel_check == "fusions" else kernel_check(rows)):
+        checks = {"all": kernel_check, "ours": own_kernels_check, "fusions": fusion_kernels_check}[args.kernel_check]
+        if not checks(rows):
             raise SystemExit("a kernel is past its tolerance (the rows with a ratio below 1.00x)")
         return rows
     if args.agreement:

@@ -5,6 +5,7 @@ the CPU and print rows in the one format (bench/harness.py)."""
 from __future__ import annotations
 
 import json
+import os
 import runpy
 import subprocess
 import sys
@@ -43,6 +44,28 @@ def test_help(script, monkeypatch, capsys):
 def test_gpu_script_usage():
     done = subprocess.run(["bash", str(ROOT / "bench/gpu.sh")], capture_output=True, text=True)
     assert done.returncode == 2 and "pack" in done.stderr and "wait NAME SECONDS" in done.stderr
+
+
+def test_gpu_wait_refuses_a_job_this_machine_never_ran(tmp_path):
+    """A poll on a fresh machine (the one that ran the job was released) says so at once instead of
+    sleeping out its whole limit, which cost a session 575 s of device time."""
+    env = {**os.environ, "BG_DIR": str(tmp_path)}
+    done = subprocess.run(["bash", str(ROOT / "bench/gpu.sh"), "wait", "rec", "60"], capture_output=True, text=True,
+                          env=env, timeout=30)
+    assert done.returncode == 4 and "released" in done.stderr
+
+
+def test_gpu_wait_brings_back_what_the_run_wrote(tmp_path):
+    env = {**os.environ, "BG_DIR": str(tmp_path / "bg"), "OUT": str(tmp_path / "out")}
+    (tmp_path / "out").mkdir()
+    script = str(ROOT / "bench/gpu.sh")
+    records = tmp_path / "records.jsonl"
+    subprocess.run(["bash", script, "start", "rec", "bash", "-c", f"echo '{{}}' > {records}"], env=env, check=True,
+                   capture_output=True)
+    done = subprocess.run(["bash", script, "wait", "rec", "20", str(records), str(tmp_path / "absent")],
+                          capture_output=True, text=True, env=env, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["rec.log", "records.jsonl"]
 
 
 def check_rows(rows, path: Path) -> None:
