@@ -30,7 +30,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from bench.recovery import kl_config, median_rate, read_curve, selection
-from bench.recovery_points import describe, retrieval_tables, target_rows, targets_table
+from bench.recovery_points import crossing, describe, retrieval_tables, target_rows, targets_table
 from surgery import PassManager, capture, load, save
 from surgery.core.pipeline import parse_options
 from surgery.train import DistillConfig, distill
@@ -143,6 +143,7 @@ class Crossings:
     def __init__(self, args, run_out: Path, records: Records, crossed: dict, init_rows: list[dict]):
         self.args, self.run_out, self.records, self.crossed, self.init_rows = args, run_out, records, crossed, init_rows
         self.student, self.teacher_ppl, self.snapshot_s = None, None, []
+        self.curve: list[tuple[int, float]] = []  # (tokens, eval perplexity), each also logged: the log alone holds the curve
 
     def open(self, student) -> None:
         self.student = student
@@ -158,6 +159,11 @@ class Crossings:
                 if m not in self.crossed and first["eval_ppl"] <= self.teacher_ppl * m:  # the init row is that point
                     self.crossed[m] = 0
                     add_all(self.records, self.init_rows, point=f"{m}x", same_as="init")
+            self.curve.append((0, first["eval_ppl"]))
+            log(f"eval at 0 tokens: perplexity {first['eval_ppl']:.3f} (teacher {self.teacher_ppl:.3f})")
+        if record["tokens"] > 0:
+            self.curve.append((record["tokens"], ppl))
+            log(f"eval at {record['tokens']:,} tokens: perplexity {ppl:.3f} ({ppl / self.teacher_ppl:.3f}x the teacher)")
         for m in SNAPSHOT_POINTS:
             if m not in self.crossed and ppl <= self.teacher_ppl * m:
                 self.crossed[m] = record["tokens"]
@@ -173,7 +179,8 @@ class Crossings:
         save_file({k: v.detach().to("cpu", copy=True).contiguous() for k, v in self.student.gm.state_dict().items()},
                   str(snapshot_path(self.run_out, m)), metadata={"tokens": str(tokens)})
         self.snapshot_s.append(time.perf_counter() - t)
-        log(f"crossed {m}x at {tokens:,} tokens: weights saved in {self.snapshot_s[-1]:.2f} s")
+        at = crossing(self.curve, self.teacher_ppl * m)
+        log(f"crossed {m}x at {tokens:,} tokens ({at / 1e6:.2f}M interpolated): weights saved in {self.snapshot_s[-1]:.2f} s")
 
 
 def snapshot_path(run_out: Path, m: float) -> Path:

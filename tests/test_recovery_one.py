@@ -4,15 +4,18 @@ checked against an independent interpolation), --resume only where the checkpoin
 machine (else one "start over" line, exit 2), and the recipe study (--recipes)."""
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import runpy
 import socket
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -207,3 +210,28 @@ def test_the_second_init_converts_the_layers_the_first_run_recorded():
     assert earlier_selection(argparse.Namespace(select_policy="ar", model="/m/other.gguf"), records) is None
     assert earlier_selection(argparse.Namespace(select_policy="uniform", model="/m/t.gguf"), records) is None
     assert earlier_selection(ar, records[:1]) is None
+
+
+def test_the_log_alone_holds_the_curve_and_each_crossing(tmp_path, capsys):
+    """A run whose records are lost with its machine (2026-12-03) still has its curve and interpolated
+    crossings in the log that each poll brings back."""
+    from bench.recovery_one import Crossings, Records
+
+    run_out = tmp_path / "distill-tcal"
+    run_out.mkdir()
+    (run_out / "log.jsonl").write_text(json.dumps({"step": 0, "tokens": 0, "eval_ppl": 40.0, "teacher_ppl": 20.0}) + "\n")
+    args = argparse.Namespace(passkey_at="end", stop_multiple=1.2, init="tcal")
+    hook = Crossings(args, run_out, Records(tmp_path / "r.jsonl"), {}, [])
+    hook.open(SimpleNamespace(gm=torch.nn.Linear(2, 2)))
+    curve = [(0, 40.0), (2_000_000, 35.0), (4_000_000, 28.0), (6_000_000, 25.0)]
+    for tokens, ppl in curve:
+        hook.step({"tokens": tokens, "eval_ppl": ppl})
+    lines = capsys.readouterr().out.splitlines()
+    assert [line for line in lines if line.startswith("eval at")] == [
+        "eval at 0 tokens: perplexity 40.000 (teacher 20.000)",
+        "eval at 2,000,000 tokens: perplexity 35.000 (1.750x the teacher)",
+        "eval at 4,000,000 tokens: perplexity 28.000 (1.400x the teacher)",
+        "eval at 6,000,000 tokens: perplexity 25.000 (1.250x the teacher)"]
+    for m, tokens in ((1.5, 4_000_000), (1.3, 6_000_000)):
+        at = reference_tokens(curve, 20.0 * m)
+        assert f"crossed {m}x at {tokens:,} tokens ({at / 1e6:.2f}M interpolated)" in "\n".join(lines), lines
