@@ -24,6 +24,8 @@ the copy-only baseline of its keep ratio and policy, the through-save row's is i
     python bench/quality.py --model /root/m/smol.gguf --calibration D/austen.txt.xz D/shakespeare.txt.xz D/kjv.txt.xz \
         --eval D/wiki.test.raw --mixers gdn,swa,gla,kda --cli-apply --json mixers.jsonl
     python bench/quality.py --smoke --mixers gdn,swa,gla,kda   # the same on the CPU, stories260K
+    # --retrieval passkey,multikey,vartrack adds each graph's long-range rows beside its perplexity (a 96-token
+    # copy-only swa beats calibrated gdn on 2k-window perplexity at equal state: RESULTS, 2026-12-03)
     python bench/quality.py --kernel-check           # CUDA: fla's gla/kda/mamba2 kernels against the PyTorch references, the
                                                      # fusion kernels, tcal.delta_inputs' and tcal.gated_norm's against theirs
     python bench/quality.py --kernel-check ours      # only the project's own kernels (fusions, GDN inputs, gated norm): under
@@ -34,6 +36,7 @@ the copy-only baseline of its keep ratio and policy, the through-save row's is i
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
 import tempfile
@@ -45,6 +48,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from bench.harness import SAMPLE, STORIES, Rows, check_names, common_args, parse, placement, surgery_cli, timed_s  # noqa: E402
+from bench.recovery_one import ANSWER_ROOM  # noqa: E402
+from bench.recovery_points import RETRIEVAL  # noqa: E402
 from surgery import Decoder, PassManager, capture, load, save  # noqa: E402
 from surgery.core.pipeline import parse_options  # noqa: E402
 from surgery.core.run import interpret, placeholder_values  # noqa: E402
@@ -96,6 +101,12 @@ def arguments(argv=None) -> argparse.Namespace:
                     "on which each converted block's output is compared with the teacher's")
     ap.add_argument("--state-context", type=int, default=65536, help="--mixers: the context (capped at the teacher's "
                     "position limit) at which a Decoder's cache bytes are counted")
+    ap.add_argument("--retrieval", default=None, metavar="TASKS", help="also each graph's long-range retrieval, comma-separated "
+                    "of passkey, multikey, vartrack (surgery.eval), at --retrieval-lengths with --retrieval-trials per length "
+                    "(5 depths), the filler from --calibration: a row per task and length, anchored to the teacher's")
+    ap.add_argument("--retrieval-lengths", default="1024,2048,4096", help="--retrieval: prompt lengths, each clipped to what "
+                    "the teacher holds with its answer")
+    ap.add_argument("--retrieval-trials", type=int, default=10, help="--retrieval: trials per length (a multiple of 5)")
     ap.add_argument("--kernel-check", nargs="?", const="all", default=None, choices=("all", "ours", "fusions"),
                     help="only fla's gla/kda kernels against their PyTorch references on CUDA (forward, final state, gradients; "
                     "float32 and bfloat16), then the project's own kernels: the fast route's fusions, GDN inputs, gated norm "
@@ -122,6 +133,8 @@ def arguments(argv=None) -> argparse.Namespace:
     check_names(ap, args.rows, ROWS, "row(s)")
     if args.mixers:
         check_names(ap, args.mixers, MIXERS, "mixer(s)")
+    if args.retrieval:
+        check_names(ap, args.retrieval, RETRIEVAL, "retrieval task(s)")
     if args.held_out and os.path.abspath(args.held_out) in {os.path.abspath(p) for p in args.calibration or []}:
         ap.error("--held-out must not be one of the --calibration files")
     if args.held_out and Path(args.held_out).name == Path(args.eval).name:
@@ -146,6 +159,7 @@ class Scorer:
     def __init__(self, args, texts: dict[str, str], dtype: torch.dtype, work: Path, rows: Rows):
         self.args, self.texts, self.work, self.rows = args, texts, work, rows
         self.dtype = str(dtype).removeprefix("torch.")
+        self.teacher_retrieval: dict[tuple[str, str], float] = {}
 
     def cli_eval(self, model: str, text: str) -> dict:
         a = self.args
@@ -163,6 +177,24 @@ class Scorer:
             anchor = anchors.get(label)
             self.rows.add(name, config, f"{label} ppl, in memory", got[label], "ppl", anchor, tokens=result["tokens"], **extra)
         return got
+
+    def retrieval(self, graph, name: str, config: str) -> None:
+        """--retrieval: each task's accuracy per length as a row, anchored to the teacher's (scored first:
+        its figures are the anchors; a length the teacher never answers has none)."""
+        a = self.args
+        lengths = sorted({min(int(x), graph.max_length - ANSWER_ROOM) for x in a.retrieval_lengths.split(",")})
+        for task in a.retrieval.split(","):
+            run = getattr(importlib.import_module(f"surgery.eval.{task}"), task)
+            with torch.no_grad():
+                result = run(graph, a.calibration, lengths, 5, max(a.retrieval_trials // 5, 1), 0, batch_size=4)
+            for length, accuracy in result["by_length"].items():
+                key = (task, length)
+                if name == "teacher":
+                    self.teacher_retrieval[key] = accuracy
+                teacher = self.teacher_retrieval.get(key)
+                anchor = ("teacher", 100 * teacher) if name != "teacher" and teacher else None
+                self.rows.add(name, config, f"{task} at {length}", 100 * accuracy, "% correct", anchor,
+                              trials=result["trials"] // len(lengths))
 
     def through_cli(self, model: str, name: str, config: str, memory: dict, path: str) -> None:
         for label, text in self.texts.items():
@@ -502,6 +534,8 @@ def table(args, teacher, scorer: Scorer, probe: BlockProbe | None, key: tuple) -
         anchors = {label: ("baseline", value) for label, value in baseline.items()}
         got = scorer.in_memory(graph, row, config, anchors, **extra)
         error = probe.measure(graph, row, config, baseline_error) if probe else None
+        if args.retrieval:
+            scorer.retrieval(graph, row, config)
         if row == "baseline":
             baseline, baseline_error = got, error
         full = got if row == "phase1+2" else full
@@ -573,6 +607,8 @@ def main(argv=None) -> Rows:
         rows.note(f"captured {args.model} in {time.perf_counter() - start:.1f} s: {teacher.num_layers} attention layers")
         memory = scorer.in_memory(teacher, "teacher", "-", {})
         scorer.through_cli(args.model, "teacher", "-", memory, "surgery eval")
+        if args.retrieval:
+            scorer.retrieval(teacher, "teacher", "-")
         probe = BlockProbe(args, teacher, list(texts.values())[-1], rows) if args.mixers else None
         full = ablation(args, teacher, scorer, probe)
         if args.cli_apply:

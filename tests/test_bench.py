@@ -194,6 +194,35 @@ def test_quality_mixers_smoke(tmp_path, monkeypatch):
     assert gdn["ratio"] > 1.5  # Taylor-Calibrate cuts the converted blocks' error well below copy-only's
 
 
+def test_quality_retrieval_rows_anchor_to_the_teacher(tmp_path, monkeypatch):
+    """--retrieval: a row per task and length (each clipped to what the model holds), in percent, anchored
+    to the teacher's accuracy where it has one. The task is replaced by one whose answers are known (the
+    tiny teacher answers none), so the rows can be checked against them."""
+    import surgery.eval.passkey as passkey_module
+
+    calls = []
+
+    def fake_passkey(graph, filler_files, lengths, depths, trials_per_depth, seed, batch_size=8):
+        calls.append((list(lengths), depths, trials_per_depth))
+        by_length = {"300": 0.6, "496": 0.0} if len(calls) == 1 else {"300": 0.3, "496": 0.2}
+        return {"by_length": by_length, "trials": depths * trials_per_depth * len(lengths)}
+
+    monkeypatch.setattr(passkey_module, "passkey", fake_passkey)
+    rows = quality.main(["--smoke", "--mixers", "swa", "--rows", "baseline", "--retrieval", "passkey",
+                         "--retrieval-lengths", "300,1000", "--retrieval-trials", "10", "--json", str(tmp_path / "r.jsonl")])
+    assert calls == [([300, 496], 5, 2)] * 2  # the teacher first, then the row; 1000 clipped to 512 - 16
+    by = {(r["name"], r["metric"]): r for r in rows.rows if r["unit"] == "% correct"}
+    assert by[("teacher", "passkey at 300")]["value"] == pytest.approx(60) and by[("teacher", "passkey at 300")]["anchor"] is None
+    row = by[("baseline", "passkey at 300")]
+    assert row["value"] == pytest.approx(30) and row["anchor"] == "teacher" and row["ratio"] == pytest.approx(0.5)
+    assert by[("baseline", "passkey at 496")]["anchor"] is None and by[("baseline", "passkey at 496")]["trials"] == 10
+
+
+def test_quality_retrieval_refuses_an_unknown_task():
+    with pytest.raises(SystemExit):
+        quality.arguments(["--smoke", "--retrieval", "needle"])
+
+
 def test_quality_kernel_check_needs_cuda():
     with pytest.raises(SystemExit, match="--kernel-check compares fla's CUDA kernels"):
         quality.main(["--kernel-check", "--device", "cpu"])
