@@ -208,6 +208,7 @@ def test_quality_retrieval_rows_anchor_to_the_teacher(tmp_path, monkeypatch):
         return {"by_length": by_length, "trials": depths * trials_per_depth * len(lengths)}
 
     monkeypatch.setattr(passkey_module, "passkey", fake_passkey)
+    monkeypatch.setattr(quality, "surgery_cli", in_process_cli)
     rows = quality.main(["--smoke", "--mixers", "swa", "--rows", "baseline", "--retrieval", "passkey",
                          "--retrieval-lengths", "300,1000", "--retrieval-trials", "10", "--json", str(tmp_path / "r.jsonl")])
     assert calls == [([300, 496], 5, 2)] * 2  # the teacher first, then the row; 1000 clipped to 512 - 16
