@@ -36,7 +36,6 @@ the copy-only baseline of its keep ratio and policy, the through-save row's is i
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
 import sys
 import tempfile
@@ -48,12 +47,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from bench.harness import SAMPLE, STORIES, Rows, check_names, common_args, parse, placement, surgery_cli, timed_s  # noqa: E402
-from bench.recovery_one import ANSWER_ROOM  # noqa: E402
-from bench.recovery_points import RETRIEVAL  # noqa: E402
+from bench.recovery_one import passkey_lengths  # noqa: E402
 from surgery import Decoder, PassManager, capture, load, save  # noqa: E402
 from surgery.core.pipeline import parse_options  # noqa: E402
 from surgery.core.run import interpret, placeholder_values  # noqa: E402
 from surgery.data.cache import text_ids  # noqa: E402
+from surgery.eval.retrieval import TASKS as RETRIEVAL, retrieval_task  # noqa: E402
 from surgery.eval.perplexity import perplexity  # noqa: E402
 from surgery.passes.kv_budget import kv_report  # noqa: E402
 from surgery.passes.select import Select  # noqa: E402
@@ -182,9 +181,9 @@ class Scorer:
         """--retrieval: each task's accuracy per length as a row, anchored to the teacher's (scored first:
         its figures are the anchors; a length the teacher never answers has none)."""
         a = self.args
-        lengths = sorted({min(int(x), graph.max_length - ANSWER_ROOM) for x in a.retrieval_lengths.split(",")})
+        lengths = passkey_lengths(graph, [int(x) for x in a.retrieval_lengths.split(",")])
         for task in a.retrieval.split(","):
-            run = getattr(importlib.import_module(f"surgery.eval.{task}"), task)
+            run = retrieval_task(task)
             with torch.no_grad():
                 result = run(graph, a.calibration, lengths, 5, max(a.retrieval_trials // 5, 1), 0, batch_size=4)
             for length, accuracy in result["by_length"].items():

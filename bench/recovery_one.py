@@ -18,7 +18,6 @@ the run directory and a complete checkpoint in it. Otherwise one line, "start ov
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import socket
 import sys
@@ -33,6 +32,7 @@ from bench.recovery import kl_config, median_rate, read_curve, selection
 from bench.recovery_points import crossing, describe, retrieval_tables, target_rows, targets_table
 from surgery import PassManager, capture, load, save
 from surgery.core.pipeline import parse_options
+from surgery.eval.retrieval import retrieval_task
 from surgery.train import DistillConfig, distill
 from surgery.train.run_dir import RunDir
 
@@ -96,7 +96,7 @@ def retrieval_rows(graph, args, model: str, point: str, tokens: int | None) -> l
     lengths = passkey_lengths(graph, args.lengths)
     depths, rows = 5, []
     for task in args.retrieval:
-        run = getattr(importlib.import_module(f"surgery.eval.{task}"), task)
+        run = retrieval_task(task)
         t = time.perf_counter()
         with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16, enabled=torch.cuda.is_available()):
             result = run(graph, args.calibration or args.data, lengths, depths, max(args.passkey_trials // depths, 1), args.seed, batch_size=4)

@@ -10,6 +10,7 @@ import typer
 from rich.table import Table
 
 from surgery.errors import SurgeryError
+from surgery.eval.retrieval import TASKS as RETRIEVAL, retrieval_task
 from surgery.io import open_model
 
 from surgery.core import progress
@@ -237,7 +238,6 @@ def apply(
             emit_json({"model": model, "out": str(out_dir), "passes": results.info, "layer_kinds": graph.layer_kinds})
 
 
-RETRIEVAL = ("passkey", "multikey", "vartrack")  # surgery.eval.<task>.<task>(graph, text, lengths, depths, trials, seed, batch_size=)
 EVAL_COUNTS = {"chunk": (2, 2048), "batch_size": (1, 1), "depths": (1, 5), "trials": (1, 2)}  # (least, example)
 
 
@@ -299,10 +299,7 @@ def evaluate(model: str = ModelOpt,
         check_device_fits(paths[0], dev, dt)
         graph = open_runnable(model, device=dev, dtype=dt, debug=debug, compile=compile)  # an export: verified, run by its own code
         if task in RETRIEVAL:
-            import importlib
-
-            retrieval = getattr(importlib.import_module(f"surgery.eval.{task}"), task)
-            result = retrieval(graph, text, length_list, depths, trials, seed, batch_size=batch_size) | {"model": model}
+            result = retrieval_task(task)(graph, text, length_list, depths, trials, seed, batch_size=batch_size) | {"model": model}
             return emit_json(result) if as_json else render_passkey(result)
         ids = text_ids(text[0], graph.tokenizer)  # the WikiText-2 protocol: the whole file in one call, cached
         result = perplexity(graph, ids, chunk=chunk, batch_size=batch_size, compile=compile)  # progress: surgery.core.progress, on stderr

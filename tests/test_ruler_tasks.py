@@ -130,3 +130,17 @@ def test_cli_task(stories_path, task):
     assert report["task"] == task and report["trials"] == 2 and 0.0 <= report["accuracy"] <= 1.0
     bad = CliRunner().invoke(app, ["eval", "--model", str(stories_path), "--task", task, "--lengths", "0"])
     assert bad.exit_code != 0 and "--lengths" in bad.output
+
+
+def test_retrieval_tasks_by_name():
+    """One registry for `surgery eval --task` and the benches: each name is its module's function; any
+    other name is a named error."""
+    import pytest
+
+    from surgery.errors import SurgeryError
+    from surgery.eval import multikey, passkey, vartrack
+    from surgery.eval.retrieval import TASKS, retrieval_task
+
+    assert [retrieval_task(name) for name in TASKS] == [passkey.passkey, multikey.multikey, vartrack.vartrack]
+    with pytest.raises(SurgeryError, match="Unknown retrieval task 'needle'"):
+        retrieval_task("needle")
