@@ -62,7 +62,7 @@ def hybrid(mixer: str, device, dtype, keep_ratio: float):
 
 
 def self_check(graph, ids: torch.Tensor, first: int, seed: int | None = None) -> tuple[bool, str, float]:
-    """(passed, the self-check's measure, the worst position's relative logit error) of Decoder._self_check's
+    """(passed, the self-check's measure, the worst position's relative logit error) of the Decoder self-check's (surgery.decode.self_check)
     probe on these ids, returned instead of raised; with `seed`, the incremental pass under StochasticMatmuls."""
     decoder = Decoder(graph, verify=False)
     decoder.reset(1, ids.shape[1])

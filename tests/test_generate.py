@@ -168,6 +168,28 @@ def test_self_check_in_bf16_accepts_rounding_and_refuses_wrong_positions(stories
         Decoder(graph)
 
 
+def test_self_check_past_the_bf16_tolerance_asks_float32(stories_path, monkeypatch):
+    """A bf16 disagreement past the tolerance is rechecked on a float32 copy: a correct decoder (rounding
+    only; here every bf16 difference counts as too large) decodes with one warning and the bf16 logits,
+    while one that keeps positions at 0 is refused with both figures."""
+    from surgery import PassManager, capture
+    from surgery.decode import agreement
+    from surgery.decode import runtime as decode
+
+    graph = capture(stories_path, dtype=torch.bfloat16)
+    PassManager(["select", "replace"], {"select": {"keep_ratio": 0.5}})(graph)
+    monkeypatch.setattr(agreement, "LOW_PRECISION_REL_ERROR", -1.0)
+    with pytest.warns(UserWarning, match="float32 copy of the weights agrees") as caught:
+        decoder = Decoder(graph)
+    assert len([w for w in caught if "float32 copy" in str(w.message)]) == 1
+    prompt = prompt_of(6, 512, seed=3)
+    tokens, logits = incremental_greedy(decoder, prompt, 4)
+    assert logits.dtype == torch.bfloat16 and len(tokens) == 4
+    monkeypatch.setattr(decode, "rewrite_positions", lambda *args: Regimes())
+    with pytest.raises(DecodeError, match=r"relative logit error .* float32 copy disagrees too \(max logit difference"):
+        Decoder(graph)
+
+
 def test_position_limit(tiny):
     graph = tiny("llama").graph
     decoder = Decoder(graph)

@@ -65,15 +65,23 @@ def references(graph, ids: torch.Tensor, first: int) -> torch.Tensor:
     return torch.cat(calls, dim=1)
 
 
-def check_probe(got: torch.Tensor, full: torch.Tensor) -> None:
-    """A self-check probe's incremental logits against full recomputation's: DecodeError if they disagree."""
-    ok, diff = agrees(got, full)
-    if not ok:
-        raise DecodeError(
-            f"Incremental decoding disagrees with full recomputation on a {full.shape[1]}-token probe ({diff}): "
+class ProbeDisagreement(DecodeError):
+    """The self-check's refusal; `measured` says by how much (surgery.decode.self_check reads it)."""
+
+    def __init__(self, tokens: int, measured: str):
+        self.measured = measured
+        super().__init__(
+            f"Incremental decoding disagrees with full recomputation on a {tokens}-token probe ({measured}): "
             "the graph computes something from the sequence that the decoder does not carry over (positions in an unusual form?).",
             FIX_FULL,
         )
+
+
+def check_probe(got: torch.Tensor, full: torch.Tensor) -> None:
+    """A self-check probe's incremental logits against full recomputation's: ProbeDisagreement if they disagree."""
+    ok, diff = agrees(got, full)
+    if not ok:
+        raise ProbeDisagreement(full.shape[1], diff)
 
 
 

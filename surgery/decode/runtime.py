@@ -15,6 +15,7 @@ A self-check against full recomputation on a short probe guards what the plan ca
 answer is refused, never returned."""
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import torch
@@ -23,7 +24,6 @@ from ..core.compiled import FUSED_BY_DEFAULT, CompiledGraph, resolve_compile
 from ..core.rewrite import fork, prune, set_submodule, splice_module
 from ..core.run import graph_logits
 from ..errors import DecodeError
-from .agreement import check_probe, probes, references
 from .caches import DecodeState, KVCacheAttention
 from .fused_linears import fuse_sibling_linears
 from .fusions import fuse_elementwise
@@ -35,6 +35,7 @@ from .plan import DecodePlan, plan_decode
 from .positions import rewrite_positions
 from .prefill import Prefill
 from .regimes import History
+from .self_check import self_check
 from .static_step import StaticStep
 
 STEP_MODES = ("auto", "dynamic", "static", "cuda-graph")
@@ -97,7 +98,8 @@ class Decoder:
 
     Parameters are shared with graph.gm (only fuse_projections copies some), so a Decoder is cheap next to the
     model; graph.gm itself stays stateless. verify=True compares prefill + steps with full
-    recomputation on a short probe at construction and refuses the graph if they disagree.
+    recomputation on a short probe at construction and refuses the graph if they disagree (in bf16/fp16,
+    if a float32 copy disagrees too; else it warns and decodes: surgery.decode.self_check).
 
     step_mode: how `step` runs once reset was given a capacity. "dynamic": the graph on exactly the
     tokens cached so far (shapes grow each step). "static": fixed shapes (KV buffers at capacity with
@@ -133,7 +135,8 @@ class Decoder:
         self._static = StaticStep(self, cuda_graph=self.step_mode == "cuda-graph", runner=runner)
         self.reset()
         if verify:
-            self._self_check(plan.vocab)
+            self_check(self, plan.vocab, lambda twin: Decoder(twin, mask_probe=mask_probe, step_mode=self.step_mode, compile=False,
+                                                             fuse_projections=fuse_projections, fuse_elementwise=fuse_elementwise))
 
     @property
     def offset(self) -> int:
@@ -225,17 +228,13 @@ class Decoder:
             return {i: att.get(i, 0) + gdn.get(i, 0) for i in sorted(att.keys() | gdn.keys())}
         return {"attention": sum(att.values()), "gdn": sum(gdn.values()), "total": sum(att.values()) + sum(gdn.values())}
 
-    def _self_check(self, vocab: int) -> None:
-        """Prefill + steps against full recomputation on short random probes (agreement.probes)."""
-        # eager: compiling for the probe's shapes would not serve later ones (the prefill graph's taps are checked, not compiled)
+    @contextlib.contextmanager
+    def eagerly(self):
+        """Prefills and steps run eagerly inside (the self-check's probes: compiling for their shapes would not
+        serve later ones); reset on the way out."""
         runner, self._static.runner, self.fast_prefill.eager_only = self._static.runner, None, True
         try:
-            for n, first in probes(self.max_length, self.regimes.switches):
-                ids = torch.randint(0, vocab, (1, n), generator=torch.Generator().manual_seed(0)).to(self.graph.device)
-                self.reset(1, n)
-                got = [self.prefill(ids[:, :first])] + [self.step(ids[:, t:t + 1]) for t in range(first, n)]
-                self.reset()
-                check_probe(torch.cat(got, dim=1), references(self.graph, ids, first))
+            yield self
         finally:
             self._static.runner, self.fast_prefill.eager_only = runner, False
             self.reset()
