@@ -144,9 +144,12 @@ class Crossings:
         self.args, self.run_out, self.records, self.crossed, self.init_rows = args, run_out, records, crossed, init_rows
         self.student, self.teacher_ppl, self.snapshot_s = None, None, []
         self.curve: list[tuple[int, float]] = []  # (tokens, eval perplexity), each also logged: the log alone holds the curve
+        self.config, self.time_left = None, None  # with --deadline-s: the run's config and the seconds of training left now
 
     def open(self, student) -> None:
         self.student = student
+        if self.time_left is not None:  # opening the run (hashing and tokenising the data, loading the init) is not training time
+            self.config.time_limit = max(1.0, self.time_left())
 
     def step(self, record: dict) -> None:
         ppl = record.get("eval_ppl")
@@ -280,6 +283,8 @@ def run_one(args, began: float) -> None:
     init_rows = [{k: v for k, v in r.items() if k not in ("run_id", "host", "written")} for r in earlier
                  if r.get("run_id") == marker["run_id"] and r.get("point") == "init"]  # none on a resume with another --records
     hook = Crossings(args, run_out, records, crossed, init_rows)
+    if args.deadline_s:
+        hook.config, hook.time_left = config, lambda: args.deadline_s - (time.time() - began) - reserve_seconds(args, earlier)
     stopped = "budget"
     log(f"distilling {args.init} for up to {config.tokens:,} tokens" + (f", {left:.0f} s of training" if args.deadline_s else ""))
     try:

@@ -150,6 +150,30 @@ def test_a_deadline_already_past_fails_before_any_model_loads(monkeypatch, capsy
     assert code == 1 and text.strip().startswith("--deadline-s 30 is already past") and not (tmp_path / "recovery.jsonl").exists()
 
 
+def test_the_deadline_takes_off_what_opening_the_run_took(monkeypatch, capsys, tmp_path):
+    """--deadline-s counts from the process's start: the training time is set again when the run has opened
+    (data, models), so a slow open shortens training instead of running past the deadline."""
+    import time
+
+    from bench import recovery_one
+
+    limits, real = {}, recovery_one.distill
+
+    def slow_open(model, data, out, config, *, on_open, **kwargs):
+        limits["asked"] = config.time_limit
+        time.sleep(1.0)  # an open that takes a second
+
+        def opened(student):
+            on_open(student)
+            limits["opened"] = config.time_limit
+        return real(model, data, out, config, on_open=opened, **kwargs)
+
+    monkeypatch.setattr(recovery_one, "distill", slow_open)
+    code, _ = bench(monkeypatch, capsys, *init_args(tmp_path, "baseline", "--deadline-s", 3600, "--reserve-s", 0, "--passkey-lengths", "300",
+                                                    "--passkey-trials", 1))
+    assert code == 0 and limits["asked"] - 60 < limits["opened"] <= limits["asked"] - 1.0
+
+
 def test_recipes_run_both_inits_at_equal_tokens(both, monkeypatch, capsys, tmp_path):
     out, _ = both
     recipes = tmp_path / "recipes.json"
