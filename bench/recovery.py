@@ -451,6 +451,7 @@ def one_init_options(ap) -> None:
     ap.add_argument("--reserve-s", type=float, default=None,
                     help="with --init: seconds kept after training for the passkey rows (default: 3 x the init's passkey time + 30)")
     ap.add_argument("--table", default=None, metavar="RESULTS.jsonl", help="print the tables of a records file and exit")
+    ap.add_argument("--plot", default=None, metavar="CURVES.png", help="with --table: also draw each init's eval curve from the records (needs matplotlib)")
     ap.add_argument("--recipes", default=None, metavar="FILE.json",
                     help="recipe study: a JSON list of DistillConfig field dicts (a 'name' each), each run for --tokens on both inits")
 
@@ -466,6 +467,11 @@ def one_init_modes(args, ap) -> None:
         for line in [*recovery_points.targets_table(records), "", *recovery_points.retrieval_tables(records),
                      *recovery_points.recipe_table(records)]:
             print(line)
+        runs = recovery_points.latest_runs(records)
+        if args.plot and runs:
+            first = next(iter(runs.values()))
+            plot({init: run["curve"] for init, run in runs.items()}, first["teacher_ppl"], Path(args.plot),
+                 f"{Path(first['teacher']).stem}: {' vs '.join(runs)}")
         return
     missing = [f"--{k}" for k in ("model", "data", "eval", "out", "tokens") if getattr(args, k) is None]
     if missing:

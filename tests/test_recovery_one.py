@@ -105,8 +105,10 @@ def test_one_init_per_call_appends_and_the_table_compares(both, monkeypatch, cap
     crossed = {(r["init"], r["point"]) for r in records if r["kind"] == "crossing"}
     assert crossed and crossed <= set(pk)  # each crossing (Taylor-Calibrate's, here) has its passkey row
     assert not list(out.glob("*snapshot*"))  # the weights saved at a crossing go once scored
-    code, text = bench(monkeypatch, capsys, "--table", out / "recovery.jsonl")
+    code, text = bench(monkeypatch, capsys, "--table", out / "recovery.jsonl", "--plot", out / "curves.png")
     assert code == 0
+    drawn = out / "curves.png"  # matplotlib is not a dependency: without it, one line says so
+    assert (drawn.exists() and drawn.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n") or "matplotlib is not installed: no curves.png" in text
     assert "\n".join(points.targets_table(records)) in text and "| passkey: model | point | tokens | 300 | 400 |" in text and "| multikey: model | point | tokens | 300 | 400 |" in text
     teacher = runs["tcal"]["teacher_ppl"]
     for m in points.MULTIPLES:
