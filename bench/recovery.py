@@ -446,6 +446,8 @@ def one_init_options(ap) -> None:
     ap.add_argument("--passkey-trials", type=int, default=20, help="with --init: passkey trials per length (5 depths)")
     ap.add_argument("--retrieval", default="passkey",
                     help="with --init: retrieval tasks scored at each point, comma-separated: passkey, multikey, vartrack")
+    ap.add_argument("--recipe-retrieval", action="store_true", help="with --recipes: each run's --retrieval tasks at its end "
+                    "(--passkey-lengths, --passkey-trials), a column of the recipe table")
     ap.add_argument("--passkey-at", choices=("end", "crossing"), default="end",
                     help="with --init: score the 1.5x / 1.3x crossings after training from weights saved to disk, or at once")
     ap.add_argument("--reserve-s", type=float, default=None,

@@ -137,19 +137,34 @@ def retrieval_tables(records: list[dict]) -> list[str]:
     return [line for table in tables if table for line in (*table, "")]
 
 
+def recipe_point(name: str) -> str:
+    """The `point` of a recipe run's retrieval rows (--recipe-retrieval): one per recipe in the tables."""
+    return f"recipe: {name}"
+
+
+def end_retrieval(records: list[dict], name: str, init: str) -> str:
+    """'x% passkey, y% multikey': each task's hits at a recipe run's end, averaged over the lengths."""
+    rows = {r["kind"]: r for r in records if r.get("kind") in RETRIEVAL and r.get("point") == recipe_point(name) and r.get("model") == init}
+    return ", ".join(f"{100 * sum(r['by_length'].values()) / len(r['by_length']):.0f}% {kind}" for kind, r in rows.items())
+
+
 def recipe_table(records: list[dict]) -> list[str]:
     """Markdown: per recipe, the ratio at the lowest target of LADDER both inits reached, and the
-    final perplexity of each (the records of the latest study per recipe name)."""
+    final perplexity of each (the records of the latest study per recipe name); with --recipe-retrieval
+    rows, each init's retrieval at the end, averaged over the lengths."""
     by_recipe: dict[str, dict[str, dict]] = {}
     for r in records:
         if r.get("kind") == "recipe":
             by_recipe.setdefault(r["recipe"], {})[r["init"]] = r
     if not by_recipe:
         return []
-    lines = ["| recipe | target | baseline tokens | TC tokens | ratio | final ppl baseline | final ppl TC |", "|---|---|---|---|---|---|---|"]
+    retrieval = any(str(r.get("point", "")).startswith(recipe_point("")) for r in records)
+    lines = ["| recipe | target | baseline tokens | TC tokens | ratio | final ppl baseline | final ppl TC |"
+             + (" retrieval at the end, baseline | TC |" if retrieval else ""), "|---|---|---|---|---|---|---|" + ("---|---|" if retrieval else "")]
     for name, runs in by_recipe.items():
+        label = name
         if any(i not in runs for i in INITS):
-            lines.append(f"| {name} | only {', '.join(runs)} ran | | | | | |")
+            lines.append(f"| {name} | only {', '.join(runs)} ran | | | | | |" + (" | |" if retrieval else ""))
             continue
         teacher = runs["tcal"]["teacher_ppl"]
         rows = {i: target_rows(runs[i]["curve"], teacher, LADDER) for i in INITS}
@@ -158,6 +173,7 @@ def recipe_table(records: list[dict]) -> list[str]:
         b, t = closest
         cut = [i for i in INITS if runs[i].get("stopped") == "deadline"]
         name += f" (cut short by the deadline: {', '.join(cut)})" if cut else ""
+        found = f" {end_retrieval(records, label, 'baseline')} | {end_retrieval(records, label, 'tcal')} |" if retrieval else ""
         lines.append(f"| {name} | {b['multiple']}x ({b['target_ppl']:.2f}) | {describe(b)} | {describe(t)} | {ratio(b, t)} | "
-                     f"{runs['baseline']['curve'][-1][1]:.3f} | {runs['tcal']['curve'][-1][1]:.3f} |")
+                     f"{runs['baseline']['curve'][-1][1]:.3f} | {runs['tcal']['curve'][-1][1]:.3f} |{found}")
     return lines

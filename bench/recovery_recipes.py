@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 
 from bench.recovery import median_rate, read_curve
-from bench.recovery_one import Records, build_init, log, run_config
-from bench.recovery_points import INITS, recipe_table
+from bench.recovery_one import Records, add_all, build_init, log, retrieval_rows, run_config
+from bench.recovery_points import INITS, recipe_point, recipe_table
 from surgery import capture
 from surgery.train import distill
 from surgery.train.config import DistillConfig
@@ -81,7 +81,8 @@ def run_recipe(args, records: Records, teacher, init_dir: Path, run_out: Path, n
     """One recipe on one init, recorded; -> its seconds."""
     config = run_config(args, max(time_limit, 0.0), **({"save_every": 0} | fields))  # a checkpoint at the end only
     t = time.perf_counter()
-    summary = distill(str(init_dir), args.data, run_out, config, teacher=teacher, force=True, progress=False)
+    trained = []
+    summary = distill(str(init_dir), args.data, run_out, config, teacher=teacher, force=True, progress=False, on_open=trained.append)
     seconds = time.perf_counter() - t
     curve = read_curve(run_out)
     teacher_ppl = json.loads((run_out / "log.jsonl").read_text().splitlines()[0])["teacher_ppl"]
@@ -90,4 +91,6 @@ def run_recipe(args, records: Records, teacher, init_dir: Path, run_out: Path, n
                  "stopped": stopped, "tokens_per_s": median_rate(run_out, "tokens_per_s"), "seconds": seconds})
     log(f"recipe {name!r}, {init}: {curve[-1][0]:,} tokens in {seconds:.0f} s, perplexity {curve[0][1]:.3f} -> {curve[-1][1]:.3f}"
         f" (teacher {teacher_ppl:.3f})")
+    if args.recipe_retrieval and trained:  # the graph distill trained in place: its weights are the run's last
+        add_all(records, retrieval_rows(trained[0], args, init, recipe_point(name), curve[-1][0]))
     return seconds

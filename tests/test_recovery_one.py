@@ -181,14 +181,21 @@ def test_recipes_run_both_inits_at_equal_tokens(both, monkeypatch, capsys, tmp_p
     recipes = tmp_path / "recipes.json"
     recipes.write_text(json.dumps([{"name": "constant"}, {"name": "gates held", "freeze_gates_steps": 1, "schedule": "cosine"}]))
     args = init_args(out, "baseline")[2:]  # the same recipe of the command line, no --init
-    code, text = bench(monkeypatch, capsys, "--recipes", recipes, *args, "--set", *FAST_TCAL, "--records", tmp_path / "r.jsonl")
+    code, text = bench(monkeypatch, capsys, "--recipes", recipes, *args, "--set", *FAST_TCAL, "--records", tmp_path / "r.jsonl",
+                       "--recipe-retrieval", "--passkey-lengths", "300", "--passkey-trials", 5)
     assert code == 0, text
     rows = [json.loads(line) for line in (tmp_path / "r.jsonl").read_text().splitlines()]
     recipe_rows = [r for r in rows if r["kind"] == "recipe"]
     assert [(r["recipe"], r["init"]) for r in recipe_rows] == [("constant", "baseline"), ("constant", "tcal"),
                                                                ("gates held", "baseline"), ("gates held", "tcal")]
     assert all(r["curve"][-1][0] == 384 for r in recipe_rows)
-    assert "\n".join(points.recipe_table(rows)) in text and "| gates held |" in text
+    passkey = {(r["model"], r["point"]): r["by_length"] for r in rows if r["kind"] == "passkey"}
+    assert set(passkey) == {(i, f"recipe: {n}") for i in ("baseline", "tcal") for n in ("constant", "gates held")}
+    table = points.recipe_table(rows)
+    assert "\n".join(table) in text and table[0].endswith("retrieval at the end, baseline | TC |")
+    line = next(x for x in table if x.startswith("| gates held |"))
+    want = [f"{100 * passkey[(i, 'recipe: gates held')]['300']:.0f}% passkey" for i in ("baseline", "tcal")]
+    assert [c.strip() for c in line.split("|")[-3:-1]] == want
     recipes.write_text(json.dumps([{"name": "x", "tokens": 5}]))
     code, text = bench(monkeypatch, capsys, "--recipes", recipes, *args)
     assert code == 1 and "equal tokens" in text
