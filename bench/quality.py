@@ -2,7 +2,7 @@
 the user's path (surgery.save -> `surgery eval`), since a figure counts only through that path.
 
 One teacher capture; for each keep ratio, selection policy and row, a fresh branch runs the row's
-passes (ROWS: the ablation of Taylor-Calibrate's phases; --policies: uniform, ar, greedy selection).
+passes (ROWS: the ablation of Taylor-Calibrate's phases; --policies: uniform, ar, retrieval, greedy selection).
 The teacher is scored in memory and by `surgery eval` on its source; --cli-apply adds `surgery apply`
 (README's defaults) -> `surgery eval`. Every text is scored on each path (WikiText-2 protocol,
 surgery.eval.perplexity and the CLI, same --chunk and --batch-size). Calibration text: the files of
@@ -88,7 +88,7 @@ def arguments(argv=None) -> argparse.Namespace:
     ap.add_argument("--max-chars", type=int, default=0, help="score only the eval file's first N characters (0: all)")
     ap.add_argument("--rows", default=None, help=f"of: {','.join(ROWS)} (default: {ALL_ROWS}; with --mixers: {MIXER_ROWS})")
     ap.add_argument("--keep-ratios", default="0.5")
-    ap.add_argument("--policies", default="uniform", help="select policies: uniform, ar, greedy; head:distance, head:entropy, head:output keep KV "
+    ap.add_argument("--policies", default="uniform", help="select policies: uniform, ar, retrieval, greedy; head:distance, head:entropy, head:output keep KV "
                     "heads instead of layers (select.granularity=head) up to the KV bytes uniform keeps at the same ratio")
     ap.add_argument("--set", nargs="*", action="extend", default=None, help="pass.key=value for every row that runs the pass "
                     "(--set A B and --set A --set B alike)")

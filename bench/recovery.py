@@ -210,7 +210,7 @@ def two_gpu(args, out: Path, report: dict, dump) -> None:
 
 def selection(args, teacher, calibration, report: dict) -> dict:
     """The select options both students get: uniform spacing, or the layers a data-driven policy
-    (ar, greedy) keeps, decided once on the teacher with the calibration text and then named
+    (ar, retrieval, greedy) keeps, decided once on the teacher with the calibration text and then named
     explicitly, so the two inits convert exactly the same layers."""
     if args.select_policy == "uniform":
         return {"keep_ratio": args.keep_ratio}
@@ -494,8 +494,8 @@ def main() -> None:
     ap.add_argument("--calibration", nargs="*", default=None, help="Taylor-Calibrate text (default: --data)")
     ap.add_argument("--eval")
     ap.add_argument("--keep-ratio", type=float, default=0.5)
-    ap.add_argument("--select-policy", default="uniform", choices=("uniform", "ar", "greedy"),
-                    help="which layers stay attention, the same for both students (ar, greedy: scored on the calibration text)")
+    ap.add_argument("--select-policy", default="uniform", choices=("uniform", "ar", "retrieval", "greedy"),
+                    help="which layers stay attention, the same for both students (ar, retrieval, greedy: scored on the calibration text)")
     ap.add_argument("--tokens", type=int, default=None, help="distillation tokens per init")
     ap.add_argument("--seconds-per-run", type=float, default=None,
                     help="instead of --tokens: time 3 steps first, then give each init the tokens of about this many seconds")

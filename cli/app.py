@@ -120,16 +120,16 @@ def render_head_scores(info: dict) -> None:
 
 
 def render_scores(info: dict) -> None:
-    """select's per-layer scores (ar, greedy), best first."""
+    """select's per-layer scores (ar, retrieval, greedy), best first."""
     if info.get("granularity") == "head":
         return render_head_scores(info)
     rows = sorted(info["scores"], key=lambda r: r["rank"])
-    extra = [c for c in ("increase",) if c in rows[0]]
+    measured = [c for c in ("perplexity", "answer_nll", "increase") if c in rows[0]]
     table = Table(title=f"select {info['policy']} on {info['tokens']:,} tokens", caption=info["metric"])
-    for col in ("rank", "layer", "perplexity", *extra, "decision"):
+    for col in ("rank", "layer", *measured, "decision"):
         table.add_column(col, justify="right" if col != "decision" else "left")
     for r in rows:
-        table.add_row(str(r["rank"]), str(r["layer"]), *[f"{r[c]:.4g}" for c in ("perplexity", *extra)],
+        table.add_row(str(r["rank"]), str(r["layer"]), *[f"{r[c]:.4g}" for c in measured],
                       "keep" if r["layer"] in info["keep"] else "convert")
     out.print(table)
 
@@ -162,7 +162,7 @@ def select_options(sel: dict, layers, keep_ratio, select_policy, keep_count, cal
         sel["policy"] = select_policy
     if keep_count is not None and layers is None:
         sel["keep_count"] = keep_count
-    if calibration and sel.get("policy") in ("ar", "greedy"):
+    if calibration and sel.get("policy") in ("ar", "retrieval", "greedy"):
         sel["calibration"] = [str(p) for p in calibration]
 
 
@@ -179,7 +179,7 @@ def apply(
     force: bool = typer.Option(False, "--force", help="Replace an existing --out."),
     keep_ratio: Optional[float] = typer.Option(None, "--keep-ratio", help="Fraction of attention layers kept (uniform selection)."),
     layers: Optional[str] = typer.Option(None, "--layers", help="Layers to convert, e.g. 1,3,5 (overrides --keep-ratio)."),
-    select_policy: Optional[str] = typer.Option(None, "--select-policy", help="uniform, ar (attention removal) or greedy (GA-S2): which layers stay attention."),
+    select_policy: Optional[str] = typer.Option(None, "--select-policy", help="uniform, ar (attention removal), retrieval (attention removal scored on passkey prompts) or greedy (GA-S2): which layers stay attention."),
     keep_count: Optional[int] = typer.Option(None, "--keep-count", help="Number of attention layers kept (overrides --keep-ratio)."),
     calibration: Optional[List[Path]] = typer.Option(None, "--calibration", help="Calibration text file(s): --calibration a.txt b.txt (or repeat the flag); default: the built-in sample."),
     more_calibration: Optional[List[Path]] = typer.Argument(None, help="More calibration files (after --calibration).", show_default=False),

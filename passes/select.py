@@ -6,6 +6,11 @@ text, never on an evaluation set (the reference scores on WikiText-2 test):
 
 ar      attention removal: per teacher layer, zero that layer's attention output (the residual carries
         the block's input on) and measure perplexity; keep the k layers whose removal raises it most.
+retrieval  attention removal scored on long-range retrieval instead of perplexity: passkey prompts
+        (surgery.eval.passkey) of `retrieval_length` tokens built from the calibration text, `samples`
+        of them at evenly spaced depths; keep the k layers whose removal raises the key's NLL most.
+        Perplexity-ranked layers can drop the few that carry retrieval (SmolLM2: ar's 15 of 30 kept
+        scored 0% passkey after Phase 1 + 2; bench/RESULTS.md, twentieth session).
 greedy  GA-S2: per layer, the hybrid that keeps ONLY that layer as attention, every other layer
         replaced and initialised (replace, then the `init` passes: by default those of the pipeline,
         else calibrate + align, i.e. Phase 1 + Phase 2 as the reference's default "taylor_calibrate"
@@ -34,8 +39,9 @@ from surgery.core.pipeline import Pass, PassManager, PassResult, register
 from surgery.core.bos import leading_token, text_length
 from surgery.data.cache import token_stream
 from surgery.data.windows import held_out_windows, window_spans, windows
-from surgery.errors import PassConfigError
-from surgery.eval.ablation import keep_one_scores, removal_scores
+from surgery.errors import PassConfigError, SurgeryError
+from surgery.eval.ablation import keep_one_scores, removal_scores, window_perplexity
+from surgery.eval.passkey import answer_nll, make_trials
 
 from .teacher_data import TeacherDataConfig, check_text
 from .align import AlignConfig
@@ -45,8 +51,8 @@ from .calibrate import CalibrateConfig
 from .replace import ReplaceConfig
 from .selection import LayerSelection
 
-POLICIES = ("uniform", "keep", "convert", "ar", "greedy")
-SCORED = ("ar", "greedy")
+POLICIES = ("uniform", "keep", "convert", "ar", "retrieval", "greedy")
+SCORED = ("ar", "retrieval", "greedy")
 INIT_CONFIGS = {"replace": ReplaceConfig, "calibrate": CalibrateConfig, "align": AlignConfig}
 DEFAULT_INIT = ["calibrate", "align"]
 GRANULARITIES = ("layer", "head")
@@ -56,13 +62,15 @@ WINDOW_GROUPS = {"any": None, "global-first": (GLOBAL, WINDOW), "global-only": (
 @dataclass
 class SelectConfig(TeacherDataConfig):
     """policy        uniform: keep k layers evenly spaced from 0;  keep: keep exactly `layers`;
-                    convert: convert exactly `layers`;  ar, greedy: keep the k best-scoring layers
+                    convert: convert exactly `layers`;  ar, retrieval, greedy: keep the k best-scoring layers
     k               `keep_count`, else one layer in `stride`, else round(keep_ratio * layers)
     keep_ratio      fraction of attention layers kept
     stride          keep one layer in `stride` (overrides keep_ratio)
     keep_count      attention layers kept (overrides stride and keep_ratio)
     layers          the layers that policy keep or convert names
-    calibration, samples, length, seed, batch_size   the scoring text (ar, greedy), as for calibrate
+    calibration, samples, length, seed, batch_size   the scoring text (ar, greedy), as for calibrate;
+                    retrieval: `samples` passkey prompts, their filler from `calibration`
+    retrieval_length   retrieval: tokens per passkey prompt (clipped to the graph's position limit)
     init            greedy: passes applied after replace in every probe (default: the pipeline's
                     calibrate/align, else calibrate,align); "calibrate" alone skips Phase 2 for speed
     init_configs    greedy: {"replace"|"calibrate"|"align": options} for the probes, over the pipeline's own
@@ -84,6 +92,7 @@ class SelectConfig(TeacherDataConfig):
     granularity: str = "layer"
     heads: dict | None = None
     kv_bytes: int | None = None
+    retrieval_length: int = 1024
 
     def validate(self) -> None:
         super().validate()
@@ -107,6 +116,8 @@ class SelectConfig(TeacherDataConfig):
                 raise PassConfigError(f"keep_ratio must be in [0, 1), got {self.keep_ratio}.", "A ratio of 1 would convert nothing; use e.g. 0.5.")
         elif not self.layers:
             raise PassConfigError(f"Policy '{self.policy}' needs a non-empty list of layers.", "Pass --layers i,j,...")
+        if self.retrieval_length < 2:
+            raise PassConfigError(f"select.retrieval_length must be >= 2 tokens, got {self.retrieval_length}.", "Use e.g. 1024.")
         if self.window not in WINDOW_GROUPS:
             raise PassConfigError(f"Unknown select.window '{self.window}'.", f"Use one of: {', '.join(WINDOW_GROUPS)}.")
         if self.window != "any" and self.policy in ("keep", "convert"):
@@ -139,6 +150,38 @@ class SelectConfig(TeacherDataConfig):
                 raise PassConfigError(f"keep_count must be >= 0, got {self.keep_count}.", "Use the number of KV heads to keep, e.g. 4.")
             if self.keep_count is None and (self.keep_ratio is None or not 0 <= self.keep_ratio < 1):
                 raise PassConfigError(f"keep_ratio must be in [0, 1), got {self.keep_ratio}.", "Use e.g. 0.5 of the KV heads.")
+
+
+KEY_ROOM = 16  # tokens past a passkey prompt for its key (a 5-digit key with a leading space)
+PROMPT_STREAM = 7919  # added to select.seed: keys and filler offsets apart from an evaluation's passkey prompts (seed 0 and up)
+
+
+def retrieval_prompts(graph: Graph, config: SelectConfig) -> list:
+    """The retrieval policy's scoring prompts: `samples` passkey trials at evenly spaced depths, of
+    retrieval_length tokens (within the position limit), their filler cut from the calibration text."""
+    if graph.tokenizer is None:
+        raise PassConfigError("select.policy=retrieval builds passkey prompts, which need the model's tokenizer; this graph has none.",
+                              "Capture the model from a directory or GGUF that carries a tokenizer, or use select.policy=ar.")
+    length = min(config.retrieval_length, graph.max_length - KEY_ROOM)
+    try:
+        return make_trials(graph.tokenizer, config.calibration, [length], config.samples, 1, config.seed + PROMPT_STREAM)
+    except SurgeryError as exc:
+        raise PassConfigError(f"select.policy=retrieval: {exc.problem}",
+                              "Raise select.retrieval_length, or give longer --calibration text.") from None
+
+
+def removal_ranking(graph: Graph, config: SelectConfig, text) -> tuple[list[dict], list[dict], dict]:
+    """ar (perplexity on the windows `text`) and retrieval (the key's NLL on the passkey prompts `text`):
+    (per-layer rows, the rows best first, the record's fields)."""
+    if config.policy == "ar":
+        baseline, rows = removal_scores(graph, lambda g: window_perplexity(g, text, config.batch_size))
+        return rows, sorted(rows, key=lambda r: (-r["perplexity"], r["layer"])), {
+            "metric": "perplexity with the layer's attention output zeroed (higher: keep)", "teacher_perplexity": baseline,
+            "tokens": int(text.numel())}
+    baseline, rows = removal_scores(graph, lambda g: answer_nll(g, text, config.batch_size), "answer_nll")
+    return rows, sorted(rows, key=lambda r: (-r["answer_nll"], r["layer"])), {
+        "metric": "passkey answer NLL with the layer's attention output zeroed (higher: keep)", "teacher_answer_nll": baseline,
+        "tokens": sum(t.ids.numel() for t in text)}
 
 
 def uniform_keep(num_layers: int, keep_ratio: float | None, stride: int | None, count: int | None = None) -> list[int]:
@@ -227,7 +270,9 @@ class Select(Pass):
         self.config = self.config_cls.from_dict(c.to_dict() | updates)
 
     def preflight(self, graph: Graph) -> None:
-        if self.config.policy in SCORED or (self.config.granularity == "head" and self.config.policy != "keep"):
+        if self.config.policy == "retrieval" and self.config.granularity == "layer":
+            retrieval_prompts(graph, self.config)  # no tokenizer, too little text, prompts too short: before any pass runs
+        elif self.config.policy in SCORED or (self.config.granularity == "head" and self.config.policy != "keep"):
             check_text(graph, self.config)
 
     def check(self, graph: Graph) -> None:
@@ -251,25 +296,20 @@ class Select(Pass):
             return self.record(graph, LayerSelection(c.policy, convert, keep, **self.window_record(graph, convert)))
         k = self.keep_count(graph.num_layers)
         text = self.scoring_windows(graph)  # before any model work: a short text fails fast
-        if c.policy == "ar":
-            baseline, rows = removal_scores(graph, text, c.batch_size)
-            ranked = sorted(rows, key=lambda r: (-r["perplexity"], r["layer"]))
-            extra = {"metric": "perplexity with the layer's attention output zeroed (higher: keep)", "teacher_perplexity": baseline}
-        else:
+        if c.policy == "greedy":
             init = self.init_passes()
             rows = keep_one_scores(graph, self.converted_modules(graph, init), text, c.batch_size)
             ranked = sorted(rows, key=lambda r: (r["perplexity"], r["layer"]))
-            extra = {"metric": "perplexity keeping only this layer as attention (lower: keep)", "init": ["replace", *init]}
+            extra = {"metric": "perplexity keeping only this layer as attention (lower: keep)", "init": ["replace", *init], "tokens": int(text.numel())}
+        else:
+            rows, ranked, extra = removal_ranking(graph, c, text)
         for rank, row in enumerate(ranked, 1):
             row["rank"] = rank
-        if c.window == "any":
-            keep = sorted(r["layer"] for r in ranked[:k])
-            convert = [i for i in range(graph.num_layers) if i not in keep]
-        else:
-            convert = self.windowed(graph, ranked_pick([r["layer"] for r in ranked]))
-            keep = [i for i in range(graph.num_layers) if i not in convert]
+        order = [r["layer"] for r in ranked]
+        convert = [i for i in range(graph.num_layers) if i not in order[:k]] if c.window == "any" else self.windowed(graph, ranked_pick(order))
+        keep = [i for i in range(graph.num_layers) if i not in convert]
         extra |= self.window_record(graph, convert)
-        return self.record(graph, LayerSelection(c.policy, convert, keep, keep_count=k, **extra, tokens=int(text.numel()), scores=rows))
+        return self.record(graph, LayerSelection(c.policy, convert, keep, keep_count=k, **extra, scores=rows))
 
     def windowed(self, graph: Graph, pick) -> list[int]:
         """The layers to convert under select.window, the policy choosing within each group by `pick`."""
@@ -305,8 +345,11 @@ class Select(Pass):
         return INIT_CONFIGS[name].from_dict(options)
 
     def scoring_windows(self, graph: Graph):
-        """ar: the calibration windows; greedy: windows that avoid those its probes' init is fitted on."""
+        """ar: the calibration windows; retrieval: passkey prompts; greedy: windows that avoid those its
+        probes' init is fitted on."""
         c = self.config
+        if c.policy == "retrieval":
+            return retrieval_prompts(graph, c)
         length = min(c.length, graph.max_length)
         ids, lead = token_stream(graph.tokenizer, c.calibration), leading_token(graph.tokenizer)
         if c.policy == "ar":

@@ -14,11 +14,12 @@ from surgery.errors import CheckpointError
 class LayerSelection:
     """policy              the select policy that decided
     convert, keep        the layers that become GDN / stay attention (together: every layer, once)
-    keep_count           ar, greedy: k, the number of layers kept
-    metric               ar, greedy: what the scores measure and which way is better
+    keep_count           ar, retrieval, greedy: k, the number of layers kept
+    metric               ar, retrieval, greedy: what the scores measure and which way is better
     teacher_perplexity   ar: the unablated teacher's perplexity on the scoring text
+    teacher_answer_nll   retrieval: the unablated teacher's passkey-answer NLL on the scoring prompts
     init                 greedy: the passes each probe was initialised with
-    tokens, scores       ar, greedy: the scoring text's size and the per-layer scores
+    tokens, scores       ar, retrieval, greedy: the scoring text's size and the per-layer scores
     window, kv_cache     with select.window other than any: the mode, and the KV cache the selection
                          keeps at 32k tokens (passes/kv_budget.kv_report); with granularity head, that cache too
     granularity          "head": select.granularity=head decided by KV heads (absent: by layers)
@@ -31,6 +32,7 @@ class LayerSelection:
     keep_count: int | None = None
     metric: str | None = None
     teacher_perplexity: float | None = None
+    teacher_answer_nll: float | None = None
     init: list[str] | None = None
     tokens: int | None = None
     scores: list[dict] | None = None

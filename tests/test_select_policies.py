@@ -86,6 +86,55 @@ def test_ar_keeps_the_layers_whose_removal_hurts_most(stories, stories_eager, st
     assert sel.tokens == ids.numel()
 
 
+@torch.no_grad()
+def eager_answer_nll(model, trials, hooks: dict) -> float:
+    """The passkey key's NLL (summed over its tokens), mean over trials, from the eager model with hooks."""
+    handles = [model.model.layers[l].self_attn.register_forward_hook(h, with_kwargs=True) for l, h in hooks.items()]
+    try:
+        total = 0.0
+        for t in trials:
+            logp = F.log_softmax(model(t.ids[None]).logits[0].double(), -1)
+            total -= sum(logp[i - 1, t.ids[i]].item() for i in range(t.answer_start, t.ids.numel()))
+    finally:
+        for h in handles:
+            h.remove()
+    return total / len(trials)
+
+
+def test_retrieval_keeps_the_layers_whose_removal_hurts_the_passkey_answer_most(stories, stories_eager):
+    """select.policy=retrieval: attention removal scored by the passkey key's NLL on prompts cut from the
+    calibration text (the built-in sample here), against the eager model with one layer's attention zeroed."""
+    from surgery.eval.passkey import make_trials
+    from surgery.passes.select import PROMPT_STREAM
+
+    g = stories()
+    PassManager(["select"], {"select": {"policy": "retrieval", "keep_count": 2, "samples": 3, "retrieval_length": 300}})(g)
+    sel = g.meta["select"]
+    trials = make_trials(g.tokenizer, None, [300], 3, 1, PROMPT_STREAM)  # select.seed 0
+
+    def zero(module, args, kwargs, out):
+        return (torch.zeros_like(out[0]), *out[1:])
+
+    teacher = eager_answer_nll(stories_eager, trials, {})
+    brute = {l: eager_answer_nll(stories_eager, trials, {l: zero}) for l in range(5)}
+    assert sel.teacher_answer_nll == pytest.approx(teacher, rel=1e-4) and "passkey answer NLL" in sel.metric
+    assert {r["layer"]: r["answer_nll"] for r in sel.scores} == pytest.approx(brute, rel=1e-4)
+    assert sel.keep == top(brute, 2, highest=True) and sel.convert == [l for l in range(5) if l not in sel.keep]
+    assert sel.tokens == sum(t.ids.numel() for t in trials)
+
+
+def test_retrieval_refuses_what_cannot_make_its_prompts(stories):
+    """No tokenizer, or prompts too short for the task's own text: a named error before any pass runs."""
+    g = stories()
+    g.tokenizer = None
+    with pytest.raises(PassConfigError, match="need the model's tokenizer"):
+        PassManager(["select", "replace"], {"select": {"policy": "retrieval", "keep_count": 2}})(g)
+    g = stories()
+    with pytest.raises(PassConfigError, match="retrieval_length") as info:
+        PassManager(["select", "replace"], {"select": {"policy": "retrieval", "keep_count": 2, "retrieval_length": 40}})(g)
+    assert "no room for filler" in info.value.problem and "select" not in g.meta and g.history == []
+
+
 def test_greedy_keeps_the_layers_whose_single_layer_probe_is_best(stories, stories_eager, story, gdn_at):
     g = stories()
     config = scoring(story, policy="greedy", keep_ratio=0.4, init=["calibrate"], init_configs={"calibrate": CALIBRATE})
@@ -158,7 +207,8 @@ def test_held_out_windows_avoid_the_fitted_text():
 @pytest.mark.parametrize("bad", [{"policy": "best"}, {"policy": "ar", "keep_count": -1}, {"policy": "ar", "keep_ratio": 1.0},
                                  {"policy": "greedy", "init": ["align", "calibrate"]}, {"policy": "greedy", "init": ["distill"]},
                                  {"policy": "greedy", "init_configs": {"calibrate": {"gate": "nope"}}},
-                                 {"policy": "greedy", "init_configs": {"quantize": {}}}, {"policy": "ar", "samples": 0}])
+                                 {"policy": "greedy", "init_configs": {"quantize": {}}}, {"policy": "ar", "samples": 0},
+                                 {"policy": "retrieval", "retrieval_length": 1}])
 def test_bad_select_configs_are_config_errors(bad):
     with pytest.raises(PassConfigError) as info:
         SelectConfig.from_dict(bad)
@@ -199,6 +249,14 @@ def test_cli_prints_the_scores_and_refuses_bad_input(stories_path, story, tmp_pa
     lines = [l.split("│") for l in result.stdout.splitlines() if l.count("│") >= 5]
     table = {int(c[2]): c[5].strip() for c in lines if c[2].strip().isdigit()}
     assert table == {l: ("keep" if l in select["keep"] else "convert") for l in range(5)}
+    result = runner.invoke(app, ["apply", "--model", str(stories_path), "--passes", "select,replace", "--select-policy", "retrieval",
+                                 "--keep-count", "2", "--set", "select.samples=2", "--set", "select.retrieval_length=300",
+                                 "--out", str(tmp_path / "by-retrieval")], env=env)
+    assert result.exit_code == 0, result.output
+    select = json.loads((tmp_path / "by-retrieval" / "recipe.json").read_text())["decisions"]["select"]
+    lines = [l.split("│") for l in result.stdout.splitlines() if l.count("│") >= 5]
+    assert "answer_nll" in result.stdout and select["policy"] == "retrieval"
+    assert {int(c[2]): c[5].strip() for c in lines if c[2].strip().isdigit()} == {l: ("keep" if l in select["keep"] else "convert") for l in range(5)}
     for bad, words in ([["--select-policy", "best"], "best"], [["--select-policy", "ar", "--layers", "1"], "--layers"]):
         result = runner.invoke(app, ["apply", "--model", str(stories_path), *bad, "--out", str(tmp_path / "x")], env=env)
         assert result.exit_code == 2 and "Traceback" not in result.output and words in result.stderr, result.output

@@ -5,6 +5,7 @@ weights, so a variant costs a graph copy, not a model copy."""
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
 
@@ -54,14 +55,16 @@ def window_perplexity(graph: Graph, windows: torch.Tensor, batch_size: int = 4) 
     return ppl if math.isfinite(ppl) else math.inf
 
 
-def removal_scores(graph: Graph, windows: torch.Tensor, batch_size: int = 4) -> tuple[float, list[dict]]:
-    """The teacher's perplexity and, per layer, the perplexity with that layer's attention removed."""
-    baseline = window_perplexity(graph.branch(), windows, batch_size)
+def removal_scores(graph: Graph, measure: Callable[[Graph], float], name: str = "perplexity") -> tuple[float, list[dict]]:
+    """measure(teacher) and, per layer, measure of the teacher with that layer's attention removed:
+    (baseline, [{"layer", name, "increase"}]). select's ar measures perplexity (window_perplexity),
+    its retrieval policy the passkey answer's NLL (surgery.eval.passkey.answer_nll)."""
+    baseline = measure(graph.branch())
     rows = []
-    with progress.task("select: attention removal", graph.num_layers, "layers") as bar:
+    with progress.task(f"select: attention removal ({name})", graph.num_layers, "layers") as bar:
         for layer in range(graph.num_layers):
-            ppl = window_perplexity(without_attention(graph, layer), windows, batch_size)
-            rows.append({"layer": layer, "perplexity": ppl, "increase": ppl - baseline})
+            value = measure(without_attention(graph, layer))
+            rows.append({"layer": layer, name: value, "increase": value - baseline})
             bar.advance()
     return baseline, rows
 

@@ -118,6 +118,24 @@ def greedy_answers(graph, trials: list[PasskeyTrial], batch_size: int = 8, compi
     return answers
 
 
+@torch.no_grad()
+def answer_nll(graph, trials: list[PasskeyTrial], batch_size: int = 4) -> float:
+    """The key's negative log-likelihood (summed over its tokens), teacher-forced, averaged over the
+    trials: a graded retrieval score where exact match is all or nothing per trial (select's
+    retrieval policy compares layers by it). Runs graph.logits: any branch or variant of a graph."""
+    total = 0.0
+    groups: dict[int, list[PasskeyTrial]] = {}
+    for t in trials:
+        groups.setdefault(t.ids.numel(), []).append(t)
+    for group in groups.values():
+        start = group[0].answer_start  # one length: the key starts at the same index in each
+        for s in range(0, len(group), batch_size):
+            ids = torch.stack([t.ids for t in group[s:s + batch_size]]).to(graph.device)
+            logp = graph.logits(ids)[:, start - 1:-1].float().log_softmax(-1)
+            total -= logp.gather(-1, ids[:, start:, None]).sum().item()
+    return total / len(trials)
+
+
 def score(graph, trials: list[PasskeyTrial], batch_size: int = 8, compile: bool | None = None) -> list[bool]:
     """Teacher-forced greedy exact match of the key tokens."""
     return [answer == t.ids[t.answer_start:].tolist() for t, answer in zip(trials, greedy_answers(graph, trials, batch_size, compile))]
