@@ -536,6 +536,8 @@ def main() -> None:
     ap.add_argument("--results", default=None, help="directory for the JSON and PNG (default: --out)")
     one_init_options(ap)
     args = ap.parse_args()
+    if args.plot and not args.table:
+        ap.error("--plot draws the curves of a records file: pass it with --table RECORDS.jsonl")
     if args.table or args.init or args.recipes:
         from surgery.errors import SurgeryError
 

@@ -150,6 +150,10 @@ def test_resume_only_on_this_machine(both, monkeypatch, capsys, tmp_path):
 def test_a_deadline_already_past_fails_before_any_model_loads(monkeypatch, capsys, tmp_path):
     code, text = bench(monkeypatch, capsys, *init_args(tmp_path, "baseline", "--deadline-s", 30, "--reserve-s", 3600))
     assert code == 1 and text.strip().startswith("--deadline-s 30 is already past") and not (tmp_path / "recovery.jsonl").exists()
+    monkeypatch.setattr(sys, "argv", ["recovery.py", *map(str, init_args(tmp_path, "baseline", "--plot", tmp_path / "c.png"))])
+    with pytest.raises(SystemExit) as stop:  # --plot without --table: argparse's one line, nothing run
+        runpy.run_path(str(ROOT / "bench/recovery.py"), run_name="__main__")
+    assert stop.value.code == 2 and "--plot draws the curves of a records file" in capsys.readouterr().err
 
 
 def test_the_deadline_takes_off_what_opening_the_run_took(monkeypatch, capsys, tmp_path):
