@@ -29,7 +29,7 @@ def self_check(decoder, vocab: int, rebuild: Callable) -> None:
     try:
         probe(decoder, vocab)
     except ProbeDisagreement as error:
-        if not low_precision(decoder.graph):
+        if decoder.graph.dtype not in LOW:
             raise
         warnings.warn(recheck_in_float32(decoder.graph, error, rebuild), stacklevel=3)
 
@@ -43,11 +43,6 @@ def probe(decoder, vocab: int) -> None:
             got = [decoder.prefill(ids[:, :first])] + [decoder.step(ids[:, t:t + 1]) for t in range(first, n)]
             decoder.reset()
             check_probe(torch.cat(got, dim=1), references(decoder.graph, ids, first))
-
-
-def low_precision(graph) -> bool:
-    """Whether the graph computes in bf16/fp16 (its first floating parameter's dtype)."""
-    return next((p.dtype in LOW for p in graph.gm.parameters() if p.is_floating_point()), False)
 
 
 def recheck_in_float32(graph, error: ProbeDisagreement, build: Callable) -> str:
