@@ -104,18 +104,21 @@ def greedy_answers(graph, trials: list[PasskeyTrial], batch_size: int = 8, compi
                            "Use shorter --lengths.")
     run = fast_runner(graph, compile, label="graph for passkey") if isinstance(graph, Graph) else getattr(graph, "logits", graph)  # an export, or ids -> logits
     answers: list[list[int]] = [[] for _ in trials]
+    with progress.task("passkey", len(trials), "trials") as bar:
+        for chunk in equal_length_batches(trials, batch_size):
+            logits = run(torch.stack([trials[i].ids for i in chunk]).to(graph.device))
+            for row, i in enumerate(chunk):
+                answers[i] = logits[row, trials[i].answer_start - 1:-1].argmax(-1).tolist()
+            bar.advance(len(chunk))
+    return answers
+
+
+def equal_length_batches(trials: list[PasskeyTrial], batch_size: int) -> list[list[int]]:
+    """Indices of the trials in batches of at most batch_size whose ids (prompt + key) are equally long."""
     groups: dict[int, list[int]] = {}
     for i, t in enumerate(trials):
         groups.setdefault(t.ids.numel(), []).append(i)
-    with progress.task("passkey", len(trials), "trials") as bar:
-        for indices in groups.values():
-            for s in range(0, len(indices), batch_size):
-                chunk = indices[s:s + batch_size]
-                logits = run(torch.stack([trials[i].ids for i in chunk]).to(graph.device))
-                for row, i in enumerate(chunk):
-                    answers[i] = logits[row, trials[i].answer_start - 1:-1].argmax(-1).tolist()
-                bar.advance(len(chunk))
-    return answers
+    return [indices[s:s + batch_size] for indices in groups.values() for s in range(0, len(indices), batch_size)]
 
 
 @torch.no_grad()
@@ -124,15 +127,11 @@ def answer_nll(graph, trials: list[PasskeyTrial], batch_size: int = 4) -> float:
     trials: a graded retrieval score where exact match is all or nothing per trial (select's
     retrieval policy compares layers by it). Runs graph.logits: any branch or variant of a graph."""
     total = 0.0
-    groups: dict[int, list[PasskeyTrial]] = {}
-    for t in trials:
-        groups.setdefault(t.ids.numel(), []).append(t)
-    for group in groups.values():
-        start = group[0].answer_start  # one length: the key starts at the same index in each
-        for s in range(0, len(group), batch_size):
-            ids = torch.stack([t.ids for t in group[s:s + batch_size]]).to(graph.device)
-            logp = graph.logits(ids)[:, start - 1:-1].float().log_softmax(-1)
-            total -= logp.gather(-1, ids[:, start:, None]).sum().item()
+    for chunk in equal_length_batches(trials, batch_size):
+        start = trials[chunk[0]].answer_start  # every prompt is `length` tokens: the key starts at the same index
+        ids = torch.stack([trials[i].ids for i in chunk]).to(graph.device)
+        logp = graph.logits(ids)[:, start - 1:-1].float().log_softmax(-1)
+        total -= logp.gather(-1, ids[:, start:, None]).sum().item()
     return total / len(trials)
 
 
