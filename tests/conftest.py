@@ -65,10 +65,10 @@ def _export_once_per_model_shape():
                 getattr(config, "_attn_implementation", None), code, str(first.dtype) if first is not None else None,
                 str(first.device) if first is not None else None, max_length, debug, model.training)
 
-    def export_model(model, max_length, debug=False, retrying=None):
+    def export_model(model, max_length, debug=False, narrowed=None):
         key = key_of(model, max_length, debug)
         if key is None or key not in cache:
-            gm = real(model, max_length, debug=debug, retrying=retrying)
+            gm = real(model, max_length, debug=debug, narrowed=narrowed)
             if key is not None:
                 cache[key] = copy.deepcopy(gm)
             return gm
@@ -78,7 +78,7 @@ def _export_once_per_model_shape():
         gm = copy.deepcopy(cache[key])
         tensors = model.state_dict(keep_vars=True)
         if set(gm.state_dict()) != set(tensors):  # the graph does not hold exactly the model's tensors
-            return real(model, max_length, debug=debug, retrying=retrying)
+            return real(model, max_length, debug=debug, narrowed=narrowed)
         for name, tensor in tensors.items():  # share the model's tensors, as export's own module does
             owner, _, leaf = name.rpartition(".")
             module = gm.get_submodule(owner)

@@ -28,33 +28,28 @@ def max_positions(config) -> int:
 
 
 def export_model(model: torch.nn.Module, max_length: int, debug: bool = False,
-                 retrying: Callable[[], None] | None = None) -> torch.fx.GraphModule:
-    """torch.export the model's forward(input_ids) with symbolic batch and sequence length.
-    retrying() is called when the named ranges are refused and a second trace starts (a capture pays both)."""
+                 narrowed: Callable[[int, int], None] | None = None) -> torch.fx.GraphModule:
+    """torch.export the model's forward(input_ids) with symbolic batch and sequence length, in one trace.
+    narrowed(lowest, highest) is called when a shape guard in the model's forward narrows the lengths
+    the graph accepts (a runtime check in the graph then refuses the others by name)."""
     vocab = model.get_input_embeddings().weight.shape[0]
     ids = torch.randint(0, vocab, (CAPTURE_BATCH, min(CAPTURE_LENGTH, max_length)), device=_device(model))
     # use_cache=False keeps KV caches out of the graph; a model whose forward has no such argument
     # (openai-gpt, granitemoe) never builds one
     extra = {"use_cache": False} if "use_cache" in inspect.signature(model.forward).parameters else {}
-    named = {0: torch.export.Dim("batch", min=1, max=4096), 1: torch.export.Dim("seq", min=1, max=max_length)}
-    hinted = {0: torch.export.Dim.DYNAMIC, 1: torch.export.Dim.DYNAMIC}
+    # DYNAMIC hints with ranges, not named Dims: a guard export cannot prove over a named range (seen on
+    # CUDA with torch 2.11: min(64*seq, 192*seq) == 64*seq) makes named Dims fail and a second trace
+    # necessary, about 10 s of a cold start; a hint keeps it as a runtime check.
+    dims = {0: torch.export.Dim.DYNAMIC(min=1, max=4096), 1: torch.export.Dim.DYNAMIC(min=1, max=max_length)}
     program, failure = None, None
-    # Named ranges first; some torch builds cannot prove a true guard within a range (seen on CUDA with
-    # torch 2.11: min(64*seq, 192*seq) == 64*seq), which DYNAMIC hints accept as a runtime check.
-    for dims in (named, hinted):
-        try:
-            with torch.no_grad():
-                program = torch.export.export(
-                    model, (), {"input_ids": ids, **extra},
-                    dynamic_shapes={"input_ids": dims, **{k: None for k in extra}}, strict=False,
-                )
-            break
-        except Exception as exc:
-            failure = exc
-            if "Constraints violated" not in str(exc):
-                break
-            if retrying is not None and dims is named:
-                retrying()
+    try:
+        with torch.no_grad():
+            program = torch.export.export(
+                model, (), {"input_ids": ids, **extra},
+                dynamic_shapes={"input_ids": dims, **{k: None for k in extra}}, strict=False,
+            )
+    except Exception as exc:
+        failure = exc
     if program is None:
         if debug:
             raise failure
@@ -62,6 +57,9 @@ def export_model(model: torch.nn.Module, max_length: int, debug: bool = False,
             f"torch.export could not trace {type(model).__name__}: {first_line(failure)}",
             "Run with --debug for the full trace; models with data-dependent control flow in forward cannot be captured.",
         ) from failure
+    lengths = length_range(program)
+    if narrowed is not None and lengths is not None and (lengths[0] > 2 or lengths[1] < max_length):
+        narrowed(*lengths)
     gm = program.module()
     drop_metadata_asserts(gm)
     fold_slice_fills(gm)
@@ -69,6 +67,22 @@ def export_model(model: torch.nn.Module, max_length: int, debug: bool = False,
     gm.meta["max_length"] = max_length
     gm.meta["extra_inputs"] = extra
     return gm
+
+
+def length_range(program) -> tuple[int, int] | None:
+    """(lowest, highest) sequence length the exported program accepts; None if the length is not symbolic.
+    export reports a lowest of 2 for an unguarded dimension (it traces without the 0/1 cases), which
+    still runs at 1."""
+    for node in program.graph.nodes:
+        if node.op == "placeholder" and node.name == "input_ids":
+            length = node.meta["val"].shape[1]
+            if not isinstance(length, torch.SymInt):
+                return None
+            bounds = program.range_constraints.get(length.node.expr)
+            if bounds is None or not (bounds.lower.is_finite and bounds.upper.is_finite):
+                return None
+            return int(bounds.lower), int(bounds.upper)
+    return None
 
 
 def drop_metadata_asserts(gm: torch.fx.GraphModule) -> int:
@@ -140,8 +154,8 @@ def capture_graph(source, *, tokenizer=None, max_length: int | None = None, dtyp
         limit = max_length or max_positions(config)  # an explicit length may exceed the config (RoPE extrapolates)
         model.eval()
         bar.update(info="tracing with torch.export")
-        gm = export_model(model, limit, debug=debug, retrying=lambda: bar.update(
-            info="tracing again with unnamed dimensions (torch.export refused the named ranges)"))
+        gm = export_model(model, limit, debug=debug, narrowed=lambda low, high: bar.update(
+            info=f"a shape guard in the model's forward narrows the lengths it accepts to {low}..{high}"))
     graph = Graph(gm=gm, config=config, source=info, tokenizer=tokenizer or loaded_tokenizer)
     graph.meta["capture"] = {"max_length": limit, "dtype": str(dtype).removeprefix("torch.")}
     return graph
