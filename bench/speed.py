@@ -110,7 +110,8 @@ def arguments(argv=None) -> argparse.Namespace:
     ap.add_argument("--apply-args", default="", help="more `surgery apply` options, e.g. '--set align.steps=60'")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--no-compiled", action="store_true", help="prefill: leave out the compiled rows (a compile per shape and model)")
-    ap.add_argument("--profile", action="store_true", help="prefill: torch.profiler on one hybrid eager forward per shape, "
+    ap.add_argument("--profile", action="store_true", help="prefill: torch.profiler on one hybrid eager forward per shape; "
+                    "decode: on a few static steps of teacher and hybrid, not replayed; "
                     "the top 15 CUDA kernels (CPU ops on the CPU) by total time")
     ap.add_argument("--step-attention-sweep", action="store_true", help="step_attention: also time the split-KV kernels' "
                     "untuned constants (bench/step_attention_bench.py)")
@@ -239,6 +240,8 @@ def prefill(s: Setup, rows: Rows) -> None:
             rows.add(f"{s.label()}: surgery.load -> graph.logits (eager)", config, "prefill", time_of(lambda: s.hybrid.logits(ids)), "ms", anchor)
             default = time_of(lambda: fast_logits(s.hybrid, ids))
             rows.add(f"{s.label()}: fast_logits (default)", config, "prefill", default, "ms", anchor)
+            if not a.no_compiled:  # issue 29: the public default path at least matches the compiled teacher
+                rows.add(f"{s.label()}: fast_logits (default)", config, "prefill", default, "ms", ("compiled teacher", teacher_c))
             for label, graph in (("teacher", s.teacher), (s.label(), s.hybrid)):
                 unfused = unfused_runner(graph)
                 rows.add(f"{label}: default route without the fusions", config, "prefill", time_of(lambda: unfused(ids)), "ms", anchor)
@@ -301,7 +304,8 @@ def top_kernels(fn, device: torch.device, label: str, top: int = 15) -> None:
         events, total = list(prof.key_averages()), lambda e: e.self_cpu_time_total  # noqa: E731
     events.sort(key=total, reverse=True)
     all_ms = sum(total(e) for e in events) / 1000
-    print(f"\n{label}: top {top} {'CUDA kernels' if cuda else 'CPU ops'} of {len(events)}, {all_ms:.2f} ms in all\n"
+    print(f"\n{label}: top {top} {'CUDA kernels' if cuda else 'CPU ops'} of {len(events)}, {sum(e.count for e in events)} calls, "
+          f"{all_ms:.2f} ms in all\n"
           "| kernel | calls | ms |\n|---|---:|---:|", flush=True)
     for e in events[:top]:
         print(f"| {e.key[:120]} | {e.count} | {total(e) / 1000:.3f} |", flush=True)
@@ -363,17 +367,23 @@ def hf_generate(model, ids, new_tokens: int) -> tuple[float, float]:
     return 1000 * (t[0] - start), 1000 * (end - t[0]) / max(len(t) - 1, 1)
 
 
-def decoder_step_ms(s: Setup, graph, batch: int, ids: torch.Tensor, fuse: bool | None = None, state: dict | None = None) -> float:
-    """ms of one Decoder.step at the prompt's length (the prompt prefilled in pieces whose logits fit);
-    `state`, if given, gets the Decoder's cache bytes at that length ("total")."""
-    a = s.args
-    decoder = decoder_of(graph, a.decode_compile, fuse)
-    decoder.reset(batch, ids.shape[1] + a.decode_steps + 8)
+def prefilled(s: Setup, decoder: Decoder, batch: int, ids: torch.Tensor) -> Decoder:
+    """decoder reset for the prompt and the timed steps, the prompt prefilled in pieces whose logits fit."""
+    decoder.reset(batch, ids.shape[1] + s.args.decode_steps + 8)
     chunk = max(256, LOGITS_BUDGET // (batch * s.vocab * 2))
     with torch.no_grad():
         for start in range(0, ids.shape[1], chunk):
             decoder.prefill(ids[:, start:start + chunk])
-        token = ids[:, :1]
+    return decoder
+
+
+def decoder_step_ms(s: Setup, graph, batch: int, ids: torch.Tensor, fuse: bool | None = None, state: dict | None = None) -> float:
+    """ms of one Decoder.step at the prompt's length; `state`, if given, gets the Decoder's cache bytes
+    at that length ("total")."""
+    a = s.args
+    decoder = prefilled(s, decoder_of(graph, a.decode_compile, fuse), batch, ids)
+    token = ids[:, :1]
+    with torch.no_grad():
         ms = median_ms(lambda: decoder.step(token), s.device, a.decode_steps, warmup=3)
     if state is not None:
         state.update(decoder.cache_bytes())
@@ -397,6 +407,9 @@ def decode(s: Setup, rows: Rows) -> None:
         rows.add(f"{s.label()}: Decoder (surgery.load)", config, "decode step", hybrid, "ms", ("teacher Decoder", teacher))
         rows.add(f"{s.label()}: Decoder (surgery.load)", config, "decode step", hybrid, "ms", ("transformers", hf))
         free(s.device)
+        if a.profile:
+            for label, graph in (("teacher graph", s.teacher), (s.label(), s.hybrid)):
+                step_profile(s, graph, batch, ids, f"{label}: {PROFILED_STEPS} static decode steps (not replayed), {config}")
         for label, graph, anchor in (("teacher graph", s.teacher, teacher), (s.label(), s.hybrid, hybrid)):  # what the fusions save
             unfused = decoder_step_ms(s, graph, batch, ids, fuse=False)
             rows.add(f"{label}: Decoder without the fusions", config, "decode step", unfused, "ms", ("default", anchor))
@@ -404,6 +417,22 @@ def decode(s: Setup, rows: Rows) -> None:
         mixer_decode(s, rows, batch, ids, config, teacher, teacher_state["total"])
         del ids
         free(s.device)
+
+
+PROFILED_STEPS = 4
+
+
+def step_profile(s: Setup, graph, batch: int, ids: torch.Tensor, label: str) -> None:
+    """--profile: the kernels of a few static steps run without the CUDA graph (the profiler sees each
+    launch; a replay runs the same kernels back to back): calls / PROFILED_STEPS is the launches per step."""
+    decoder = prefilled(s, Decoder(graph, verify=False, step_mode="static", compile=False), batch, ids)
+    token = ids[:, :1]
+    with torch.no_grad():
+        for _ in range(3):
+            decoder.step(token)  # warm: kernels compiled, tables and fused weights built
+        top_kernels(lambda: [decoder.step(token) for _ in range(PROFILED_STEPS)], s.device, label, top=25)
+    decoder.reset()
+    free(s.device)
 
 
 def mixer_decode(s: Setup, rows: Rows, batch: int, ids: torch.Tensor, config: str, teacher_ms: float, teacher_bytes: int) -> None:
