@@ -56,11 +56,12 @@ def forms() -> None:
     """The compiled kernels on the forms the interpreter test covers (GQA, MHA, softcap, odd widths,
     q a transposed view, batch 2, the first and last slot; NaN past the index), against float64;
     with DOT off and on (on: 16-bit inputs with both widths >= 16 only)."""
+    saved = step.DOT
     for dot in (False, True):
         step.DOT = dot
         print(f"forms with DOT={dot}:")
         forms_once()
-    step.DOT = False
+    step.DOT = saved
 
 
 def forms_once() -> None:
@@ -80,7 +81,8 @@ def forms_once() -> None:
 
 
 def sweep(context: int, batches: list, heads: int, kv_heads: int) -> None:
-    """ms of the split-KV kernels at a full cache for each (DOT, BLOCK_N, PROGRAMS per SM, WARPS)."""
+    """ms of the split-KV kernels at a full cache for each (DOT, keys per iteration, PROGRAMS per SM, warps);
+    the module's constants are restored after each."""
     print("sweep: batch | DOT | BLOCK_N | programs/SM | warps | ms | K+V bytes / time")
     for batch in batches:
         g = torch.Generator("cuda").manual_seed(batch)
@@ -88,14 +90,17 @@ def sweep(context: int, batches: list, heads: int, kv_heads: int) -> None:
         k, v = (torch.randn(batch, kv_heads, context, 64, device="cuda", generator=g).bfloat16() for _ in range(2))
         index = torch.tensor([context - 1], device="cuda")
         for dot, block, programs, warps in itertools.product((False, True), (32, 64, 128), (2, 4, 8, 16), (4, 8)):
-            step.DOT, step.BLOCK_N, step.PROGRAMS, step.WARPS = dot, block, programs, warps
+            saved = step.DOT, step.PROGRAMS, step.TENSOR_CORE, step.BROADCAST
+            step.DOT, step.PROGRAMS = dot, programs
+            setattr(step, "TENSOR_CORE" if dot else "BROADCAST", (block, warps))
             ms = graph_ms(lambda: step.step_attention_triton(q, k, v, index, scale=0.125, softcap=None))
+            step.DOT, step.PROGRAMS, step.TENSOR_CORE, step.BROADCAST = saved
             print(f"sweep: {batch} | {dot} | {block} | {programs} | {warps} | {ms:.4f} | {2 * k.numel() * 2 / (ms * 1e-3) / 1e9:.0f} GB/s")
 
 
 def run(context: int = 65536, batches: str = "1,16", heads: int = 9, kv_heads: int = 3, sweep_constants: bool = False) -> None:
     """The forms against float64, then the old path against the split-KV kernels per batch and valid length;
-    with sweep_constants also the kernels' untuned constants (DOT, BLOCK_N, PROGRAMS, WARPS)."""
+    with sweep_constants also the kernels' constants (DOT, TENSOR_CORE / BROADCAST, PROGRAMS)."""
     args = argparse.Namespace(context=context, batches=batches, heads=heads, kv_heads=kv_heads, sweep=sweep_constants)
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}")
     forms()

@@ -28,11 +28,13 @@ try:  # Triton is a CUDA-side extra: CPU installs do not have it
 except Exception:  # a broken install raises more than ImportError
     triton = None
 
-BLOCK_N = 64          # keys per inner iteration
-PROGRAMS = 4          # aim for this many programs per streaming multiprocessor
-WARPS = 8             # per split program: the [group, BLOCK_N, D] products stay within registers
-DOT = False           # the products on tensor cores (query heads padded to 16) instead of broadcast sums
-# (BLOCK_N, PROGRAMS, WARPS, DOT) are untuned: bench/speed.py --sections step_attention --step-attention-sweep times the alternatives
+# From the H200 sweep (`bench/speed.py --sections step_attention --step-attention-sweep`, bench/RESULTS.md,
+# twenty-first session): at 64k, batch 1, the broadcast form at its best took 0.115 ms against the
+# tensor-core form's 0.0195 (and SDPA's 0.0293); at batch 16 1.73 ms against 0.202 (SDPA 0.202).
+DOT = True               # the products on tensor cores (query heads padded to 16) where the inputs allow
+TENSOR_CORE = (128, 4)   # (keys per inner iteration, warps) of the tensor-core form
+BROADCAST = (64, 4)      # the same for broadcast sums (float32 inputs, or widths under 16)
+PROGRAMS = 4             # aim for this many programs per streaming multiprocessor
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -50,9 +52,10 @@ def step_attention_reference(q, keys, values, index, *, scale: float, softcap: f
 
 
 def splits_for(batch: int, kv_heads: int, size: int, programs: int, block: int | None = None) -> tuple[int, int]:
-    """(number of key splits, keys per split, a multiple of `block` (BLOCK_N)) so that about
-    `programs` programs cover the cache: more splits only add partials for the combine to read."""
-    block = block or BLOCK_N
+    """(number of key splits, keys per split, a multiple of `block` (keys per inner iteration; None:
+    the broadcast form's)) so that about `programs` programs cover the cache: more splits only add
+    partials for the combine to read."""
+    block = block or BROADCAST[0]
     blocks = max(1, math.ceil(size / block))
     wanted = max(1, min(blocks, math.ceil(programs / max(1, batch * kv_heads))))
     per = math.ceil(blocks / wanted) * block
@@ -194,7 +197,8 @@ def launch(q, keys, values, index, scale: float, softcap: float | None) -> torch
     kv_heads, size, dv = keys.shape[1], keys.shape[2], values.shape[3]
     group = heads // kv_heads
     dot = DOT and q.dtype != torch.float32 and min(width, dv) >= 16
-    splits, per = splits_for(batch, kv_heads, size, device_programs(q.device))
+    block, warps = TENSOR_CORE if dot else BROADCAST
+    splits, per = splits_for(batch, kv_heads, size, device_programs(q.device), block)
     m = torch.empty(batch * heads * splits, dtype=torch.float32, device=q.device)
     l = torch.empty_like(m)
     acc = torch.empty(batch * heads * splits * dv, dtype=torch.float32, device=q.device)
@@ -203,7 +207,7 @@ def launch(q, keys, values, index, scale: float, softcap: float | None) -> torch
         q, keys, values, index, m, l, acc, kv_heads, size, per, splits, float(scale), float(softcap or 1.0),
         q.stride(0), q.stride(1), keys.stride(0), keys.stride(1), keys.stride(2), values.stride(0), values.stride(1),
         values.stride(2), GROUP=group, GP=max(16 if dot else 1, triton.next_power_of_2(group)), DK=width, DV=dv, BK=triton.next_power_of_2(width),
-        BV=triton.next_power_of_2(dv), BN=BLOCK_N, STEPS=per // BLOCK_N, SOFTCAP=softcap is not None, DOT=dot, num_warps=WARPS)
+        BV=triton.next_power_of_2(dv), BN=block, STEPS=per // block, SOFTCAP=softcap is not None, DOT=dot, num_warps=warps)
     _combine_kernel[(batch * heads,)](m, l, acc, out, heads, splits, out.stride(0), out.stride(1), DV=dv,
                                       BV=triton.next_power_of_2(dv), BS=triton.next_power_of_2(splits), num_warps=4)
     return out
