@@ -61,3 +61,24 @@ def test_not_static_means_computed_every_call():
     first, second = tables(1), tables(1)  # the length of a one-token call
     assert tables.values is kept and first[0] is not second[0]
     torch.testing.assert_close(first, second, rtol=0, atol=0)
+
+
+def test_a_step_selects_each_table_once_and_caches_kv_heads():
+    """Every layer slices its own unsqueeze of the shared cos/sin: one row of each per step, not one per
+    layer; and K/V reach the cache from before repeat_kv (no expand copy, no head pick back), with
+    decoding still equal to full recomputation (teacher: every layer attention, grouped query heads)."""
+    from conftest import get_tiny
+
+    graph = get_tiny("llama").graph.branch()
+    assert graph.config.num_key_value_heads < graph.config.num_attention_heads and len(graph.sites) >= 2
+    decoder = Decoder(graph, step_mode="static")
+    nodes = list(decoder.step_gm.graph.nodes)
+    slices = [n for n in nodes if n.op == "call_module" and n.target == "_decode" and "dim" in n.kwargs]
+    assert len(slices) == 2, [n.format_node() for n in slices]  # cos and sin
+    assert not [n for n in nodes if getattr(n.target, "__name__", "") == "expand.default"]
+    assert all(m.k_prep.select is None and m.v_prep.select is None for m in decoder.attention.values())
+    prompt = torch.randint(3, graph.config.vocab_size, (6,), generator=torch.Generator().manual_seed(5)).tolist()
+    tokens, logits = incremental_greedy(decoder, prompt, 5)
+    want_tokens, want_logits = full_greedy(graph, prompt, 5)
+    assert tokens == want_tokens
+    torch.testing.assert_close(logits, want_logits, rtol=1e-4, atol=1e-4)

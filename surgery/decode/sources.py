@@ -19,6 +19,16 @@ LAYOUT_OPS = {
 }
 
 
+def whole_slice(node: Node) -> bool:
+    """x[:, :, None] traces as slice(x, dim, 0, INT64_MAX) around the unsqueeze: a slice that keeps
+    everything, so the walk may pass it (transformers' repeat_kv: slice, unsqueeze, slice, expand, reshape)."""
+    if node.op != "call_function" or node.target is not aten.slice.Tensor:
+        return False
+    start, end, step = (list(node.args[2:]) + [None, None, None])[:3]
+    start, end, step = node.kwargs.get("start", start), node.kwargs.get("end", end), node.kwargs.get("step", step)
+    return start in (None, 0) and (end is None or (isinstance(end, int) and end >= 2**62)) and step in (None, 1)
+
+
 def heads_view(val, length: int, dim: int):
     """A [B, n, L, dim] or [B, n, dim, L] tensor as ([B, n, L, dim], transposed?), else None."""
     if not isinstance(val, torch.Tensor) or val.dim() != 4:
@@ -42,7 +52,7 @@ def narrowest(node: Node, per_head: list, env: dict, length: int, dim: int):
             found = [next((j for j in range(t.shape[1]) if torch.equal(per_head[h], t[:, j])), None) for h in range(heads)]
             if None not in found and (best is None or t.shape[1] < best[3]):
                 best = (cur, transposed, found, t.shape[1])
-        if cur.op == "call_function" and cur.target in LAYOUT_OPS and isinstance(cur.args[0], Node):
+        if cur.op == "call_function" and (cur.target in LAYOUT_OPS or whole_slice(cur)) and isinstance(cur.args[0], Node):
             cur = cur.args[0]
         else:
             break

@@ -75,9 +75,41 @@ def chain_of(x: Node, state_target: str) -> set | None:
     return nodes
 
 
+def computed_as(n, memo: dict):
+    """A hashable form of what node n computes from the chain's starts (placeholders, shape queries and
+    attributes stand for themselves): two nodes with the same form hold the same values."""
+    if isinstance(n, Node):
+        if n not in memo:
+            if outside(n) or n.op in ("placeholder", "get_attr"):
+                memo[n] = ("node", n)
+            else:
+                memo[n] = (n.op, str(n.target), computed_as(n.args, memo), computed_as(n.kwargs, memo))
+        return memo[n]
+    if isinstance(n, (list, tuple)):
+        return (type(n).__name__, *(computed_as(a, memo) for a in n))
+    if isinstance(n, dict):
+        return ("dict", *((k, computed_as(v, memo)) for k, v in sorted(n.items())))
+    return (type(n).__name__, repr(n))
+
+
+def merge_same_slices(gm: GraphModule, slices: list, chains: list) -> tuple[list, list]:
+    """Each layer slices its own copy of the same table (an unsqueeze of the shared cos/sin per layer):
+    slices of tables computed the same way become one, so a step selects each table's row once."""
+    memo, first, kept = {}, {}, []
+    for s, chain in zip(slices, chains):
+        key = (computed_as(s.args[0], memo), computed_as(s.kwargs, memo))
+        if key in first:
+            s.replace_all_uses_with(first[key])
+            gm.graph.erase_node(s)
+        else:
+            first[key] = s
+            kept.append((s, chain))
+    return [s for s, _ in kept], [c for _, c in kept]
+
+
 def hoist_tables(gm: GraphModule, state_target: str = "_decode") -> int:
     """Move every length-only table that a slice of `state_target` (DecodeState(x, dim)) reads into
-    one StepTables call (TARGET) in gm, in place; how many tables."""
+    one StepTables call (TARGET) in gm, in place, slices of equal tables merged; how many tables."""
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     slices, chains = [], []
     for n in gm.graph.nodes:
@@ -88,6 +120,7 @@ def hoist_tables(gm: GraphModule, state_target: str = "_decode") -> int:
                 chains.append(chain)
     if not slices:
         return 0
+    slices, chains = merge_same_slices(gm, slices, chains)
     chain = set().union(*chains)
     sizes = sorted({a for n in chain for a in n.all_input_nodes if outside(a)}, key=order.get)
     first = min(slices, key=order.get)
