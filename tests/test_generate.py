@@ -325,6 +325,36 @@ def test_static_steps_fuse_sibling_projections_and_follow_weight_changes(tiny, n
         decoder.reset(1, capacity=16)
 
 
+def test_gdn_projections_padded_to_aligned_rows_decode_the_same(tiny, monkeypatch):
+    """On CUDA a GDN layer's fused input projection gets zero rows up to an aligned count (cuBLAS takes
+    slow kernels for 2,322 rows); forced here on the CPU, steps still equal full recomputation, and a
+    weight change is copied into the rows before the padding, which stays zero."""
+    import surgery.decode.fused_linears as fused_linears
+    from tcal.gdn import CUDA_ROW_ALIGN
+
+    def padded(weight, bias):
+        pad = -weight.shape[0] % CUDA_ROW_ALIGN or CUDA_ROW_ALIGN  # always some rows, even where aligned
+        return torch.nn.functional.pad(weight, (0, 0, 0, pad)), None if bias is None else torch.nn.functional.pad(bias, (0, pad))
+
+    monkeypatch.setattr(fused_linears, "row_aligned", padded)
+    shared = tiny("llama").graph.branch()
+    graph = hybrid(dataclasses.replace(shared, gm=copy.deepcopy(shared.gm), meta=copy.deepcopy(shared.meta)))
+    decoder = Decoder(graph, step_mode="static")
+    projections = [m.projection for m in decoder.gdn.values()]
+    assert projections and all(p.weight.shape[0] % CUDA_ROW_ALIGN == 0 and p.weight.shape[0] > sum(p.sizes) for p in projections)
+    ids = torch.tensor([prompt_of(9, 128, seed=4)])
+    for scale in (1.0, 1.05):
+        with torch.no_grad():
+            for p in graph.gm.parameters():
+                if p.dim() == 2:
+                    p.mul_(scale)
+        decoder.reset(1, capacity=16)
+        decoder.prefill(ids[:, :6])
+        got = torch.cat([decoder.step(ids[:, t]) for t in range(6, 9)], dim=1)
+        torch.testing.assert_close(got, graph.logits(ids)[:, 6:], atol=ATOL, rtol=1e-4)
+    assert all(not p.weight[sum(p.sizes):].any() for p in projections)
+
+
 def test_eos_stops_and_sampling_is_seeded(tiny):
     graph = tiny("llama").graph
     decoder = Decoder(graph)

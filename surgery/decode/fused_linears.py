@@ -16,7 +16,7 @@ from collections import defaultdict
 import torch
 from torch.fx import GraphModule
 
-from tcal.gdn import concatenated
+from tcal.gdn import concatenated, row_aligned
 
 from ..core.rewrite import prune
 from ..errors import DecodeError
@@ -25,13 +25,19 @@ LINEAR = torch.ops.aten.linear.default
 
 
 class FusedWeight:
-    """The concatenation of several linears' weights (and biases: zeros where one has none)."""
+    """The concatenation of several linears' weights (and biases: zeros where one has none). With
+    `align_rows`, for a consumer that slices the parts out of the output itself (a GDN layer's input
+    projections), zero rows up to tcal.gdn.CUDA_ROW_ALIGN on CUDA: SmolLM2's 2,322 rows took cuBLAS's
+    gemv (4.7 us at batch 1) and an sm80 cutlass fallback (8.4 us at batch 16) where aligned GEMMs of
+    the same step took 3.9 (bench/RESULTS.md, twenty-first session)."""
 
-    def __init__(self, weights: list[torch.Tensor], biases: list[torch.Tensor | None]):
+    def __init__(self, weights: list[torch.Tensor], biases: list[torch.Tensor | None], align_rows: bool = False):
         self.weights, self.biases = list(weights), list(biases)
         self.sizes = [w.shape[0] for w in self.weights]
         with torch.no_grad():
             self.weight, self.bias = concatenated(self.weights, self.biases)
+            if align_rows:
+                self.weight, self.bias = row_aligned(self.weight, self.bias)
         self.key = self._key()
 
     def _key(self) -> tuple:
@@ -47,9 +53,9 @@ class FusedWeight:
                               "Build a new Decoder after moving or casting the model.")
         with torch.no_grad():
             weight, bias = concatenated(self.weights, self.biases)
-            self.weight.copy_(weight)
+            self.weight[:weight.shape[0]].copy_(weight)  # aligned: the zero rows after stay zero
             if self.bias is not None:
-                self.bias.copy_(bias)
+                self.bias[:bias.shape[0]].copy_(bias)
         self.key = key
 
     def pair(self) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -25,9 +25,10 @@ class GDNState(nn.Module):
 
     def fuse_projection(self) -> FusedWeight:
         """A fused copy of the layer's input projections, which its static steps then use (one
-        matmul instead of six; see surgery.decode.fused_linears)."""
+        matmul instead of six; see surgery.decode.fused_linears), its rows aligned on CUDA: the layer
+        slices its parts out of the output (tcal.gdn RecurrentLayer._input_projections)."""
         layers = [self.gdn.get_submodule(name) for name in self.gdn.INPUT_PROJECTIONS]
-        self.projection = FusedWeight([l.weight for l in layers], [l.bias for l in layers])
+        self.projection = FusedWeight([l.weight for l in layers], [l.bias for l in layers], align_rows=True)
         return self.projection
 
     def reset(self) -> None:
