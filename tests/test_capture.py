@@ -525,3 +525,36 @@ def test_a_narrowing_shape_guard_is_announced():
     lm = export_model(_RotaryLM().eval(), 64, narrowed=lambda low, high: told.append((low, high)))
     assert told == []  # the whole range: nothing said
     assert lm(input_ids=ids[:1, :1]).shape[:2] == (1, 1)  # batch 1 and length 1 run, though export reports 2 as lowest
+
+
+class _WholeSlices(torch.nn.Module):
+    """x[:, :, None] and x[:, :] (whole slices under dynamic hints), and a write through a whole slice."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(40, 8)
+
+    def get_input_embeddings(self):
+        return self.embed
+
+    def forward(self, input_ids):
+        x = self.embed(input_ids)
+        y = x[:, :, None].expand(-1, -1, 2, -1).reshape(x.shape[0], x.shape[1], 16)
+        buf = torch.zeros_like(y)
+        buf[:, :].copy_(y * 3)
+        return buf[:, :] + y
+
+
+def test_whole_slices_are_dropped_and_the_graph_computes_the_same():
+    """torch.export keeps whole slices under the dynamic hints capture asks for (it elides them under
+    named ranges): capture drops them, so the graph's form does not depend on the torch build, and a
+    write through one still lands."""
+    from surgery.core.capture import export_model
+    from surgery.core.slice_fill import whole_slice
+
+    model = _WholeSlices().eval()
+    gm = export_model(model, 64)
+    slices = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is torch.ops.aten.slice.Tensor]
+    assert not any(whole_slice(n) for n in slices)
+    ids = torch.randint(0, 40, (3, 7))
+    assert torch.equal(gm(input_ids=ids), model(ids))

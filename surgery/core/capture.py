@@ -14,7 +14,7 @@ from . import progress
 from .graph import Graph
 from .load import load_model
 from .rewrite import token_dependent
-from .slice_fill import fold_slice_fills
+from .slice_fill import drop_whole_slices, fold_slice_fills
 
 CAPTURE_BATCH = 2
 CAPTURE_LENGTH = 16
@@ -63,6 +63,7 @@ def export_model(model: torch.nn.Module, max_length: int, debug: bool = False,
     gm = program.module()
     drop_metadata_asserts(gm)
     fold_slice_fills(gm)
+    drop_whole_slices(gm)  # after the fills: a fill's slices are what it reads
     pin_position_precision(gm)
     gm.meta["max_length"] = max_length
     gm.meta["extra_inputs"] = extra

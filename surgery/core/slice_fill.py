@@ -1,5 +1,9 @@
-"""Buffers filled slice by slice, made functional: `buf = x.new_empty(...)`, then
-`buf[..., a:b].copy_(part)` for slices that tile one dimension, becomes `buf = cat(parts, dim)`.
+"""Slices in a captured graph. Buffers filled slice by slice, made functional: `buf = x.new_empty(...)`,
+then `buf[..., a:b].copy_(part)` for slices that tile one dimension, becomes `buf = cat(parts, dim)`.
+And slices that keep everything (`x[:, :, None]` traces as slice(x, 0, 0, INT64_MAX), then unsqueeze)
+are dropped: torch.export keeps them under dynamic-dimension hints (126 in SmolLM2's graph) and elides
+them under named ranges, so without this the graph's form, and what a pattern sees, would depend on the
+torch build (torch 2.11 on CUDA needs the hints; bench/RESULTS.md, twenty-first session).
 
 Why: torch.export keeps such in-place fills as they are (MLA attention builds its key from the
 per-head k_nope and the shared rope key this way), and the graph's data edges then miss them: the
@@ -55,6 +59,29 @@ def fill_parts(buf: Node) -> tuple[int, list[Node], list[Node]] | None:
     if edge != size:
         return None
     return spans[0][2], [t[3] for t in spans], [t[4] for t in spans]
+
+
+def whole_slice(node: Node) -> bool:
+    """node is slice(x, dim, 0 or None, >= 2**62 or None, 1 or None): a view of all of x."""
+    if node.op != "call_function" or node.target is not aten.slice.Tensor:
+        return False
+    start, end, step = (list(node.args[2:]) + [None, None, None])[:3]
+    start, end, step = node.kwargs.get("start", start), node.kwargs.get("end", end), node.kwargs.get("step", step)
+    return start in (None, 0) and (end is None or (isinstance(end, int) and end >= 2**62)) and step in (None, 1)
+
+
+def drop_whole_slices(gm: torch.fx.GraphModule) -> int:
+    """Replace every whole slice by the tensor it views (exact: the same elements, and a write through
+    it is a write to them); returns how many."""
+    dropped = 0
+    for node in list(gm.graph.nodes):
+        if whole_slice(node) and isinstance(node.args[0], Node):
+            node.replace_all_uses_with(node.args[0])
+            gm.graph.erase_node(node)
+            dropped += 1
+    if dropped:
+        gm.recompile()
+    return dropped
 
 
 def fold_slice_fills(gm: torch.fx.GraphModule) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch.fx import Node
 
+from ..core.slice_fill import whole_slice
 from .caches import CachePrep
 
 aten = torch.ops.aten
@@ -17,16 +18,6 @@ LAYOUT_OPS = {
     aten.contiguous.default, aten.alias.default, aten.repeat_interleave.self_int, aten.repeat.default,
     aten.flatten.using_ints, aten.unflatten.int, aten.squeeze.dim,
 }
-
-
-def whole_slice(node: Node) -> bool:
-    """x[:, :, None] traces as slice(x, dim, 0, INT64_MAX) around the unsqueeze: a slice that keeps
-    everything, so the walk may pass it (transformers' repeat_kv: slice, unsqueeze, slice, expand, reshape)."""
-    if node.op != "call_function" or node.target is not aten.slice.Tensor:
-        return False
-    start, end, step = (list(node.args[2:]) + [None, None, None])[:3]
-    start, end, step = node.kwargs.get("start", start), node.kwargs.get("end", end), node.kwargs.get("step", step)
-    return start in (None, 0) and (end is None or (isinstance(end, int) and end >= 2**62)) and step in (None, 1)
 
 
 def heads_view(val, length: int, dim: int):
