@@ -494,8 +494,8 @@ def test_positions_stay_float32_under_autocast():
     assert good < 0.05 < bad
 
 
-class _GuardedLength(torch.nn.Module):
-    """A forward with a shape guard (length above 4) that torch.export refuses for a range from 1."""
+class _ToyLM(torch.nn.Module):
+    """An embedding of 40 tokens, as export_model needs (it draws ids below the input vocabulary)."""
 
     def __init__(self):
         super().__init__()
@@ -503,6 +503,10 @@ class _GuardedLength(torch.nn.Module):
 
     def get_input_embeddings(self):
         return self.embed
+
+
+class _GuardedLength(_ToyLM):
+    """A forward with a shape guard (length above 4) that torch.export refuses for a range from 1."""
 
     def forward(self, input_ids):
         x = self.embed(input_ids)
@@ -527,15 +531,8 @@ def test_a_narrowing_shape_guard_is_announced():
     assert lm(input_ids=ids[:1, :1]).shape[:2] == (1, 1)  # batch 1 and length 1 run, though export reports 2 as lowest
 
 
-class _WholeSlices(torch.nn.Module):
+class _WholeSlices(_ToyLM):
     """x[:, :, None] and x[:, :] (whole slices under dynamic hints), and a write through a whole slice."""
-
-    def __init__(self):
-        super().__init__()
-        self.embed = torch.nn.Embedding(40, 8)
-
-    def get_input_embeddings(self):
-        return self.embed
 
     def forward(self, input_ids):
         x = self.embed(input_ids)
