@@ -27,6 +27,7 @@ import tcal.kernels
 import tcal.token_step
 
 from ..core.graph import Graph
+from ..core.slice_fill import whole_slice
 from ..errors import ExportError
 from .checkpoint import unique_state, write_weights
 from .legacy_rope import keeps_rope, legacy_rope_keys
@@ -44,7 +45,6 @@ DROPPED_CONFIG = ("_name_or_path", "_model_name_or_path", "architectures", "auto
 TEACHER_FILE = "surgery_teacher.py"
 # 5.x names a tokenizer.json-only tokenizer TokenizersBackend, which 4.x lacks; both load it as this class
 PORTABLE_TOKENIZER = {"TokenizersBackend": "PreTrainedTokenizerFast"}
-SLICE_END = 2 ** 63 - 1  # an open slice end as export writes it
 
 
 def inside(node: torch.fx.Node, path: str) -> bool:
@@ -60,8 +60,10 @@ def gdn_call(graph: Graph, target: str) -> torch.fx.Node:
 
 
 def passes_through(node: torch.fx.Node) -> bool:
-    if str(node.target) == "aten.slice.Tensor":
-        return whole_slice(node)
+    """An op that returns its input's values; a whole slice too (capture drops them, but a graph edited
+    after capture may hold one, e.g. the LM head's logits_to_keep=0 slice)."""
+    if whole_slice(node):
+        return True
     if str(node.target) not in IDENTITY_OPS:
         return False
     return not (str(node.target) == "aten.dropout.default" and len(node.args) > 2 and node.args[2])
@@ -82,12 +84,6 @@ def swap_refusal(graph: Graph, layer: int, target: str) -> str | None:
     if kept:
         return f"the hybrid still uses the attention module's tensors {kept[:3]}"
     return None
-
-
-def whole_slice(node: torch.fx.Node) -> bool:
-    """x[:, 0:] (the LM head's logits_to_keep=0 slice): older torch keeps it as a slice, newer as an alias."""
-    start, end, step = (list(node.args[2:]) + [None, None, None])[:3]
-    return start in (None, 0) and (end is None or (isinstance(end, int) and end >= SLICE_END)) and step in (None, 1)
 
 
 def inside_path(name: str, path: str) -> bool:
