@@ -40,7 +40,7 @@ def distill(
     teacher: Optional[str] = typer.Option(None, "--teacher", "-t", help="Teacher source (default: the one in the hybrid's recipe)."),
     resume: bool = typer.Option(False, "--resume", help="Continue the run in --out from its last checkpoint."),
     force: bool = typer.Option(False, "--force", help="Replace an existing --out."),
-    stage: Optional[str] = typer.Option(None, "--stage", help="l2 (per-layer, teacher-forced), kl (end-to-end logits; the default), or both."),
+    stage: Optional[str] = typer.Option(None, "--stage", help="l2 (per-layer, teacher-forced), kl (end-to-end logits), or both (default: both, with an l2 stage of tokens / 7 first, where that is at least one optimizer step; else kl)."),
     l2_tokens: Optional[str] = typer.Option(None, "--l2-tokens", help="With --stage both: tokens of the l2 stage (default: tokens / 7)."),
     seq_len: Optional[int] = typer.Option(None, "--seq-len", help="Tokens per sequence (default 512)."),
     batch_size: Optional[int] = typer.Option(None, "--batch-size", help="Sequences per optimizer step over all processes: the global batch (default 8)."),

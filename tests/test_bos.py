@@ -1,6 +1,8 @@
 """Windows start with the tokenizer's BOS when it adds one (surgery.core.bos): perplexity chunks,
 calibration and scoring windows, distillation batches, passkey prompts; a GGUF's add_bos_token
 metadata decides what its tokenizer does."""
+import math
+import warnings
 from pathlib import Path
 
 import pytest
@@ -12,7 +14,7 @@ from surgery.data.cache import token_stream
 from surgery.data.corpus import TokenCorpus, WindowOrder
 from surgery.data.windows import calibration_ids, held_out_windows
 from surgery.eval.passkey import build_trial
-from surgery.eval.perplexity import chunk_tokens, perplexity
+from surgery.eval.perplexity import chunk_tokens, perplexity, score_windows
 
 pytestmark = pytest.mark.versions  # transformers versions differ on BOS: repeated at the floor in CI
 
@@ -139,3 +141,23 @@ def test_resume_refuses_a_run_whose_sequences_were_led_differently(tmp_path):
     run.check_corpus("key", None)  # the same sequences: fine
     with pytest.raises(DistillError, match="start each training sequence with token 1"):
         run.check_corpus("key", STORIES_BOS)
+
+
+def test_a_non_finite_perplexity_is_said_with_its_first_window():
+    """NaN logits (a broken model, or a bf16 overflow) give a warning naming the first window and the
+    float32 check, not a silent 'nan'."""
+    from types import SimpleNamespace
+
+    def logits(ids):
+        out = torch.zeros(*ids.shape, 7)
+        out[ids[:, 0] == 2] = float("nan")  # windows led by token 2 go bad
+        return out
+
+    model = SimpleNamespace(device=torch.device("cpu"), logits=logits)
+    windows = torch.tensor([[1, 3, 4], [1, 4, 5], [2, 3, 4], [1, 5, 6]])
+    with pytest.warns(UserWarning, match="from window 2 of 4 the loss is NaN or inf.*float32"):
+        result = score_windows(model, windows, label=None)
+    assert math.isnan(result["perplexity"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert score_windows(model, windows[:2], label=None)["perplexity"] == pytest.approx(7.0)

@@ -118,6 +118,22 @@ def reference(loaded, files, stories_teacher, tmp_path_factory):
 # pieces
 
 
+def test_the_default_stage_puts_an_l2_stage_first_where_the_budget_allows():
+    """Issue 30's recipe study: by default a run starts with an l2 stage of tokens // 7, where that is at
+    least one optimizer step (else it is KL alone); a stage asked for is taken as asked, and --stage both
+    on too small a budget is still an error."""
+    step = 4 * 32
+    assert DistillConfig(tokens=70 * step, seq_len=32, global_batch=4).steps() == [("l2", 10), ("kl", 60)]
+    assert DistillConfig(tokens=6 * step, seq_len=32, global_batch=4).steps() == [("kl", 6)]
+    assert DistillConfig(tokens=6 * step, l2_tokens=step, seq_len=32, global_batch=4).steps() == [("l2", 1), ("kl", 5)]
+    assert DistillConfig(tokens=70 * step, stage="kl", seq_len=32, global_batch=4).steps() == [("kl", 70)]
+    with pytest.raises(DistillError, match="Stage l2 has a budget"):
+        DistillConfig(tokens=6 * step, stage="both", seq_len=32, global_batch=4).validate()
+    default, asked = DistillConfig(tokens=70 * step, seq_len=32, global_batch=4), dict(tokens=70 * step, seq_len=32, global_batch=4)
+    assert default.differences(DistillConfig(stage="both", **asked).to_dict()) == []  # --resume compares the stages run
+    assert default.differences(DistillConfig(stage="kl", **asked).to_dict()) == ["stage (run: 'kl', now: 'both')"]
+
+
 def test_window_order_is_a_function_of_seed_step_rank_and_world(stories_teacher, files):
     corpus = TokenCorpus.build([files / "train.txt"], stories_teacher.tokenizer)
     again = TokenCorpus.build([files / "train.txt"], stories_teacher.tokenizer)

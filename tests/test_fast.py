@@ -302,7 +302,7 @@ def test_replay_from_a_shapes_second_call(stories, monkeypatch):
         assert len(captured) == 1 and captured[0].replays == 2
         for length in (31, 32, 31, 32):  # two more shapes: the first shape's graph is dropped (keep=2)
             fast(input_ids=ids_of(graph, 1, length))
-        assert len(captured) == 3 and (1, 30) not in {shape for shape, _ in fast.replays.graphs}
+        assert len(captured) == 3 and (1, 30) not in {slot[0] for slot in fast.replays.graphs}
 
 
 @pytest.mark.parametrize("problem", ["fail", "corrupt"])
@@ -323,6 +323,34 @@ def test_replay_that_fails_or_disagrees_warns_once(stories, monkeypatch, problem
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             assert_close(fast(input_ids=ids).logits, reference, "after the fallback")
+
+
+def test_replay_under_autocast_captures_without_the_weight_cast_cache(stories, monkeypatch):
+    """A distillation evaluates under autocast with float32 weights that train. With autocast's cast
+    cache on, a weight updated in place is not seen inside the context (the cache's copy is), and a CUDA
+    graph captured there reads that copy, freed when the context exits: the H200's mid-run evaluations
+    were NaN. So a capture runs with the cache off, and a graph captured under autocast serves only
+    calls under the same autocast."""
+    lin, x = torch.nn.Linear(8, 8), torch.randn(2, 8)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):  # the hazard, in torch itself
+        before = lin(x)
+        lin.weight.add_(1.0)
+        assert torch.equal(lin(x), before)
+    graph = fresh(stories)
+    fast = FastGraph(graph.gm, "cpu", "eval", None, limit=graph.max_length)
+    captured = replaying_on_cpu(monkeypatch, fast)
+    cache_at_capture = []
+    inner = fast.replays.capture
+    monkeypatch.setattr(fast.replays, "capture", lambda run: (cache_at_capture.append(torch.is_autocast_cache_enabled()), inner(run))[1])
+    ids = ids_of(graph, 1, 30)
+    with torch.no_grad():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            fast(input_ids=ids), fast(input_ids=ids)
+            assert cache_at_capture == [False] and torch.is_autocast_cache_enabled()
+        plain = fast(input_ids=ids).logits  # not under autocast: a graph of its own, first eager
+        assert len(captured) == 1 and not fast.borrowed and plain.dtype == torch.float32
+        fast(input_ids=ids)
+        assert len(captured) == 2  # (outside autocast the cache flag means nothing)
 
 
 def test_long_inputs_run_eagerly(stories, monkeypatch):

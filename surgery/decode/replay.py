@@ -4,9 +4,16 @@ Eagerly a captured graph is bound by the host at short lengths: on the H200 the 
 (SmolLM2-135M shapes) took 82.9 ms at 2k tokens, batch 1, and 7.08 ms replayed, with bit-identical
 logits (bench/RESULTS.md, sixteenth session); capturing took 0.08 s, not the 25-30 s of a compile.
 A replay serves one input shape: the input is copied into the graph's static buffer and the outputs
-live in the graph's memory until its next replay (a caller copies what it keeps)."""
+live in the graph's memory until its next replay (a caller copies what it keeps).
+
+Under autocast (a distillation's evaluations on CUDA) a capture runs with autocast's weight-cast cache
+off (uncached_autocast): with it on, the graph reads the cache's bf16 copies of float32 weights, which
+autocast frees when its context exits and which never see an optimizer's update. The twenty-second
+session's H200 distillations logged every evaluation after the first as NaN through this (RESULTS.md).
+A graph captured under one autocast setting is never replayed under another (the slot holds it)."""
 from __future__ import annotations
 
+import contextlib
 from collections import OrderedDict
 
 import torch
@@ -16,6 +23,23 @@ WARMUP = 1  # eager runs on a side stream before a capture (lazy initialisations
 # eager against 19.6 replayed; 32k x 1: 90.3 against 86.9), while a kept graph holds its activations, the
 # [B, T, V] logits included (3.2 GB at 32k for SmolLM2's vocabulary), so past it the gain cannot be worth it.
 REPLAY_MAX_TOKENS = 32768
+
+
+def autocast_setting(device_type: str):
+    """The caller's autocast on `device_type` as a captured graph bakes it in: its dtype, or None (off)."""
+    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
+
+
+@contextlib.contextmanager
+def uncached_autocast(device_type: str):
+    """The caller's autocast with its weight-cast cache off (nothing changes when autocast is off): a
+    capture inside it records each cast as a kernel that reads the weight itself."""
+    dtype = autocast_setting(device_type)
+    if dtype is None:
+        yield
+        return
+    with torch.autocast(device_type, dtype=dtype, cache_enabled=False):
+        yield
 
 
 def capture(run, warmup: int = WARMUP):
@@ -55,7 +79,7 @@ class Replays:
         """Whether this call replays (or captures): a CUDA input whose shape was seen before."""
         if self.failed is not None or ids.device.type not in self.devices or ids.numel() > REPLAY_MAX_TOKENS:
             return False
-        slot = (tuple(ids.shape), key)
+        slot = self.slot(ids, key)
         if slot in self.graphs or slot in self.seen:
             return True
         self.seen.add(slot)
@@ -64,11 +88,12 @@ class Replays:
     def run(self, forward, ids: torch.Tensor, key):
         """(forward(ids)'s output through the shape's graph, the eager warm-up's output when the graph
         was captured by this call, else None): the caller checks a new graph against its warm-up."""
-        slot = (tuple(ids.shape), key)
+        slot = self.slot(ids, key)
         warm = None
         if slot not in self.graphs:
             static = ids.clone()
-            graph, out, warm = self.capture(lambda: forward(static))
+            with uncached_autocast(ids.device.type):
+                graph, out, warm = self.capture(lambda: forward(static))
             self.graphs[slot] = (graph, static, out)
             while len(self.graphs) > self.keep:
                 self.graphs.popitem(last=False)
@@ -77,6 +102,11 @@ class Replays:
         static.copy_(ids)
         graph.replay()
         return out, warm
+
+    @staticmethod
+    def slot(ids: torch.Tensor, key) -> tuple:
+        """What one captured graph serves: an input shape, the caller's key, the autocast it was captured under."""
+        return tuple(ids.shape), key, autocast_setting(ids.device.type)
 
     capture = staticmethod(capture)  # a test puts a stand-in here (the CPU has no CUDA graphs)
 

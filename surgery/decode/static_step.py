@@ -19,7 +19,7 @@ import warnings
 import torch
 
 from ..core.run import graph_logits
-from .replay import capture
+from .replay import capture, uncached_autocast
 
 WARMUP = 2
 
@@ -85,7 +85,8 @@ class StaticStep:
         saved = {key: m.snapshot() for key, m in dec.gdn.items()}
         self.ids = ids.clone()
         try:
-            self.graph, self.logits, _ = capture(lambda: self._run(self.ids), warmup=WARMUP)
+            with uncached_autocast(ids.device.type):  # a cached cast would be freed, and stale, after autocast exits
+                self.graph, self.logits, _ = capture(lambda: self._run(self.ids), warmup=WARMUP)
         except Exception as exc:  # a kernel that cannot be captured: the same static steps, eagerly
             self.release()
             self.cuda_graph = False

@@ -6,6 +6,7 @@ data/wikitext-2-raw/wiki.test.raw this predicts 300,909 tokens, as the reference
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -37,7 +38,7 @@ def score_windows(graph, windows: torch.Tensor, *, batch_size: int = 1, progress
     (surgery.core.progress; None: silent, for a caller that reports its own loop) and to
     progress(done, total) when given."""
     run = fast_runner(graph, compile, label="graph for perplexity") if isinstance(graph, Graph) else graph.logits  # an export
-    total, count = 0.0, 0
+    total, count, first_bad = 0.0, 0, None
     device = graph.device
     with report.task(label or "", windows.shape[0], "windows", enabled=label is not None) as bar:
         for start in range(0, windows.shape[0], batch_size):
@@ -46,11 +47,17 @@ def score_windows(graph, windows: torch.Tensor, *, batch_size: int = 1, progress
             nll = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), batch[:, 1:].flatten(), reduction="sum")
             total += nll.item()
             count += batch[:, 1:].numel()
+            if first_bad is None and not math.isfinite(total):
+                first_bad = start
             done = min(start + batch_size, windows.shape[0])
             bar.update(done, info=f"perplexity so far {math.exp(total / count):.4g}")
             if progress is not None:
                 progress(done, windows.shape[0])
     mean = total / count
+    if first_bad is not None:  # said, not raised: a training run's evaluation must not cost it its step
+        warnings.warn(f"The perplexity is not finite: from window {first_bad} of {windows.shape[0]} the loss is NaN or inf "
+                      "(the model's logits hold NaN or inf there). Evaluate in float32 (--dtype float32) to tell an "
+                      "overflow from a broken model.", stacklevel=2)
     return {"perplexity": math.exp(mean), "nll": mean, "tokens": count, "chunks": int(windows.shape[0]), "chunk_length": int(windows.shape[1])}
 
 

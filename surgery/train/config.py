@@ -21,10 +21,22 @@ OPERATIONAL = ("micro_batch", "save_every", "keep_checkpoints", "grad_checkpoint
                "compile", "fsdp", "fsdp_offload")
 
 
+def stages_run(stage: str | None, l2_tokens: int | None, tokens: int, tokens_per_step: int) -> str:
+    """The stage setting a run takes (DistillConfig.stage None: "both" where an l2 share was given or
+    tokens // 7 is at least one optimizer step, else "kl"), from a config or a saved run's fields."""
+    if stage is not None:
+        return stage
+    return "both" if l2_tokens is not None or tokens // 7 >= tokens_per_step else "kl"
+
+
 @dataclass
 class DistillConfig(PassConfig):
     """tokens         training tokens over all stages; a stage runs tokens // (global_batch x seq_len) steps
-    stage          "l2" (per-layer, teacher-forced MSE), "kl" (end-to-end logits), or "both" in turn
+    stage          "l2" (per-layer, teacher-forced MSE), "kl" (end-to-end logits), or "both" in turn;
+                   None (the default): "both" where its l2 share is at least one optimizer step, else "kl".
+                   Issue 30's recipe study (bench/RESULTS.md, twenty-second session): at 8.4M tokens an l2
+                   stage of 1M first gave both inits their lowest WikiText-2 perplexity of the recipes run
+                   (Taylor-Calibrate 29.53 against 30.36 for KL alone, the copy-only baseline 36.78 against 39.64)
     l2_tokens      with stage "both": tokens of stage 1 (default tokens // 7, the reference's 100M of 700M)
     global_batch   sequences per optimizer step over all processes; micro_batch: per forward on one
                    process (default: the process's whole share, i.e. no accumulation)
@@ -51,7 +63,7 @@ class DistillConfig(PassConfig):
                    i.e. on CUDA; it needs autocast)"""
 
     tokens: int = 0
-    stage: str = "kl"
+    stage: str | None = None
     l2_tokens: int | None = None
     seq_len: int = 512
     global_batch: int = 8
@@ -88,7 +100,7 @@ class DistillConfig(PassConfig):
         def bad(problem: str, fix: str):
             raise DistillError(problem, fix)
 
-        if self.stage not in STAGES:
+        if self.stage is not None and self.stage not in STAGES:
             bad(f"stage '{self.stage}' is not one of {', '.join(STAGES)}.", "Use --stage l2, kl or both.")
         if self.schedule not in SCHEDULES:
             bad(f"schedule '{self.schedule}' is not one of {', '.join(SCHEDULES)}.", "Use cosine or constant.")
@@ -116,7 +128,7 @@ class DistillConfig(PassConfig):
             bad("compile is not supported with fsdp yet.", "Drop --compile (or --fsdp).")
         if self.fsdp and self.freeze_gates_steps:
             bad("freeze_gates_steps is not supported with fsdp yet.", "Drop --freeze-gates-steps (or --fsdp).")
-        if self.l2_tokens is not None and self.stage != "both":
+        if self.l2_tokens is not None and self.stage not in ("both", None):
             bad("l2_tokens only applies to --stage both.", "Drop --l2-tokens, or use --stage both.")
         for name, tokens in self.plan():
             if tokens < self.tokens_per_step:
@@ -141,10 +153,15 @@ class DistillConfig(PassConfig):
 
     def plan(self) -> list[tuple[str, int]]:
         """[(stage, tokens)] in the order they run."""
-        if self.stage == "both":
+        if self.stages_run() == "both":
             l2 = self.tokens // 7 if self.l2_tokens is None else self.l2_tokens
             return [("l2", l2), ("kl", self.tokens - l2)]
-        return [(self.stage, self.tokens)]
+        return [(self.stages_run(), self.tokens)]
+
+    def stages_run(self) -> str:
+        """The stage setting this run takes: the one asked for, else "both" where --l2-tokens was given or
+        the default l2 share (tokens // 7) is at least one optimizer step, else "kl"."""
+        return stages_run(self.stage, self.l2_tokens, self.tokens, self.tokens_per_step)
 
     def steps(self) -> list[tuple[str, int]]:
         return [(name, tokens // self.tokens_per_step) for name, tokens in self.plan()]
@@ -156,10 +173,12 @@ class DistillConfig(PassConfig):
 
     def differences(self, saved: dict) -> list[str]:
         """Fields (other than OPERATIONAL ones) whose value differs from a saved config."""
-        now = self.to_dict()
+        now = self.to_dict() | {"stage": self.stages_run()}  # the stages a run takes, asked for or by default
         defaults = type(self)().to_dict()  # a field newer than the saved run was at its default there
         keys = sorted((set(now) | set(saved)) - set(OPERATIONAL))
         was = {k: saved.get(k, defaults.get(k)) for k in keys}
+        if all(k in was for k in ("tokens", "l2_tokens", "global_batch", "seq_len")):
+            was["stage"] = stages_run(was["stage"], was["l2_tokens"], was["tokens"], was["global_batch"] * was["seq_len"])
         return [f"{k} (run: {was[k]!r}, now: {now.get(k)!r})" for k in keys if was[k] != now.get(k)]
 
 
