@@ -256,16 +256,18 @@ class FakeGraph:
     """A stand-in for a captured CUDA graph on the CPU: replay() reruns the captured function and writes
     its logits into the captured output, as a replay writes into the graph's memory."""
 
-    def __init__(self, run, out, corrupt: bool = False):
-        self.run, self.out, self.corrupt, self.replays = run, out, corrupt, 0
+    def __init__(self, run, out, corrupt: bool = False, frozen: bool = False):
+        self.run, self.out, self.corrupt, self.frozen, self.replays = run, out, corrupt, frozen, 0
 
     def replay(self):
         self.replays += 1
+        if self.frozen:  # what a CUDA graph that read copies of the weights made at capture would give
+            return
         logits = self.run().logits
         self.out.logits.copy_(logits.flip(-1) if self.corrupt else logits)
 
 
-def replaying_on_cpu(monkeypatch, fast: FastGraph, corrupt: bool = False, fail: bool = False) -> list:
+def replaying_on_cpu(monkeypatch, fast: FastGraph, corrupt: bool = False, fail: bool = False, frozen: bool = False) -> list:
     """Turn `fast`'s replay on for CPU inputs with FakeGraph captures; returns the list of captures."""
     captured = []
 
@@ -273,11 +275,11 @@ def replaying_on_cpu(monkeypatch, fast: FastGraph, corrupt: bool = False, fail: 
         if fail:
             raise RuntimeError("operation not permitted when stream is capturing")
         warm, out = run(), run()
-        captured.append(FakeGraph(run, out, corrupt))
+        captured.append(FakeGraph(run, out, corrupt, frozen))
         return captured[-1], out, warm
 
     fast.route = Route(causal_flags=True, replay=True)
-    fast.replays = Replays(keep=2, devices=("cpu",))
+    fast.replays = Replays(keep=2, devices=("cpu",), weights=fast.gm.parameters)
     monkeypatch.setattr(fast.replays, "capture", capture)
     return captured
 
@@ -351,6 +353,27 @@ def test_replay_under_autocast_captures_without_the_weight_cast_cache(stories, m
         assert len(captured) == 1 and not fast.borrowed and plain.dtype == torch.float32
         fast(input_ids=ids)
         assert len(captured) == 2  # (outside autocast the cache flag means nothing)
+
+
+def test_weights_that_change_are_captured_again(stories, monkeypatch):
+    """A captured graph keeps what it read at capture (a GDN layer's concatenated projections among it):
+    after an in-place weight update (an optimizer step between a distillation's evaluations) every
+    graph is captured again, so a replay gives the new weights' logits, not the old ones."""
+    graph = fresh(stories)
+    graph = dataclasses.replace(graph, gm=copy.deepcopy(graph.gm))  # its weights are edited below
+    fast = FastGraph(graph.gm, "cpu", "eval", None, limit=graph.max_length)
+    captured = replaying_on_cpu(monkeypatch, fast, frozen=True)
+    ids = ids_of(graph, 1, 30)
+    with torch.no_grad():
+        fast(input_ids=ids), fast(input_ids=ids)
+        before = fast(input_ids=ids).logits.clone()
+        assert len(captured) == 1 and captured[0].replays == 2
+        weight = dict(graph.gm.named_parameters())[next(n for n, _ in graph.gm.named_parameters() if "norm" in n)]
+        weight.mul_(1.5)
+        after = fast(input_ids=ids).logits
+        assert len(captured) == 2
+        assert_close(after, graph.logits(ids), "replay after the update")
+        assert (after - before).abs().max() > 1e-3
 
 
 def test_long_inputs_run_eagerly(stories, monkeypatch):

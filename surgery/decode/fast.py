@@ -61,7 +61,7 @@ class FastGraph:
         self.shapes: set = set()    # input shapes run eagerly so far (a shape's first call is not counted)
         self.failed: str | None = None
         self.borrowed = False
-        self.replays = Replays() if self.route.replay else None
+        self.replays = Replays(weights=gm.parameters) if self.route.replay else None
 
     def key(self, length: int):
         return bucket(length, self.limit) if self.route.causal_flags else None
