@@ -148,9 +148,15 @@ def end_retrieval(records: list[dict], name: str, init: str) -> str:
     return ", ".join(f"{100 * sum(r['by_length'].values()) / len(r['by_length']):.0f}% {kind}" for kind, r in rows.items())
 
 
+def saved_cell(run: dict) -> str:
+    """A recipe run's final checkpoint, loaded from disk, on the whole eval text ('-' in records from before it was measured)."""
+    return "-" if run.get("saved_ppl") is None else f"{run['saved_ppl']:.3f}"
+
+
 def recipe_table(records: list[dict]) -> list[str]:
-    """Markdown: per recipe, the ratio at the lowest target of LADDER both inits reached, and the
-    final perplexity of each (the records of the latest study per recipe name); with --recipe-retrieval
+    """Markdown: per recipe, the ratio at the lowest target of LADDER both inits reached, the final
+    perplexity of each on the curve's eval tokens and, through the saved checkpoint, on the whole eval
+    text (the records of the latest study per recipe name); with --recipe-retrieval
     rows, each init's retrieval at the end, averaged over the lengths."""
     by_recipe: dict[str, dict[str, dict]] = {}
     for r in records:
@@ -159,12 +165,12 @@ def recipe_table(records: list[dict]) -> list[str]:
     if not by_recipe:
         return []
     retrieval = any(str(r.get("point", "")).startswith(recipe_point("")) for r in records)
-    lines = ["| recipe | target | baseline tokens | TC tokens | ratio | final ppl baseline | final ppl TC |"
-             + (" retrieval at the end, baseline | TC |" if retrieval else ""), "|---|---|---|---|---|---|---|" + ("---|---|" if retrieval else "")]
+    lines = ["| recipe | target | baseline tokens | TC tokens | ratio | final ppl baseline | final ppl TC | saved, whole eval text: baseline | TC |"
+             + (" retrieval at the end, baseline | TC |" if retrieval else ""), "|---|---|---|---|---|---|---|---|---|" + ("---|---|" if retrieval else "")]
     for name, runs in by_recipe.items():
         label = name
         if any(i not in runs for i in INITS):
-            lines.append(f"| {name} | only {', '.join(runs)} ran | | | | | |" + (" | |" if retrieval else ""))
+            lines.append(f"| {name} | only {', '.join(runs)} ran | | | | | | | |" + (" | |" if retrieval else ""))
             continue
         teacher = runs["tcal"]["teacher_ppl"]
         rows = {i: target_rows(runs[i]["curve"], teacher, LADDER) for i in INITS}
@@ -175,5 +181,6 @@ def recipe_table(records: list[dict]) -> list[str]:
         name += f" (cut short by the deadline: {', '.join(cut)})" if cut else ""
         found = f" {end_retrieval(records, label, 'baseline')} | {end_retrieval(records, label, 'tcal')} |" if retrieval else ""
         lines.append(f"| {name} | {b['multiple']}x ({b['target_ppl']:.2f}) | {describe(b)} | {describe(t)} | {ratio(b, t)} | "
-                     f"{runs['baseline']['curve'][-1][1]:.3f} | {runs['tcal']['curve'][-1][1]:.3f} |{found}")
+                     f"{runs['baseline']['curve'][-1][1]:.3f} | {runs['tcal']['curve'][-1][1]:.3f} | {saved_cell(runs['baseline'])} | "
+                     f"{saved_cell(runs['tcal'])} |{found}")
     return lines

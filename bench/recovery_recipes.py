@@ -24,7 +24,9 @@ import torch
 from bench.recovery import median_rate, read_curve
 from bench.recovery_one import Records, add_all, build_init, log, retrieval_rows, run_config
 from bench.recovery_points import INITS, recipe_point, recipe_table
-from surgery import capture
+from surgery import capture, load
+from surgery.data.cache import text_ids
+from surgery.eval.perplexity import perplexity
 from surgery.train import distill
 from surgery.train.config import DistillConfig
 
@@ -47,6 +49,15 @@ def read_recipes(path: str) -> list[tuple[str, dict]]:
                              "tokens (every recipe runs --tokens: equal tokens)")
         named.append((str(recipe.get("name") or ", ".join(f"{k}={v}" for k, v in fields.items()) or "command line"), fields))
     return named
+
+
+def saved_perplexity(checkpoint: Path, eval_text: str) -> float:
+    """The run's final weights as a user gets them (the checkpoint loaded from disk, CUDA and bf16 where
+    there is a GPU, as `surgery eval` does) on the whole --eval file: the through-save figure beside the
+    in-memory curve, which scores the first --eval-tokens only."""
+    cuda = torch.cuda.is_available()
+    graph = load(checkpoint, device="cuda" if cuda else "cpu", dtype=torch.bfloat16 if cuda else torch.float32)
+    return perplexity(graph, text_ids(eval_text, graph.tokenizer))["perplexity"]
 
 
 def study(args, began: float) -> None:
@@ -87,10 +98,11 @@ def run_recipe(args, records: Records, teacher, init_dir: Path, run_out: Path, n
     curve = read_curve(run_out)
     teacher_ppl = json.loads((run_out / "log.jsonl").read_text().splitlines()[0])["teacher_ppl"]
     stopped = "deadline" if summary.get("stopped") == "time_limit" else "budget"
+    saved = saved_perplexity(Path(summary["checkpoint"]), args.eval)
     records.add({"kind": "recipe", "recipe": name, "init": init, "fields": fields, "curve": curve, "teacher_ppl": teacher_ppl,
-                 "stopped": stopped, "tokens_per_s": median_rate(run_out, "tokens_per_s"), "seconds": seconds})
+                 "stopped": stopped, "tokens_per_s": median_rate(run_out, "tokens_per_s"), "seconds": seconds, "saved_ppl": saved})
     log(f"recipe {name!r}, {init}: {curve[-1][0]:,} tokens in {seconds:.0f} s, perplexity {curve[0][1]:.3f} -> {curve[-1][1]:.3f}"
-        f" (teacher {teacher_ppl:.3f})")
+        f" (teacher {teacher_ppl:.3f}); the saved checkpoint on the whole --eval text: {saved:.3f}")
     if args.recipe_retrieval and trained:  # the graph distill trained in place: its weights are the run's last
         add_all(records, retrieval_rows(trained[0], args, init, recipe_point(name), curve[-1][0]))
     return seconds

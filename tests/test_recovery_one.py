@@ -200,6 +200,9 @@ def test_recipes_run_both_inits_at_equal_tokens(both, monkeypatch, capsys, tmp_p
     line = next(x for x in table if x.startswith("| gates held |"))
     want = [f"{100 * passkey[(i, 'recipe: gates held')]['300']:.0f}% passkey" for i in ("baseline", "tcal")]
     assert [c.strip() for c in line.split("|")[-3:-1]] == want
+    saved = {r["init"]: r["saved_ppl"] for r in recipe_rows if r["recipe"] == "gates held"}  # the checkpoint from disk, whole eval text
+    assert all(math.isfinite(v) and v > 1 for v in saved.values())
+    assert [c.strip() for c in line.split("|")[-5:-3]] == [f"{saved[i]:.3f}" for i in ("baseline", "tcal")]
     recipes.write_text(json.dumps([{"name": "x", "tokens": 5}]))
     code, text = bench(monkeypatch, capsys, "--recipes", recipes, *args)
     assert code == 1 and "equal tokens" in text
