@@ -19,12 +19,11 @@ import time
 import uuid
 from pathlib import Path
 
-import torch
-
 from bench.recovery import median_rate, read_curve
 from bench.recovery_one import Records, add_all, build_init, log, retrieval_rows, run_config
 from bench.recovery_points import INITS, recipe_point, recipe_table
 from surgery import capture, load
+from surgery.cli.common import placement
 from surgery.data.cache import text_ids
 from surgery.eval.perplexity import perplexity
 from surgery.train import distill
@@ -55,8 +54,8 @@ def saved_perplexity(checkpoint: Path, eval_text: str) -> float:
     """The run's final weights as a user gets them (the checkpoint loaded from disk, CUDA and bf16 where
     there is a GPU, as `surgery eval` does) on the whole --eval file: the through-save figure beside the
     in-memory curve, which scores the first --eval-tokens only."""
-    cuda = torch.cuda.is_available()
-    graph = load(checkpoint, device="cuda" if cuda else "cpu", dtype=torch.bfloat16 if cuda else torch.float32)
+    device, dtype = placement(None, None)
+    graph = load(checkpoint, device=device, dtype=dtype)
     return perplexity(graph, text_ids(eval_text, graph.tokenizer))["perplexity"]
 
 
@@ -67,8 +66,8 @@ def study(args, began: float) -> None:
     records = Records(Path(args.records or out / "recovery.jsonl"), f"recipes-{uuid.uuid4().hex[:8]}")
     for _, fields in recipes:  # every recipe checked before anything is built
         run_config(args, 0.0, **fields)
-    cuda = torch.cuda.is_available()
-    teacher = capture(args.model, device="cuda" if cuda else "cpu", dtype=torch.bfloat16 if cuda else torch.float32)
+    device, dtype = placement(None, None)  # as the CLI places a model: CUDA and bf16 where there is a GPU
+    teacher = capture(args.model, device=device, dtype=dtype)
     inits, select = {}, None
     for init in INITS:  # the layers chosen once, for both
         args.init = init

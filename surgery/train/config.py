@@ -153,10 +153,11 @@ class DistillConfig(PassConfig):
 
     def plan(self) -> list[tuple[str, int]]:
         """[(stage, tokens)] in the order they run."""
-        if self.stages_run() == "both":
+        stage = self.stages_run()
+        if stage == "both":
             l2 = self.tokens // 7 if self.l2_tokens is None else self.l2_tokens
             return [("l2", l2), ("kl", self.tokens - l2)]
-        return [(self.stages_run(), self.tokens)]
+        return [(stage, self.tokens)]
 
     def stages_run(self) -> str:
         """The stage setting this run takes: the one asked for, else "both" where --l2-tokens was given or
