@@ -118,14 +118,22 @@ def build_init(args, teacher, out: Path, select: dict | None = None) -> tuple[Pa
     calibration = args.calibration or args.data
     select = select or selection(args, teacher, calibration, {})
     configs = {"select": dict(select)}
+    passes = pipeline(args)
     if args.init == "tcal":
-        configs |= {"calibrate": {"calibration": calibration}, "align": {"calibration": calibration}}
+        configs |= {name: {"calibration": calibration} for name in passes[2:]}
         parse_options(args.set, into=configs)
     graph = teacher.branch()
     t = time.perf_counter()
-    PassManager(PIPELINES[args.init], configs)(graph)
+    PassManager(passes, configs)(graph)
     log(f"{args.init} init built in {time.perf_counter() - t:.1f} s: GDN layers {graph.gdn_targets()}")
     return save(graph, out / f"{args.init}-init", force=True), select
+
+
+def pipeline(args) -> list[str]:
+    """The init's passes: the baseline's, or select, replace and --tcal-passes (default calibrate, align)."""
+    if args.init == "baseline":
+        return PIPELINES["baseline"]
+    return PIPELINES["baseline"] + (getattr(args, "tcal_passes", None) or "calibrate,align").split(",")
 
 
 def run_config(args, time_limit: float, **fields) -> DistillConfig:
@@ -307,7 +315,7 @@ def finish(args, hook: Crossings, records: Records, marker: dict, run_out: Path,
         hook.student = load(RunDir(run_out).last()[0], device="cuda" if torch.cuda.is_available() else "cpu", dtype=torch.float32)
     end_rows(args, hook, records, curve[-1][0])
     shared = {k: v for k, v in config.to_dict().items() if k not in ("time_limit", "save_every", "eval_every", "micro_batch", "compile")}
-    row = records.add({"kind": "run", "init": args.init, "config": shared, "layers": marker.get("select"), "teacher": str(args.model),
+    row = records.add({"kind": "run", "init": args.init, "passes": pipeline(args), "config": shared, "layers": marker.get("select"), "teacher": str(args.model),
                        "data": [str(d) for d in args.data], "eval": str(args.eval), "teacher_ppl": teacher_ppl, "curve": curve,
                        "stopped": stopped, "tokens_per_s": median_rate(run_out, "tokens_per_s"), "snapshot_s": hook.snapshot_s,
                        "wall_s": time.time() - began, "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"})

@@ -67,8 +67,9 @@ def ratio(base: dict, tc: dict) -> str:
         return "both start there" if b == t == 0 else (f"{b / t:.2f}x" if t > 0 else "TC starts there")
     if t is not None:
         return f"> {base['trained_tokens'] / t:.2f}x (baseline not reached)" if t > 0 else "TC starts there; baseline not reached"
-    if b is not None:
-        return f"< {b / tc['trained_tokens']:.2f}x (TC not reached)"
+    if b is not None:  # a run cut off before its first step (deadline spent on set-up) trained nothing yet
+        trained = tc["trained_tokens"]
+        return f"< {b / trained:.2f}x (TC not reached)" if trained > 0 else "TC not trained yet"
     return "neither reached"
 
 
@@ -94,6 +95,12 @@ def same(x, y) -> bool:
     return x == y
 
 
+def passes_note(run: dict) -> str:
+    """' (select, replace, calibrate)' for a Taylor-Calibrate init built without its full pipeline, else ''."""
+    passes = run.get("passes")
+    return f" ({', '.join(passes)})" if passes and run["init"] == "tcal" and passes[-2:] != ["calibrate", "align"] else ""
+
+
 def targets_table(records: list[dict]) -> list[str]:
     """Markdown: tokens to 1.5x / 1.3x / 1.2x per init and their ratio, from the latest runs."""
     runs = latest_runs(records)
@@ -101,7 +108,7 @@ def targets_table(records: list[dict]) -> list[str]:
     if missing:
         return [f"no run of {', '.join(missing)} in the records yet: run bench/recovery.py --init {missing[0]} with the same --records"]
     lines = [f"teacher perplexity {runs['tcal']['teacher_ppl']:.3f} (eval subset); "
-             + "; ".join(f"{i}: {runs[i]['curve'][-1][0] / 1e6:.3g}M tokens trained, stopped by {runs[i]['stopped']}, "
+             + "; ".join(f"{i}{passes_note(runs[i])}: {runs[i]['curve'][-1][0] / 1e6:.3g}M tokens trained, stopped by {runs[i]['stopped']}, "
                          f"{runs[i]['tokens_per_s']:,.0f} tokens/s" for i in INITS),
              "| target | baseline tokens | Taylor-Calibrate tokens | ratio |", "|---|---|---|---|"]
     for base, tc in zip(*(target_rows(runs[i]["curve"], runs[i]["teacher_ppl"]) for i in INITS)):

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import dataclass
 
 from surgery.errors import PassConfigError
@@ -9,6 +10,7 @@ from surgery.core import progress
 from surgery.core.compiled import maybe_compiled
 from surgery.core.graph import Graph
 from surgery.core.pipeline import Pass, PassResult, register
+from tcal.gate_regime import SHORT_MEMORY, gate_regime
 from tcal.phase2 import AlignOptions, align_layers
 from tcal.schedule import SCHEDULES
 
@@ -67,15 +69,41 @@ class Align(Pass):
                         for l, m in modules.items() if l not in shares}
             for l, (forward, target) in shares.items():
                 forwards[l], pairs[l] = forward, (data[l].x, target)
+            before = horizons(modules, data)
             report = align_layers(modules, pairs, self.config.project(AlignOptions), progress=on_step, forwards=forwards)
+        after = horizons(modules, data)
         seconds = time.perf_counter() - start
-        graph.meta["align"] = report | {"seconds": seconds}
+        graph.meta["align"] = report | {"seconds": seconds, "horizons": {l: [before[l], after[l]] for l in after}}
         layers = report["layers"].values()
+        warn_short_memory(before, after)
         return PassResult(graph, modified=True, info={
             "seconds": round(seconds, 2), "steps": report["steps"],
             "mean_initial_loss": sum(r["initial"] for r in layers) / len(report["layers"]),
             "mean_best_loss": sum(r["best"] for r in layers) / len(report["layers"]),
+            **({"short_memory_layers": short} if (short := [l for l, h in after.items() if h < SHORT_MEMORY]) else {}),
         })
 
     def ensures(self, graph: Graph) -> None:
         require_finite(self, graph)
+
+
+HORIZON_WINDOWS = 4  # calibration windows the memory horizons are measured on (cheap next to the steps)
+
+
+def horizons(modules: dict, data: dict) -> dict[int, float]:
+    """Each layer's memory horizon in tokens (tcal.gate_regime) on its first calibration windows; layers
+    without a decay (no horizon) or without forward_parts (a head split's layer) are left out."""
+    found = {l: gate_regime(m, data[l].x[:HORIZON_WINDOWS].to(next(m.parameters()).dtype)).get("horizon")
+             for l, m in modules.items() if hasattr(m, "forward_parts")}
+    return {l: h for l, h in found.items() if h is not None}
+
+
+def warn_short_memory(before: dict[int, float], after: dict[int, float]) -> None:
+    """Name the layers alignment left remembering less than one token that remembered more before it."""
+    fell = [l for l in after if after[l] < SHORT_MEMORY <= before.get(l, 0.0)]
+    if fell:
+        detail = ", ".join(f"{l} ({before[l]:.3g} -> {after[l]:.2g})" for l in fell)
+        warnings.warn(f"align left layers {detail} with a memory horizon under one token (their decay gates saturated). "
+                      "Distillation hardly moves such gates: on Gemma-3-270M an init like this recovered more slowly than the "
+                      "copy-only one (bench/RESULTS.md, twenty-third session). To keep Phase 1's gates, run without align "
+                      "(--passes select,replace,calibrate).", stacklevel=2)

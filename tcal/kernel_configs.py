@@ -10,6 +10,9 @@ of SmolLM2; with it the same cold run took 55.4 s against 201-216 s, bench/RESUL
 they are put into each autotuner's cache when fla is first imported, so a
 kernel whose key was recorded compiles one config and runs it. Anything else (another GPU, another
 Triton or fla, a key not recorded) autotunes as before. SURGERY_KERNEL_CONFIGS=off turns this off.
+The keys hold head counts and sizes, so each teacher shape is recorded once: `record` into the shipped
+file adds that run's keys to the ones there (Gemma-3-270M's 4 heads of 256 are not in it yet; its
+Taylor-Calibrate init took 436.6 s on the H200 against SmolLM2's 28-46 s, bench/RESULTS.md, twenty-third session).
 """
 from __future__ import annotations
 
@@ -75,10 +78,22 @@ def recorded() -> dict:
 
 
 def write(path: Path) -> int:
-    """Write this process's choices for this GPU; returns how many (kernel, key) pairs."""
+    """Write this process's choices for this GPU into `path`, keeping the keys an existing table for
+    the same GPU, Triton and fla holds (a table grows one teacher's shapes at a time: SmolLM2's
+    head size 64, Gemma-3's 256); returns how many (kernel, key) pairs this process recorded."""
     kernels = recorded()
-    table = {"gpu": gpu_label(), **versions(), "kernels": kernels}
-    Path(path).write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
+    table = {"gpu": gpu_label(), **versions(), "kernels": {}}
+    path = Path(path)
+    if path.exists():
+        old = json.loads(path.read_text())
+        if all(old.get(k) == v for k, v in table.items() if k != "kernels"):
+            table["kernels"] = old.get("kernels", {})
+    for name, entries in kernels.items():
+        fresh = {json.dumps(e["key"]) for e in entries}
+        table["kernels"][name] = [e for e in table["kernels"].get(name, []) if json.dumps(e["key"]) not in fresh] + entries
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
+    tmp.replace(path)
     return sum(len(entries) for entries in kernels.values())
 
 
@@ -129,7 +144,7 @@ def main(argv: list[str]) -> None:
     except SystemExit as exc:
         if exc.code not in (None, 0):
             raise
-    print(f"recorded {write(out)} tuned kernel configs for {gpu_label()} in {out}", file=sys.stderr)
+    print(f"recorded {write(out)} tuned kernel configs for {gpu_label()} into {out}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -307,6 +307,32 @@ def test_phase1_and_phase2_beat_the_copy_only_baseline_on_held_out_text(stories,
     # by a clear margin, not by noise (measured: teacher 4.7, copy 33, phase1 11.4, phase1+2 9.5 after 20 align
     # steps, 8.0 after 60)
     assert ppl["phase1+2"] < 0.5 * ppl["copy"], ppl
+    horizons = aligned.meta["align"]["horizons"]  # [before, after] align, in tokens, on 4 calibration windows
+    assert sorted(horizons) == CONVERT and all(h > 0 for pair in horizons.values() for h in pair)
+
+
+def test_memory_horizon_follows_the_decay_formula(calibrated, teacher_data, gdn_at):
+    from tcal.gate_regime import gate_regime
+
+    for layer in CONVERT:
+        gdn, x = gdn_at(calibrated, layer), teacher_data[layer].x[:4]
+        rate = gdn.A_log.double().exp() * F.softplus(x.double() @ gdn.a_proj.weight.double().T + gdn.dt_bias.double())  # -g
+        beta = torch.sigmoid(x.double() @ gdn.b_proj.weight.double().T)
+        regime = gate_regime(gdn, x)
+        assert regime["horizon"] == pytest.approx(1 / rate.mean().item(), rel=1e-4)
+        assert regime["retention"] == pytest.approx(torch.exp(-rate).mean().item(), rel=1e-4)
+        assert regime["write"] == pytest.approx(beta.mean().item(), rel=1e-4)
+
+
+def test_align_warns_of_layers_it_left_without_memory():
+    from surgery.passes.align import warn_short_memory
+
+    with pytest.warns(UserWarning, match=r"align left layers 1 \(30 -> 0.3\) with a memory horizon under one token"):
+        warn_short_memory({1: 30.0, 3: 0.5, 4: 20.0}, {1: 0.3, 3: 0.2, 4: 15.0})  # 3 was short before align
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        warn_short_memory({1: 30.0}, {1: 1.5})
 
 
 def test_align_is_deterministic_under_a_seed(stories, gdn_at):

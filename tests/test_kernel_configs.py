@@ -70,8 +70,25 @@ def test_record_round_trips_through_pin(shipped, tmp_path, monkeypatch):
     out = tmp_path / "Fake_GPU.json"
     assert kernel_configs.write(out) == 1
     shipped["fla.ops.y.kernel_b"].cache.clear()
-    assert kernel_configs.pin_tuned_configs() == 1
+    assert kernel_configs.pin_tuned_configs() == 2  # the recorded key and the table's own (kept by write)
     assert shipped["fla.ops.y.kernel_b"].cache[(4, "torch.float32")].kwargs == {"BK": 32}
+
+
+def test_record_adds_to_a_table_of_the_same_versions_and_replaces_one_of_others(shipped, tmp_path, monkeypatch):
+    out = tmp_path / "Fake_GPU.json"
+    shipped["fla.ops.x.kernel_a"].cache[(4, 256, True, "torch.bfloat16")] = FakeConfig({"BT": 16}, 8, 3)
+    assert kernel_configs.write(out) == 1
+    keys = {k: [e["key"] for e in v] for k, v in json.loads(out.read_text())["kernels"].items()}
+    assert keys == {"fla.ops.x.kernel_a": [[9, 64, True, "torch.bfloat16"], [4, 256, True, "torch.bfloat16"]],
+                    "fla.ops.z.not_loaded": [[1]]}  # the shipped keys kept, the new one added
+    shipped["fla.ops.x.kernel_a"].cache[(9, 64, True, "torch.bfloat16")] = FakeConfig({"BT": 32}, 2, 1)
+    kernel_configs.write(out)
+    entries = json.loads(out.read_text())["kernels"]["fla.ops.x.kernel_a"]
+    assert [e["config"]["kwargs"] for e in entries] == [{"BT": 16}, {"BT": 32}]  # a key recorded again: the new winner
+    monkeypatch.setattr(kernel_configs, "versions", lambda: {"triton": "3.8.0", "fla": "0.6.0"})
+    kernel_configs.write(out)
+    table = json.loads(out.read_text())
+    assert table["triton"] == "3.8.0" and "fla.ops.z.not_loaded" not in table["kernels"]  # another Triton: nothing kept
 
 
 def test_shipped_tables_name_their_versions():

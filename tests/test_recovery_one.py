@@ -84,6 +84,9 @@ def test_crossing_and_end_rate_against_references():
     assert points.differences(runs) == ["layers", "teacher_ppl"]
     row = points.target_rows(curve, 40.0, (1.0,))[0]
     assert points.describe(row) == f"not reached in 3e-05M ({slope * 1e7:+.3g} ppl / 10M at 47.00)"
+    base = {"tokens": 9e6, "trained_tokens": 9.4e6}
+    assert points.ratio(base, {"tokens": None, "trained_tokens": 2.6e7}) == "< 0.35x (TC not reached)"
+    assert points.ratio(base, {"tokens": None, "trained_tokens": 0}) == "TC not trained yet"  # the Gemma stay's ZeroDivisionError
 
 
 def test_one_init_per_call_appends_and_the_table_compares(both, monkeypatch, capsys):
@@ -275,3 +278,19 @@ def test_the_log_alone_holds_the_curve_and_each_crossing(tmp_path, capsys):
     for m, tokens in ((1.5, 4_000_000), (1.3, 6_000_000)):
         at = reference_tokens(curve, 20.0 * m)
         assert f"crossed {m}x at {tokens:,} tokens ({at / 1e6:.2f}M interpolated)" in "\n".join(lines), lines
+
+
+def test_a_phase1_only_init_runs_no_align_and_the_table_names_its_passes(tmp_path):
+    from bench.recovery_one import build_init, pipeline
+    from surgery import capture, load
+
+    args = argparse.Namespace(init="tcal", tcal_passes="calibrate", calibration=None, data=[str(SAMPLE)],
+                              set=["calibrate.samples=2", "calibrate.length=64"])
+    assert pipeline(args) == ["select", "replace", "calibrate"]
+    assert pipeline(argparse.Namespace(init="tcal")) == ["select", "replace", "calibrate", "align"]
+    init_dir, _ = build_init(args, capture(str(STORIES), device="cpu"), tmp_path, {"policy": "keep", "layers": [0, 2, 4]})
+    meta = load(init_dir, device="cpu").meta
+    assert "calibrate" in meta and "align" not in meta
+    run = {"init": "tcal", "passes": pipeline(args)}
+    assert points.passes_note(run) == " (select, replace, calibrate)"
+    assert points.passes_note(run | {"passes": pipeline(argparse.Namespace(init="tcal"))}) == ""

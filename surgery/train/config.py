@@ -34,9 +34,8 @@ class DistillConfig(PassConfig):
     """tokens         training tokens over all stages; a stage runs tokens // (global_batch x seq_len) steps
     stage          "l2" (per-layer, teacher-forced MSE), "kl" (end-to-end logits), or "both" in turn;
                    None (the default): "both" where its l2 share is at least one optimizer step, else "kl".
-                   Issue 30's recipe study (bench/RESULTS.md, twenty-second session): at 8.4M tokens an l2
-                   stage of 1M first gave both inits their lowest WikiText-2 perplexity of the recipes run
-                   (Taylor-Calibrate 29.53 against 30.36 for KL alone, the copy-only baseline 36.78 against 39.64)
+                   Issue 30's recipe study (bench/RESULTS.md, twenty-second session): an l2 stage of 1M of 8.4M tokens
+                   gave both inits their lowest perplexity (TC / copy-only 29.53 / 36.78; KL alone 30.36 / 39.64)
     l2_tokens      with stage "both": tokens of stage 1 (default tokens // 7, the reference's 100M of 700M)
     global_batch   sequences per optimizer step over all processes; micro_batch: per forward on one
                    process (default: the process's whole share, i.e. no accumulation)
