@@ -285,7 +285,7 @@ def kl_config(args, tokens: int, eval_every: int, save_every: int) -> dict:
         cfg["lr_kl_rest"] = args.lr_rest
     if args.micro_batch:
         cfg["micro_batch"] = args.micro_batch
-    if getattr(args, "no_compile", False):  # a Namespace built by hand (tests) may lack it
+    if args.no_compile:
         cfg["compile"] = False
     return cfg
 
@@ -441,7 +441,7 @@ def one_init_options(ap) -> None:
     """Issue 30's modes: one init per stay (--init), the table of both (--table), the recipe study (--recipes)."""
     ap.add_argument("--init", choices=("baseline", "tcal"), default=None,
                     help="distil ONE init until --stop-multiple x the teacher's perplexity, --deadline-s or --tokens; append to --records")
-    ap.add_argument("--tcal-passes", default="calibrate,align",
+    ap.add_argument("--tcal-passes", default="calibrate,align", choices=("calibrate,align", "calibrate", "align"),
                     help="with --init tcal: the Taylor-Calibrate passes after select and replace (calibrate: Phase 1 only)")
     ap.add_argument("--deadline-s", type=float, default=None, help="with --init/--recipes: seconds from the start of this process to be done in")
     ap.add_argument("--stop-multiple", type=float, default=1.2, help="with --init: stop once the eval perplexity is this multiple of the teacher's")
@@ -482,8 +482,6 @@ def one_init_modes(args, ap) -> None:
     missing = [f"--{k}" for k in ("model", "data", "eval", "out", "tokens") if getattr(args, k) is None]
     if missing:
         ap.error(f"--{'init' if args.init else 'recipes'} needs {', '.join(missing)}")
-    if args.tcal_passes not in ("calibrate,align", "calibrate", "align"):
-        ap.error(f"--tcal-passes {args.tcal_passes}: use calibrate,align (the default), calibrate or align")
     args.lengths = [int(x) for x in (args.passkey_lengths or "1024,2048,4096,8192").split(",")]
     args.retrieval = [t.strip() for t in args.retrieval.split(",") if t.strip()]
     if not args.retrieval or set(args.retrieval) - set(recovery_points.RETRIEVAL):

@@ -29,14 +29,13 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from bench.recovery import kl_config, median_rate, read_curve, selection
-from bench.recovery_points import crossing, describe, retrieval_tables, target_rows, targets_table
+from bench.recovery_points import PIPELINES, crossing, describe, retrieval_tables, target_rows, targets_table
 from surgery import PassManager, capture, load, save
 from surgery.core.pipeline import parse_options
 from surgery.eval.retrieval import retrieval_task
 from surgery.train import DistillConfig, distill
 from surgery.train.run_dir import RunDir
 
-PIPELINES = {"baseline": ["select", "replace"], "tcal": ["select", "replace", "calibrate", "align"]}
 SNAPSHOT_POINTS = (1.5, 1.3)  # crossings that get a passkey row
 ANSWER_ROOM = 16               # tokens a passkey answer may take past its prompt
 UNKNOWN_PASSKEY_S = 60.0       # reserve per passkey row when none has been timed yet
@@ -133,7 +132,7 @@ def pipeline(args) -> list[str]:
     """The init's passes: the baseline's, or select, replace and --tcal-passes (default calibrate, align)."""
     if args.init == "baseline":
         return PIPELINES["baseline"]
-    return PIPELINES["baseline"] + (getattr(args, "tcal_passes", None) or "calibrate,align").split(",")
+    return PIPELINES["baseline"] + args.tcal_passes.split(",")
 
 
 def run_config(args, time_limit: float, **fields) -> DistillConfig:

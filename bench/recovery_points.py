@@ -11,6 +11,7 @@ MULTIPLES = (1.5, 1.3, 1.2)            # the targets issue 30 asks for, multiple
 LADDER = (1.2, 1.3, 1.5, 2.0, 3.0, 5.0)  # the recipe study reads its ratio at the lowest one both inits reach
 RATE_POINTS = 3                        # evaluations the end rate is fitted over
 INITS = ("baseline", "tcal")
+PIPELINES = {"baseline": ["select", "replace"], "tcal": ["select", "replace", "calibrate", "align"]}  # each init's passes by default
 RETRIEVAL = TASKS  # the kinds of retrieval rows: one per task
 SAME = ("config", "layers", "teacher", "data", "eval", "teacher_ppl")  # what both runs of a table must share
 
@@ -98,7 +99,7 @@ def same(x, y) -> bool:
 def passes_note(run: dict) -> str:
     """' (select, replace, calibrate)' for a Taylor-Calibrate init built without its full pipeline, else ''."""
     passes = run.get("passes")
-    return f" ({', '.join(passes)})" if passes and run["init"] == "tcal" and passes[-2:] != ["calibrate", "align"] else ""
+    return f" ({', '.join(passes)})" if passes and passes != PIPELINES[run["init"]] else ""
 
 
 def targets_table(records: list[dict]) -> list[str]:

@@ -220,7 +220,8 @@ def test_the_shipped_recipe_study_is_valid():
     from bench.recovery_recipes import read_recipes
 
     args = SimpleNamespace(seq_len=512, global_batch=128, tokens=4 * 2**20, schedule="constant", warmup=0.0, eval="wiki.test.raw",
-                           eval_tokens=32768, eval_every=262144, save_every=None, seed=0, lr=2e-4, lr_rest=1.4e-5, micro_batch=None)
+                           eval_tokens=32768, eval_every=262144, save_every=None, seed=0, lr=2e-4, lr_rest=1.4e-5, micro_batch=None,
+                           no_compile=False)
     recipes = read_recipes(str(ROOT / "bench/recipes30.json"))
     configs = [run_config(args, 0.0, **fields) for _, fields in recipes]
     assert len({name for name, _ in recipes}) == len(recipes) >= 6
@@ -287,10 +288,10 @@ def test_a_phase1_only_init_runs_no_align_and_the_table_names_its_passes(tmp_pat
     args = argparse.Namespace(init="tcal", tcal_passes="calibrate", calibration=None, data=[str(SAMPLE)],
                               set=["calibrate.samples=2", "calibrate.length=64"])
     assert pipeline(args) == ["select", "replace", "calibrate"]
-    assert pipeline(argparse.Namespace(init="tcal")) == ["select", "replace", "calibrate", "align"]
+    assert pipeline(argparse.Namespace(init="tcal", tcal_passes="calibrate,align")) == ["select", "replace", "calibrate", "align"]
     init_dir, _ = build_init(args, capture(str(STORIES), device="cpu"), tmp_path, {"policy": "keep", "layers": [0, 2, 4]})
     meta = load(init_dir, device="cpu").meta
     assert "calibrate" in meta and "align" not in meta
     run = {"init": "tcal", "passes": pipeline(args)}
     assert points.passes_note(run) == " (select, replace, calibrate)"
-    assert points.passes_note(run | {"passes": pipeline(argparse.Namespace(init="tcal"))}) == ""
+    assert points.passes_note(run | {"passes": pipeline(argparse.Namespace(init="tcal", tcal_passes="calibrate,align"))}) == ""
