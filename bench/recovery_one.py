@@ -135,6 +135,11 @@ def pipeline(args) -> list[str]:
     return PIPELINES["baseline"] + args.tcal_passes.split(",")
 
 
+def init_options(args) -> list[str]:
+    """The --set options the init was built with (they apply to Taylor-Calibrate's passes only)."""
+    return list(args.set) if args.init == "tcal" else []
+
+
 def run_config(args, time_limit: float, **fields) -> DistillConfig:
     """The stage-2 KL recipe of the command line (plus `fields`), the same for both inits."""
     step = args.seq_len * args.global_batch
@@ -314,7 +319,7 @@ def finish(args, hook: Crossings, records: Records, marker: dict, run_out: Path,
         hook.student = load(RunDir(run_out).last()[0], device="cuda" if torch.cuda.is_available() else "cpu", dtype=torch.float32)
     end_rows(args, hook, records, curve[-1][0])
     shared = {k: v for k, v in config.to_dict().items() if k not in ("time_limit", "save_every", "eval_every", "micro_batch", "compile")}
-    row = records.add({"kind": "run", "init": args.init, "passes": pipeline(args), "config": shared, "layers": marker.get("select"), "teacher": str(args.model),
+    row = records.add({"kind": "run", "init": args.init, "passes": pipeline(args), "set": init_options(args), "config": shared, "layers": marker.get("select"), "teacher": str(args.model),
                        "data": [str(d) for d in args.data], "eval": str(args.eval), "teacher_ppl": teacher_ppl, "curve": curve,
                        "stopped": stopped, "tokens_per_s": median_rate(run_out, "tokens_per_s"), "snapshot_s": hook.snapshot_s,
                        "wall_s": time.time() - began, "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"})

@@ -97,9 +97,12 @@ def same(x, y) -> bool:
 
 
 def passes_note(run: dict) -> str:
-    """' (select, replace, calibrate)' for a Taylor-Calibrate init built without its full pipeline, else ''."""
+    """' (select, replace, calibrate)' for a Taylor-Calibrate init built without its full pipeline,
+    ' (align.lr_gates=1e-3)' for one built with other options (both where both), else ''."""
     passes = run.get("passes")
-    return f" ({', '.join(passes)})" if passes and passes != PIPELINES[run["init"]] else ""
+    notes = [", ".join(passes)] if passes and passes != PIPELINES[run["init"]] else []
+    notes += [" ".join(run["set"])] if run.get("set") else []
+    return "".join(f" ({note})" for note in notes)
 
 
 def targets_table(records: list[dict]) -> list[str]:

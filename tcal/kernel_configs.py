@@ -5,14 +5,16 @@ key (head counts, head sizes, chunk size, dtypes; not the sequence length) compi
 candidate config. On a fresh H200 that is most of the first `surgery apply`'s time (bench/RESULTS.md,
 fifteenth session). The winners depend on the GPU, Triton and fla, not on the weights: recorded once
 on a GPU (`python -m tcal.kernel_configs record OUT.json -m surgery.cli.app apply ...`) and shipped in
-kernel_configs/<GPU>.json (NVIDIA_H200.json: 20 keys of 13 kernels, recorded from a cold `surgery apply`
+kernel_configs/<GPU>.json (NVIDIA_H200.json: SmolLM2's 20 keys of 13 kernels, recorded from a cold `surgery apply`
 of SmolLM2; with it the same cold run took 55.4 s against 201-216 s, bench/RESULTS.md, sixteenth session),
 they are put into each autotuner's cache when fla is first imported, so a
 kernel whose key was recorded compiles one config and runs it. Anything else (another GPU, another
 Triton or fla, a key not recorded) autotunes as before. SURGERY_KERNEL_CONFIGS=off turns this off.
 The keys hold head counts and sizes, so each teacher shape is recorded once: `record` into the shipped
-file adds that run's keys to the ones there (Gemma-3-270M's 4 heads of 256 are not in it yet; its
-Taylor-Calibrate init took 436.6 s on the H200 against SmolLM2's 28-46 s, bench/RESULTS.md, twenty-third session).
+file adds that run's keys to the ones there. NVIDIA_H200.json also holds Gemma-3-270M's (4 heads of 256,
+27 keys recorded from a Taylor-Calibrate init and its distillation): its `surgery apply` with empty Triton
+and Inductor caches took 97.0 s where building the same init while autotuning took 393.5 s
+(bench/RESULTS.md, twenty-fourth session).
 """
 from __future__ import annotations
 

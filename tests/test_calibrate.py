@@ -12,6 +12,8 @@ import copy
 import dataclasses
 import math
 
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -333,6 +335,54 @@ def test_align_warns_of_layers_it_left_without_memory():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         warn_short_memory({1: 30.0}, {1: 1.5})
+
+
+def test_align_runs_again_with_slower_gates_where_it_took_a_layers_memory(stories, monkeypatch, gdn_at):
+    """Where the first alignment leaves a layer under one token of memory (faked here: the tiny teacher's
+    layers keep theirs), every layer is aligned again from Phase 1's state with lr_gates / 10, and the
+    result is exactly a direct alignment at that rate (how Gemma-3-270M's measured init was built)."""
+    import surgery.passes.align as align_pass
+
+    g, direct = (convert(stories(), [1, 3]) for _ in range(2))
+    for graph in (g, direct):
+        PassManager(["calibrate"], {"calibrate": SMALL})(graph)
+    phase1 = {l: gdn_params(gdn_at(g, l)) for l in (1, 3)}
+    started, real_align, real_horizons = [], align_pass.align_layers, align_pass.horizons
+
+    def spy(modules, pairs, opts, **kwargs):
+        started.append((opts.lr_gates, {l: gdn_params(m) for l, m in modules.items()}))
+        return real_align(modules, pairs, opts, **kwargs)
+
+    faked = iter([{1: 30.0, 3: 20.0}, {1: 0.3, 3: 15.0}, {1: 12.0, 3: 14.0}])
+    monkeypatch.setattr(align_pass, "align_layers", spy)
+    monkeypatch.setattr(align_pass, "horizons", lambda modules, data: next(faked))
+    options = {"steps": 3, "progress": False, **SMALL}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # memory kept by the second alignment: no warning
+        result = PassManager(["align"], {"align": options})(g)
+    assert [lr for lr, _ in started] == [1e-2, pytest.approx(1e-3)]
+    for _, state in started:  # both alignments start from Phase 1
+        assert all(torch.equal(state[l][k], phase1[l][k]) for l in (1, 3) for k in phase1[l])
+    assert result.info["align"]["aligned_again_for_memory"] == [1]
+    meta = g.meta["align"]
+    assert meta["horizons"] == {1: [30.0, 12.0], 3: [20.0, 14.0]}
+    assert meta["memory_retry"]["first_horizons"] == {1: 0.3, 3: 15.0} and meta["memory_retry"]["layers"] == [1]
+
+    monkeypatch.setattr(align_pass, "horizons", real_horizons)
+    PassManager(["align"], {"align": options | {"lr_gates": 1e-3}})(direct)
+    for l in (1, 3):
+        got, want = gdn_params(gdn_at(g, l)), gdn_params(gdn_at(direct, l))
+        assert all(torch.equal(got[k], want[k]) for k in want), f"layer {l}: the second alignment is not a plain one at lr_gates 1e-3"
+
+    off = convert(stories(), [1, 3])
+    PassManager(["calibrate"], {"calibrate": SMALL})(off)
+    faked = iter([{1: 30.0, 3: 20.0}, {1: 0.3, 3: 15.0}])
+    monkeypatch.setattr(align_pass, "horizons", lambda modules, data: next(faked))
+    started.clear()
+    with pytest.warns(UserWarning, match=r"align left layers 1 \(30 -> 0.3\)"):
+        result = PassManager(["align"], {"align": options | {"memory_retry": 0}})(off)
+    assert len(started) == 1 and "aligned_again_for_memory" not in result.info["align"]
+    assert result.info["align"]["short_memory_layers"] == [1]
 
 
 def test_align_is_deterministic_under_a_seed(stories, gdn_at):

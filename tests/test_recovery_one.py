@@ -282,7 +282,7 @@ def test_the_log_alone_holds_the_curve_and_each_crossing(tmp_path, capsys):
 
 
 def test_a_phase1_only_init_runs_no_align_and_the_table_names_its_passes(tmp_path):
-    from bench.recovery_one import build_init, pipeline
+    from bench.recovery_one import build_init, init_options, pipeline
     from surgery import capture, load
 
     args = argparse.Namespace(init="tcal", tcal_passes="calibrate", calibration=None, data=[str(SAMPLE)],
@@ -295,3 +295,6 @@ def test_a_phase1_only_init_runs_no_align_and_the_table_names_its_passes(tmp_pat
     run = {"init": "tcal", "passes": pipeline(args)}
     assert points.passes_note(run) == " (select, replace, calibrate)"
     assert points.passes_note(run | {"passes": pipeline(argparse.Namespace(init="tcal", tcal_passes="calibrate,align"))}) == ""
+    assert points.passes_note(run | {"set": ["align.lr_gates=1e-3"]}) == " (select, replace, calibrate) (align.lr_gates=1e-3)"
+    assert init_options(args) == ["calibrate.samples=2", "calibrate.length=64"]
+    assert init_options(argparse.Namespace(init="baseline", set=["align.steps=3"])) == []
