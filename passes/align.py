@@ -74,11 +74,12 @@ class Align(Pass):
         for l, (forward, target) in shares.items():
             forwards[l], pairs[l] = forward, (data[l].x, target)
         opts = self.config.project(AlignOptions)
-        before, phase1 = horizons(modules, data), states(modules)
+        before = horizons(modules, data)
+        phase1 = states(modules) if self.config.memory_retry else None
         report = self.align(modules, pairs, opts, forwards, "align")
         after, retried = horizons(modules, data), {}
-        if lost_memory(before, after) and self.config.memory_retry:
-            retried = {"lr_gates": opts.lr_gates * self.config.memory_retry, "layers": lost_memory(before, after),
+        if phase1 is not None and (lost := lost_memory(before, after)):
+            retried = {"lr_gates": opts.lr_gates * self.config.memory_retry, "layers": lost,
                        "first_horizons": after, "first_report": report}
             restore(modules, phase1)
             opts = dataclasses.replace(opts, lr_gates=retried["lr_gates"])
@@ -126,8 +127,9 @@ def lost_memory(before: dict[int, float], after: dict[int, float]) -> list[int]:
 
 
 def states(modules: dict) -> dict[int, dict]:
-    """Each layer's parameters and buffers, copied (what a second alignment starts from)."""
-    return {l: {k: v.detach().clone() for k, v in m.state_dict().items()} for l, m in modules.items()}
+    """Each layer's parameters and buffers, copied to host memory (what a second alignment starts
+    from; kept off the accelerator, where a large teacher's aligned layers already fill it)."""
+    return {l: {k: v.detach().to("cpu", copy=True) for k, v in m.state_dict().items()} for l, m in modules.items()}
 
 
 def restore(modules: dict, saved: dict[int, dict]) -> None:
