@@ -460,6 +460,9 @@ def one_init_options(ap) -> None:
     ap.add_argument("--plot", default=None, metavar="CURVES.png", help="with --table: also draw each init's eval curve from the records (needs matplotlib)")
     ap.add_argument("--recipes", default=None, metavar="FILE.json",
                     help="recipe study: a JSON list of DistillConfig field dicts (a 'name' each), each run for --tokens on both inits")
+    ap.add_argument("--recipe-indices", default=None, metavar="I,J",
+                    help="with --recipes: only these recipes of the file (0-based), e.g. to spread one study over processes "
+                         "sharing a GPU, each with its own --records and --out")
 
 
 def one_init_modes(args, ap) -> None:

@@ -109,6 +109,8 @@ def targets_table(records: list[dict]) -> list[str]:
     """Markdown: tokens to 1.5x / 1.3x / 1.2x per init and their ratio, from the latest runs."""
     runs = latest_runs(records)
     missing = [i for i in INITS if i not in runs]
+    if not runs and any(r.get("kind") == "recipe" for r in records):  # a recipe study's records: its own table follows
+        return []
     if missing:
         return [f"no run of {', '.join(missing)} in the records yet: run bench/recovery.py --init {missing[0]} with the same --records"]
     lines = [f"teacher perplexity {runs['tcal']['teacher_ppl']:.3f} (eval subset); "
@@ -164,6 +166,17 @@ def saved_cell(run: dict) -> str:
     return "-" if run.get("saved_ppl") is None else f"{run['saved_ppl']:.3f}"
 
 
+def at_baseline_end(runs: dict[str, dict]) -> str:
+    """'0.61M (13.8x)': the tokens Taylor-Calibrate took to reach the perplexity the baseline ended at, and
+    the baseline's tokens over them: the saving at equal quality at the end of a short study, where no
+    target of LADDER below the TC init's start is reached by both."""
+    (trained, ppl), curve = runs["baseline"]["curve"][-1], runs["tcal"]["curve"]
+    tokens = crossing(curve, ppl)
+    if tokens is None:
+        return f"not reached ({curve[-1][1]:.2f} > {ppl:.2f})"
+    return f"{tokens / 1e6:.3g}M (TC starts there)" if tokens == 0 else f"{tokens / 1e6:.3g}M ({trained / tokens:.1f}x)"
+
+
 def recipe_table(records: list[dict]) -> list[str]:
     """Markdown: per recipe, the ratio at the lowest target of LADDER both inits reached, the final
     perplexity of each on the curve's eval tokens and, through the saved checkpoint, on the whole eval
@@ -176,12 +189,13 @@ def recipe_table(records: list[dict]) -> list[str]:
     if not by_recipe:
         return []
     retrieval = any(str(r.get("point", "")).startswith(recipe_point("")) for r in records)
-    lines = ["| recipe | target | baseline tokens | TC tokens | ratio | final ppl baseline | final ppl TC | saved, whole eval text: baseline | TC |"
-             + (" retrieval at the end, baseline | TC |" if retrieval else ""), "|---|---|---|---|---|---|---|---|---|" + ("---|---|" if retrieval else "")]
+    lines = ["| recipe | target | baseline tokens | TC tokens | ratio | final ppl baseline | final ppl TC | "
+             "TC tokens to the baseline's final ppl (ratio) | saved, whole eval text: baseline | TC |"
+             + (" retrieval at the end, baseline | TC |" if retrieval else ""), "|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if retrieval else "")]
     for name, runs in by_recipe.items():
         label = name
         if any(i not in runs for i in INITS):
-            lines.append(f"| {name} | only {', '.join(runs)} ran | | | | | | | |" + (" | |" if retrieval else ""))
+            lines.append(f"| {name} | only {', '.join(runs)} ran | | | | | | | | |" + (" | |" if retrieval else ""))
             continue
         teacher = runs["tcal"]["teacher_ppl"]
         rows = {i: target_rows(runs[i]["curve"], teacher, LADDER) for i in INITS}
@@ -192,6 +206,6 @@ def recipe_table(records: list[dict]) -> list[str]:
         name += f" (cut short by the deadline: {', '.join(cut)})" if cut else ""
         found = f" {end_retrieval(records, label, 'baseline')} | {end_retrieval(records, label, 'tcal')} |" if retrieval else ""
         lines.append(f"| {name} | {b['multiple']}x ({b['target_ppl']:.2f}) | {describe(b)} | {describe(t)} | {ratio(b, t)} | "
-                     f"{runs['baseline']['curve'][-1][1]:.3f} | {runs['tcal']['curve'][-1][1]:.3f} | {saved_cell(runs['baseline'])} | "
+                     f"{runs['baseline']['curve'][-1][1]:.3f} | {runs['tcal']['curve'][-1][1]:.3f} | {at_baseline_end(runs)} | {saved_cell(runs['baseline'])} | "
                      f"{saved_cell(runs['tcal'])} |{found}")
     return lines

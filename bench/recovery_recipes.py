@@ -50,6 +50,20 @@ def read_recipes(path: str) -> list[tuple[str, dict]]:
     return named
 
 
+def chosen(recipes: list[tuple[str, dict]], indices: str | None, path: str) -> list[tuple[int, str, dict]]:
+    """[(index in the file, name, fields)] of --recipe-indices (all without it); a bad index ends the run with one line."""
+    if indices is None:
+        return [(i, name, fields) for i, (name, fields) in enumerate(recipes)]
+    try:
+        picked = [int(x) for x in indices.split(",") if x.strip()]
+    except ValueError:
+        raise SystemExit(f"--recipe-indices {indices}: not a comma-separated list of integers, e.g. 0,4")
+    bad = [i for i in picked if not 0 <= i < len(recipes)]
+    if bad or not picked or len(set(picked)) != len(picked):
+        raise SystemExit(f"--recipe-indices {indices}: {path} holds recipes 0..{len(recipes) - 1}; give each at most once")
+    return [(i, *recipes[i]) for i in picked]
+
+
 def saved_perplexity(checkpoint: Path, eval_text: str) -> float:
     """The run's final weights as a user gets them (the checkpoint loaded from disk, CUDA and bf16 where
     there is a GPU, as `surgery eval` does) on the whole --eval file: the through-save figure beside the
@@ -60,11 +74,11 @@ def saved_perplexity(checkpoint: Path, eval_text: str) -> float:
 
 
 def study(args, began: float) -> None:
-    recipes = read_recipes(args.recipes)
+    recipes = chosen(read_recipes(args.recipes), args.recipe_indices, args.recipes)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     records = Records(Path(args.records or out / "recovery.jsonl"), f"recipes-{uuid.uuid4().hex[:8]}")
-    for _, fields in recipes:  # every recipe checked before anything is built
+    for _, _, fields in recipes:  # every recipe checked before anything is built
         run_config(args, 0.0, **fields)
     device, dtype = placement(None, None)  # as the CLI places a model: CUDA and bf16 where there is a GPU
     teacher = capture(args.model, device=device, dtype=dtype)
@@ -73,10 +87,10 @@ def study(args, began: float) -> None:
         args.init = init
         inits[init], select = build_init(args, teacher, out, select)
     longest = 0.0
-    for index, (name, fields) in enumerate(recipes):
+    for position, (index, name, fields) in enumerate(recipes):
         left = args.deadline_s - (time.time() - began) if args.deadline_s else float("inf")
         if left < 2 * longest:
-            log(f"skipped (deadline): {', '.join(n for n, _ in recipes[index:])}")
+            log(f"skipped (deadline): {', '.join(n for _, n, _ in recipes[position:])}")
             break
         for init in INITS:
             longest = max(longest, run_recipe(args, records, teacher, inits[init], out / f"recipe-{index}-{init}", name, fields,

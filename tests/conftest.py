@@ -25,6 +25,14 @@ from surgery.core.run import placeholder_values
 # work (measured on 2 cores: the whole suite takes ~1.6 min with 1 thread, ~7 min with 2).
 torch.set_num_threads(1)
 
+MAX_WORKERS = 4  # pytest-xdist's -n auto (pyproject's addopts): every worker captures its own teachers, ~1-2 GB each
+
+
+def pytest_xdist_auto_num_workers(config):
+    """-n auto: one worker per core, at most MAX_WORKERS (the suite's tests are single-threaded)."""
+    return max(1, min(os.cpu_count() or 1, MAX_WORKERS))
+
+
 ASSETS = Path(__file__).parent / "assets"
 STORIES = ASSETS / "stories260k" / "stories260K.gguf"
 

@@ -206,9 +206,31 @@ def test_recipes_run_both_inits_at_equal_tokens(both, monkeypatch, capsys, tmp_p
     saved = {r["init"]: r["saved_ppl"] for r in recipe_rows if r["recipe"] == "gates held"}  # the checkpoint from disk, whole eval text
     assert all(math.isfinite(v) and v > 1 for v in saved.values())
     assert [c.strip() for c in line.split("|")[-5:-3]] == [f"{saved[i]:.3f}" for i in ("baseline", "tcal")]
+    for indices in ("2", "0,0", "a"):  # --recipe-indices outside the file, twice, or not numbers: one line, nothing built
+        code, text = bench(monkeypatch, capsys, "--recipes", recipes, *args, "--recipe-indices", indices, "--out", tmp_path / "no")
+        assert code == 1 and text.startswith(f"--recipe-indices {indices}:") and not (tmp_path / "no").exists()
     recipes.write_text(json.dumps([{"name": "x", "tokens": 5}]))
     code, text = bench(monkeypatch, capsys, "--recipes", recipes, *args)
     assert code == 1 and "equal tokens" in text
+
+
+def test_the_recipe_table_reads_the_saving_at_the_baselines_final_perplexity():
+    """A short study where the TC init starts below every target the baseline reaches: the saving is
+    read where the baseline ended (interpolated in log-perplexity, as crossing does)."""
+    def run(init, curve):
+        return {"kind": "recipe", "recipe": "r", "init": init, "curve": curve, "teacher_ppl": 10.0}
+    baseline = run("baseline", [[0, 200.0], [1_000_000, 60.0], [2_000_000, 40.0]])
+    slow_tc = run("tcal", [[0, 50.0], [500_000, 45.0]])
+    for tc, want in ((run("tcal", [[0, 45.0], [500_000, 30.0], [1_000_000, 25.0]]), None),
+                     (run("tcal", [[0, 39.0], [500_000, 30.0]]), "0M (TC starts there)"),
+                     (slow_tc, "not reached (45.00 > 40.00)")):
+        line = next(x for x in points.recipe_table([baseline, tc]) if x.startswith("| r |"))
+        cell = line.split("|")[8].strip()
+        if want is None:
+            tokens = 500_000 * math.log(45 / 40) / math.log(45 / 30)
+            want = f"{tokens / 1e6:.3g}M ({2_000_000 / tokens:.1f}x)"
+        assert cell == want
+    assert points.targets_table([baseline, slow_tc]) == []  # a study's records: no "run --init" hint above its table
 
 
 def test_the_shipped_recipe_study_is_valid():

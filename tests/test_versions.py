@@ -28,7 +28,7 @@ def test_pyproject_declares_the_range_the_import_checks():
 def test_runtime_dependencies_hold_no_test_runner_and_no_lm_eval():
     names = [d.split("=")[0].split(">")[0].split("<")[0] for d in PYPROJECT["project"]["dependencies"]]
     assert "pytest" not in names and "lm-eval" not in names
-    assert PYPROJECT["project"]["optional-dependencies"] == {"test": ["pytest>=8,<10"], "eval": ["lm-eval==0.4.13"]}
+    assert PYPROJECT["project"]["optional-dependencies"] == {"test": ["pytest>=8,<10", "pytest-xdist>=3.5,<4"], "eval": ["lm-eval==0.4.13"]}
 
 
 @pytest.mark.parametrize("installed, ok", [(f"{FLOOR}.0", True), ("5.25.0", True), ("5.99.3", True), (f"{FLOOR}.1.dev0", True),
