@@ -21,6 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench import recovery_points as points  # noqa: E402
+from surgery.errors import DistillError  # noqa: E402
 
 STORIES = ROOT / "tests/assets/stories260k/stories260K.gguf"
 SAMPLE = ROOT / "surgery/data/calibration_sample.txt"
@@ -248,6 +249,10 @@ def test_the_shipped_recipe_study_is_valid():
     configs = [run_config(args, 0.0, **fields) for _, fields in recipes]
     assert len({name for name, _ in recipes}) == len(recipes) >= 6
     assert {c.stage for c in configs} == {"kl", "both"} and any(c.freeze_gates_steps for c in configs)
+    args.micro_batch = 64  # the GPU study's --micro-batch: every recipe's global batch must split into it, checked before any run
+    assert all(run_config(args, 0.0, **fields).micro_batch for _, fields in recipes)
+    with pytest.raises(DistillError, match="do not divide a global batch of 32"):
+        run_config(args, 0.0, seq_len=2048, global_batch=32)
 
 
 def test_the_passkey_reserve_counts_the_warm_repeat_not_the_first_pass():

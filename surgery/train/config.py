@@ -110,6 +110,9 @@ class DistillConfig(PassConfig):
             bad("seq_len must be >= 2 tokens.", "Use e.g. --seq-len 512.")
         if self.micro_batch is not None and self.micro_batch < 1:
             bad(f"micro_batch must be >= 1, got {self.micro_batch}.", "Use a positive number, or leave it unset.")
+        if self.micro_batch is not None and self.global_batch % self.micro_batch:  # each process's share must split too
+            bad(f"micro-batches of {self.micro_batch} sequences do not divide a global batch of {self.global_batch}.",
+                "Use a --micro-batch that divides --batch-size (per process: --batch-size / processes).")
         for key in ("eval_every", "save_every", "freeze_gates_steps", "weight_decay", "clip", "min_lr_ratio", "time_limit") + tuple(f.name for f in dataclasses.fields(self) if f.name.startswith("lr_")):
             if getattr(self, key) < 0:
                 bad(f"{key} must be >= 0, got {getattr(self, key)}.", "Use 0 or a positive number.")
