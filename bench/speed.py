@@ -571,7 +571,7 @@ def measured_fsdp_row(spec: dict) -> dict:
     with tempfile.TemporaryDirectory() as folder:
         start = time.perf_counter()
         try:
-            result = distill(student, [str(SAMPLE)], Path(folder) / "run", config, teacher=teacher, device=device, progress=False)
+            result = distill(student, [str(SAMPLE)], Path(folder) / "run", config, teacher=teacher, device=device, progress=True)
             out.update(tokens_per_s=steady_tokens_per_s(Path(folder) / "run", skip=1), tokens_per_s_all=result["tokens_per_s"], loss=result["loss"])
         except (SurgeryError, torch.OutOfMemoryError) as exc:
             out["oom" if "memory" in str(exc).lower() else "error"] = str(exc).splitlines()[0][:300]
@@ -584,14 +584,18 @@ def measured_fsdp_row(spec: dict) -> dict:
 
 
 def fsdp_child(args, spec: dict) -> dict:
-    """fsdp_one in a process of its own (its peak memory is its own; an out-of-memory kill ends only it)."""
+    """fsdp_one in a process of its own (its peak memory is its own; an out-of-memory kill ends only it).
+    Its stderr (capture, kernel autotuning, distill's step lines) passes through as it comes, so a row
+    that runs out of --fsdp-timeout still shows where its time went (an 8B row printed nothing in 290 s
+    when the child's stderr was held until it ended)."""
     command = [sys.executable, str(Path(__file__).resolve()), "--sections", "fsdp", "--fsdp-one", json.dumps(spec)]
+    print(f"fsdp: {spec['mode']}, batch {spec['batch']}: a child process, at most {args.fsdp_timeout:g} s", file=sys.stderr, flush=True)
     try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=args.fsdp_timeout)
+        done = subprocess.run(command, stdout=subprocess.PIPE, text=True, timeout=args.fsdp_timeout)
     except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {args.fsdp_timeout:g} s"}
+        return {"error": f"timed out after {args.fsdp_timeout:g} s (its stderr above)"}
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-    return json.loads(lines[-1]) if lines else {"error": f"exit {done.returncode}: {done.stderr.strip()[-600:]}"}
+    return json.loads(lines[-1]) if lines else {"error": f"exit {done.returncode} (its stderr above)"}
 
 
 def fsdp_section(args, rows: Rows) -> None:

@@ -14,7 +14,9 @@ The keys hold head counts and sizes, so each teacher shape is recorded once: `re
 file adds that run's keys to the ones there. NVIDIA_H200.json also holds Gemma-3-270M's (4 heads of 256,
 27 keys recorded from a Taylor-Calibrate init and its distillation): its `surgery apply` with empty Triton
 and Inductor caches took 97.0 s where building the same init while autotuning took 393.5 s
-(bench/RESULTS.md, twenty-fourth session).
+(bench/RESULTS.md, twenty-fourth session), and the kda, mamba2 and gla mixers' kernels at SmolLM2's
+shapes (43 keys recorded from the mixers ablation, whose first alignments autotuned for 127-329 s;
+twenty-sixth session).
 """
 from __future__ import annotations
 

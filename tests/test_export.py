@@ -65,6 +65,16 @@ def test_stories_logits_equal_surgery_load(stories_export):
 def test_stories_greedy_generate_and_left_padding(stories_export):
     hybrid, out = stories_export
     loaded, model = surgery.load(hybrid), hf_load(out)
+    generates_as(loaded, model)
+    pad = 3
+    short = loaded.tokenizer("The dog")["input_ids"]
+    with pytest.raises(ValueError, match="left padding"):
+        model(torch.tensor([short + [0] * pad]), attention_mask=torch.tensor([[1] * len(short) + [0] * pad]),
+              cache=__import__("transformers").DynamicCache())
+
+
+def generates_as(loaded, model) -> None:
+    """The export's greedy tokens in transformers' generate equal surgery's, alone and in a left-padded batch."""
     long, short = loaded.tokenizer("Once upon a time")["input_ids"], loaded.tokenizer("The dog")["input_ids"]
     assert len(long) > len(short)
     expected = generate(loaded, [long, short], max_new_tokens=10, eos_token_id=None)
@@ -75,9 +85,6 @@ def test_stories_greedy_generate_and_left_padding(stories_export):
     mask = torch.tensor([[1] * len(long), [0] * pad + [1] * len(short)])
     both = model.generate(ids, attention_mask=mask, max_new_tokens=10, min_new_tokens=10, do_sample=False)
     assert both[:, len(long):].tolist() == expected
-    with pytest.raises(ValueError, match="left padding"):
-        model(torch.tensor([short + [0] * pad]), attention_mask=torch.tensor([[1] * len(short) + [0] * pad]),
-              cache=__import__("transformers").DynamicCache())
 
 
 def test_save_pretrained_round_trip_is_exact(stories_export, tmp_path):
@@ -105,6 +112,63 @@ def test_tiny_arch_export_matches_hybrid(name, tiny, tmp_path):
         ids = ids_for(shape, vocab, seed=shape[1])
         with torch.no_grad():
             assert relative_error(model(ids).logits, hybrid(ids)) <= 1e-4, shape
+
+
+@pytest.mark.parametrize("mixer", ["gla", "kda", "mamba2"])
+def test_layer_mixers_export_exactly(stories, tiny, tmp_path, mixer):
+    """Every mixer that replaces a whole attention module (replace.mixer) exports: calibrated, with short
+    convolutions, its logits and greedy tokens (left-padded too) in plain transformers are the hybrid's;
+    and on two tiny architectures whose layer sits beside its attention module (gemma3) or behind fused QKV (gpt2)."""
+    hybrid = stories()
+    PassManager(["select", "replace", "calibrate"], {"select": {"policy": "convert", "layers": [1, 3]},
+                                                     "replace": {"mixer": mixer, "use_short_conv": True},
+                                                     "calibrate": {"samples": 2, "length": 64}})(hybrid)
+    model = hf_load(export(hybrid, tmp_path / "hf"))
+    assert [type(m).__name__ for m in model.modules()].count(f"{mixer.upper()}Attention") == 2
+    ids = ids_for((2, 33), 512)
+    with torch.no_grad():
+        assert relative_error(model(ids).logits, hybrid(ids)) <= 1e-4
+    generates_as(hybrid, model)
+    for name in ("gemma3", "gpt2"):
+        t = tiny(name)
+        converted = t.graph.branch()
+        PassManager(["select", "replace"], {"select": {"policy": "convert", "layers": [0]}, "replace": {"mixer": mixer}})(converted)
+        model = hf_load(export(converted, tmp_path / name))
+        ids = ids_for((2, 23), t.model.config.vocab_size, seed=1)
+        with torch.no_grad():
+            assert relative_error(model(ids).logits, converted(ids)) <= 1e-4, name
+
+
+def test_swa_exports_as_a_windowed_mask(stories, tiny, tmp_path):
+    """An swa layer keeps the teacher's module and windows its mask: logits and greedy tokens (left-padded
+    too) equal the hybrid's under SDPA and eager attention, the window changes them from the teacher's;
+    gpt2's fused QKV and gemma2's full layer export too, and gemma2's own sliding layer is refused by name."""
+    hybrid = stories()
+    PassManager(["select", "replace"], {"select": {"policy": "convert", "layers": [1, 3]}, "replace": {"mixer": "swa", "window": 4}})(hybrid)
+    out = export(hybrid, tmp_path / "hf")
+    assert json.loads((out / "config.json").read_text())["surgery_hybrid"]["gdn_layers"]["model.layers.1.self_attn"]["mixer"] == "swa"
+    ids = ids_for((2, 33), 512)
+    from transformers import AutoModelForCausalLM
+
+    for implementation in ("sdpa", "eager"):
+        model = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True, dtype=torch.float32, attn_implementation=implementation).eval()
+        with torch.no_grad():
+            assert relative_error(model(ids).logits, hybrid(ids)) <= 1e-4, implementation
+            assert relative_error(model(ids).logits, stories()(ids)) > 1e-2  # the window is in force
+        generates_as(hybrid, model)
+    for name, layer in (("gpt2", 0), ("gemma2", 1)):
+        t = tiny(name)
+        converted = t.graph.branch()
+        PassManager(["select", "replace"], {"select": {"policy": "convert", "layers": [layer]}, "replace": {"mixer": "swa", "window": 3}})(converted)
+        model = hf_load(export(converted, tmp_path / name))
+        ids = ids_for((2, 23), t.model.config.vocab_size, seed=1)
+        with torch.no_grad():
+            assert relative_error(model(ids).logits, converted(ids)) <= 1e-4, name
+    sliding = tiny("gemma2").graph.branch()
+    PassManager(["select", "replace"], {"select": {"policy": "convert", "layers": [0]}, "replace": {"mixer": "swa"}})(sliding)
+    with pytest.raises(ExportError, match=r"layer 0 .*already slides over"):
+        export(sliding, tmp_path / "refused")
+    assert not (tmp_path / "refused").exists()
 
 
 def test_attention_that_adds_its_residual_is_refused(tiny, tmp_path):

@@ -139,7 +139,7 @@ def test_short_convolutions_and_a_chunked_prefill_decode_exactly(stories):
 
 def test_phase1_and_phase2_beat_the_copy_only_baseline(stories, stories_teacher, held_out, record, tmp_path):
     """Copy-only (fla's default gate init) against Phase 1 and Phase 1 + 2, on the block outputs of
-    held-out stories; then save/load is exact and export refuses the mixer by name."""
+    held-out stories; then save/load is exact and the qwen3_5 export refuses the mixer by name."""
     small = {"samples": 4, "length": 128}
     baseline = convert(stories(), mixer="gla", layers=[1, 3])
     phase1 = convert(stories(), mixer="gla", layers=[1, 3])
@@ -152,8 +152,8 @@ def test_phase1_and_phase2_beat_the_copy_only_baseline(stories, stories_teacher,
     surgery.save(both, tmp_path / "h")
     loaded = surgery.load(tmp_path / "h")
     assert torch.equal(loaded.logits(held_out[:1]), both.logits(held_out[:1]))
-    with pytest.raises(ExportError, match=r"--format hf exports GDN layers only, and this hybrid converted layer 1 \(gla\), layer 3 \(gla\)"):
-        surgery.export(loaded, tmp_path / "hf")
+    with pytest.raises(ExportError, match=r"--format qwen3_5 exports GDN layers only, and this hybrid converted layer 1 \(gla\), layer 3 \(gla\)"):
+        surgery.export(loaded, tmp_path / "q", format="qwen3_5")  # --format hf: tests/test_export.py::test_layer_mixers_export_exactly
 
 
 @pytest.mark.parametrize("mixer", ["gla", "kda", "mamba2"])

@@ -106,5 +106,5 @@ def test_phase1_sets_each_channel_from_its_head_and_beats_the_copy_only_baseline
     surgery.save(both, tmp_path / "h")
     loaded = surgery.load(tmp_path / "h")
     assert torch.equal(loaded.logits(held_out[:1]), both.logits(held_out[:1]))
-    with pytest.raises(ExportError, match=r"--format hf exports GDN layers only, and this hybrid converted layer 1 \(kda\), layer 3 \(kda\)"):
-        surgery.export(loaded, tmp_path / "hf")
+    with pytest.raises(ExportError, match=r"--format qwen3_5 exports GDN layers only, and this hybrid converted layer 1 \(kda\), layer 3 \(kda\)"):
+        surgery.export(loaded, tmp_path / "q", format="qwen3_5")  # --format hf: tests/test_export.py::test_layer_mixers_export_exactly

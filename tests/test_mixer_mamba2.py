@@ -197,15 +197,15 @@ def test_phase1_and_phase2_beat_the_copy_only_baseline(stories, stories_teacher,
     added = [p["name"] for e in rows if e["after"] == "mamba2" for p in e["params_added"]]
     assert [e["layer"] for e in rows if e["after"] == "mamba2"] == [1, 3]
     assert all(sum(n.endswith(f".{part}") for n in added) == 2 for part in ("dt_proj.weight", "D", "A_log", "dt_bias")), added
-    for fmt in ("hf", "qwen3_5"):
-        with pytest.raises(ExportError, match=f"--format {fmt} exports GDN layers only, and this hybrid converted layer 1 \\(mamba2\\), layer 3 \\(mamba2\\)"):
-            surgery.export(loaded, tmp_path / fmt, format=fmt)
-    assert not (tmp_path / "hf").exists() and not (tmp_path / "qwen3_5").exists()
+    with pytest.raises(ExportError, match="--format qwen3_5 exports GDN layers only, and this hybrid converted layer 1 \\(mamba2\\), layer 3 \\(mamba2\\)"):
+        surgery.export(loaded, tmp_path / "qwen3_5", format="qwen3_5")
+    assert not (tmp_path / "qwen3_5").exists()
 
 
 def test_cli_apply_inspect_diff_and_export_refusal(stories_path, tmp_path):
     """Through the CLI: apply with --set replace.mixer=mamba2, inspect counts the layers as mamba2
-    with a fixed state and no KV cache, diff names the kinds, export refuses by name and writes nothing."""
+    with a fixed state and no KV cache, diff names the kinds, the qwen3_5 export refuses by name and writes nothing, the hf export writes
+    the layers as mamba2."""
     import json
 
     from typer.testing import CliRunner
@@ -223,6 +223,10 @@ def test_cli_apply_inspect_diff_and_export_refusal(stories_path, tmp_path):
     assert "5 layers: 2 softmax attention + 3 mamba2 (llama)" in invoke(runner, "inspect", "--model", out).stdout
     groups = json.loads(invoke(runner, "diff", stories_path, out, "--json").stdout)["groups"]
     assert [(g["label"], g["before"], g["after"]) for g in groups if g["after"] == "mamba2"] == [("1,3,4", "attention", "mamba2")]
-    refused = invoke(runner, "export", "--model", out, "--out", tmp_path / "hf", "--format", "hf")
+    refused = invoke(runner, "export", "--model", out, "--out", tmp_path / "q", "--format", "qwen3_5")
     assert_clean_failure(refused, "exports GDN layers only", "layer 1 (mamba2), layer 3 (mamba2), layer 4 (mamba2)")
-    assert not (tmp_path / "hf").exists()
+    assert not (tmp_path / "q").exists()
+    exported = invoke(runner, "export", "--model", out, "--out", tmp_path / "hf", "--format", "hf")
+    assert exported.exit_code == 0, exported.output
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())["surgery_hybrid"]["gdn_layers"]
+    assert sorted((e["layer"], e["mixer"]) for e in config.values()) == [(1, "mamba2"), (3, "mamba2"), (4, "mamba2")]

@@ -90,8 +90,7 @@ def expected_code(manifest: dict) -> dict[str, bytes]:
     teacher = manifest.get("teacher_config")
     if not (isinstance(teacher, str) and teacher.isidentifier()):
         return {}
-    code = {hf_export.MODELING_FILE.name: hf_export.MODELING_FILE.read_bytes(), hf_export.TEACHER_FILE: hf_export.teacher_source(teacher).encode()}
-    return code | {name: source.read_bytes() for name, source in hf_export.GDN_SOURCES.items()}
+    return hf_export.exported_code(teacher)
 
 
 def export_problems(folder: Path, manifest: dict) -> list[str]:

@@ -24,6 +24,7 @@ class ExportedModel:
         self.path, self.model, self.tokenizer = Path(path), model, tokenizer
         hybrid = getattr(model.config, hf_export.HYBRID_KEY, None) or {}
         self.layer_kinds = list(hybrid.get("layer_kinds") or [])
+        self.converted = {e["layer"]: e for e in (hybrid.get("gdn_layers") or {}).values()}  # layer -> its mixer and config
         self.max_length = max_positions(model.config)
 
     @property
@@ -40,14 +41,18 @@ class ExportedModel:
     @torch.no_grad()
     def layer_rows(self) -> list[dict]:
         """Per layer, what the export's own cache keeps (batch 1): K and V bytes per token (the
-        growth from one token to two) and the sliding window of a kept attention layer, the fixed
-        state of a GDN layer. Read from transformers' cache after running the export's code."""
+        growth from one token to two) and the sliding window of a softmax layer (an swa layer's own,
+        which windows its mask over transformers' full cache), the fixed state of a recurrent layer
+        and its mixer. Read from transformers' cache after running the export's code."""
         sizes = [self.cache_sizes(n) for n in (1, 2)]
         rows = []
         for layer, (one, two) in enumerate(zip(*sizes)):
-            gdn = one["state"] is not None
-            rows.append({"layer": layer, "now": "gdn" if gdn else "attention", "kind": "gdn" if gdn else "softmax",
-                         "window": None if gdn else one["window"], "kv_bytes_per_token": two["kv"] - one["kv"], "state_bytes": two["state"] or 0})
+            entry = self.converted.get(layer, {})
+            now = entry.get("mixer", "gdn") if entry else "attention"
+            recurrent = one["state"] is not None
+            window = entry["gdn_config"].get("window") if now == "swa" else one["window"]
+            rows.append({"layer": layer, "now": now, "kind": now if recurrent else "softmax",
+                         "window": None if recurrent else window, "kv_bytes_per_token": two["kv"] - one["kv"], "state_bytes": two["state"] or 0})
         return rows
 
     def cache_sizes(self, length: int) -> list[dict]:

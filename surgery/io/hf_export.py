@@ -1,10 +1,15 @@
 """`--format hf`: a hybrid as an ordinary transformers model directory that loads without surgery.
 
 DIR holds config.json (the teacher's config, `surgery_hybrid` with each converted attention module's
-GDN, an auto_map to the modeling file), model.safetensors (the teacher's own parameter names, each
-GDN's under its attention module's path), the tokenizer, generation_config.json, and the modeling
-file with tcal's GDN files (GDN_SOURCES) copied verbatim beside it: one source of the GDN math,
-and surgery_teacher.py naming the teacher's config class (which the modeling file's class declares).
+mixer and its config, an auto_map to the modeling file), model.safetensors (the teacher's own parameter
+names, each converted layer's under its attention module's path), the tokenizer, generation_config.json,
+and the modeling file with tcal's GDN files (GDN_SOURCES) copied verbatim beside it and the other
+layer mixers' (MIXER_SOURCES: gla, kda, mamba2) with their package-relative imports made flat: one
+source of each mixer's math, and surgery_teacher.py naming the teacher's config class (which the
+modeling file's class declares). A sliding-window (swa) layer replaces only the attention op inside
+the teacher's module, so the teacher's module stays and the modeling file windows its attention mask
+(its weights stay the teacher's; its window is in config.json); a teacher layer that already slides
+over a window of its own, and a layer split by heads, are refused by name.
 It loads in transformers 4.57 to 5.x: config.json also carries the RoPE keys 4.x reads (legacy_rope),
 and the tokenizer is named by a class both know.
 
@@ -15,7 +20,6 @@ module's output (eval dropout aside), and none of the module's tensors used by w
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import torch
@@ -24,6 +28,12 @@ import tcal.delta_inputs
 import tcal.gated_norm
 import tcal.gdn
 import tcal.kernels
+import tcal.mixers.gla
+import tcal.mixers.gla_kernels
+import tcal.mixers.kda
+import tcal.mixers.kda_kernels
+import tcal.mixers.mamba2
+import tcal.mixers.mamba2_kernels
 import tcal.token_step
 
 from ..core.graph import Graph
@@ -39,6 +49,11 @@ HYBRID_KEY = "surgery_hybrid"  # the config.json field the modeling file reads
 GDN_SOURCES = {"gdn.py": Path(tcal.gdn.__file__), "kernels.py": Path(tcal.kernels.__file__),
                "token_step.py": Path(tcal.token_step.__file__), "delta_inputs.py": Path(tcal.delta_inputs.__file__),
                "gated_norm.py": Path(tcal.gated_norm.__file__)}
+# the other layer mixers, exported beside GDN's files: tcal/mixers/ imports tcal's modules one package up
+MIXER_SOURCES = {Path(m.__file__).name: Path(m.__file__) for m in (tcal.mixers.gla, tcal.mixers.gla_kernels, tcal.mixers.kda,
+                                                                   tcal.mixers.kda_kernels, tcal.mixers.mamba2, tcal.mixers.mamba2_kernels)}
+EXPORTED_MIXERS = ("gdn", "gla", "kda", "mamba2", "swa")  # the modeling file's MIXERS (a whole attention module) and swa (its mask)
+WINDOWED = "swa"  # the mixer that keeps the teacher's attention module and windows its mask
 # ops that pass a tensor through unchanged in eval mode (an attention module's output dropout)
 IDENTITY_OPS = {"aten.dropout.default", "aten.clone.default", "aten.alias.default", "aten.contiguous.default"}
 DROPPED_CONFIG = ("_name_or_path", "_model_name_or_path", "architectures", "auto_map", "transformers_version")
@@ -86,13 +101,31 @@ def swap_refusal(graph: Graph, layer: int, target: str) -> str | None:
     return None
 
 
+def window_refusal(graph: Graph, layer: int) -> str | None:
+    """Why an swa layer cannot be exported as the teacher's module with a windowed mask, or None: the
+    teacher already slides that layer over a window (transformers' config: layer_types, or a
+    sliding_window it applies to every layer), whose cache transformers keeps to that window, while
+    surgery's swa layer replaces the teacher's window with its own."""
+    config = graph.config
+    types = getattr(config, "layer_types", None)
+    window = getattr(config, "sliding_window", None)
+    if types is not None and layer < len(types):
+        sliding = types[layer] not in ("full_attention", "attention")
+    else:
+        sliding = bool(window) and getattr(config, "use_sliding_window", True) is not False
+    if sliding:
+        return (f"the teacher's attention there already slides over {window} tokens ({'layer_types' if types else 'sliding_window'}), "
+                "and transformers keeps that layer's cache to its window, where surgery's swa layer replaces it")
+    return None
+
+
 def inside_path(name: str, path: str) -> bool:
     return name == path or name.startswith(path + ".")
 
 
-def refuse_other_mixers(graph: Graph, format: str) -> None:
-    """ExportError naming the layers converted to a mixer other than GDN (replace.mixer): the
-    exported modeling code holds GDN layers only, and a wrong export must never be written."""
+def refuse_other_mixers(graph: Graph, format: str, allowed: tuple[str, ...] = ("gdn",)) -> None:
+    """ExportError naming the layers converted to a mixer outside `allowed` (replace.mixer), or split
+    by heads: the format's modeling code has no such layer, and a wrong export must never be written."""
     modules = graph.meta.get("replace", {}).get("modules", {})
     split = sorted(int(l) for l, m in modules.items() if "kept_kv_heads" in m)
     if split:
@@ -100,12 +133,15 @@ def refuse_other_mixers(graph: Graph, format: str) -> None:
                           f"{', '.join(map(str, split))} as attention (select.granularity=head): the exported modeling code "
                           "has no layer that runs softmax attention and GDN side by side.",
                           "Use the hybrid through surgery (generate, eval, save/load), or select with granularity=layer to export.")
-    other = {l: m.get("mixer", "gdn") for l, m in modules.items() if m.get("mixer", "gdn") != "gdn"}
+    other = {l: m.get("mixer", "gdn") for l, m in modules.items() if m.get("mixer", "gdn") not in allowed}
     if other:
         named = ", ".join(f"layer {l} ({mixer})" for l, mixer in sorted(other.items(), key=lambda kv: int(kv[0])))
-        raise ExportError(f"--format {format} exports GDN layers only, and this hybrid converted {named}.",
-                          "Use the hybrid through surgery (generate, eval, save/load), or convert with replace.mixer=gdn to export "
-                          "(a hybrid whose every layer is KDA exports with --format kimi_linear).")
+        held = "GDN layers only" if allowed == ("gdn",) else f"layers of {', '.join(allowed)} only"
+        why = (" (swa replaces the attention op inside the teacher's module, which the exported code keeps whole)"
+               if "swa" in other.values() else "")
+        raise ExportError(f"--format {format} exports {held}, and this hybrid converted {named}{why}.",
+                          "Use the hybrid through surgery (generate, eval, save/load), or convert with another replace.mixer to export "
+                          f"(--format hf takes {', '.join(EXPORTED_MIXERS)}; a hybrid whose every layer is KDA exports with --format kimi_linear).")
 
 
 def plan(graph: Graph) -> dict:
@@ -114,13 +150,15 @@ def plan(graph: Graph) -> dict:
     modules = graph.meta.get("replace", {}).get("modules", {})
     if not modules:
         raise ExportError("The model has no converted layer: it is the teacher itself.", "Export a hybrid (surgery apply), or use the teacher's own directory.")
-    refuse_other_mixers(graph, "hf")
+    refuse_other_mixers(graph, "hf", EXPORTED_MIXERS)
     refused, layers = [], {}
     for layer, target in graph.gdn_targets().items():
-        reason = swap_refusal(graph, layer, target)
+        reason = window_refusal(graph, layer) if modules[str(layer)].get("mixer") == WINDOWED else swap_refusal(graph, layer, target)
         if reason:
             refused.append(f"layer {layer} ('{graph.sites[layer].module_path}'): {reason}")
-        layers[graph.sites[layer].module_path] = {"layer": layer, "gdn_config": modules[str(layer)]["gdn_config"], "target": target}
+        entry = modules[str(layer)]
+        layers[graph.sites[layer].module_path] = {"layer": layer, "mixer": entry.get("mixer", "gdn"), "gdn_config": entry["gdn_config"],
+                                                  "target": target}
     if refused:
         raise ExportError("--format hf swaps whole attention modules, and these cannot be swapped exactly: " + "; ".join(refused) + ".",
                           "This teacher's attention does not end where its module does; keep those layers as attention (select) to export.")
@@ -132,9 +170,12 @@ def hf_state(graph: Graph, layers: dict, dtype: torch.dtype | None) -> dict:
     attention module (<path>_gdn) moves to the module's own path; tied copies are left to the
     config's tie_word_embeddings, as transformers saves them."""
     state, _ = unique_state(graph.gm)
-    moves = {entry["target"] + ".": path + "." for path, entry in layers.items() if entry["target"] != path}
+    moves = {e["target"] + ".": path + "." for path, e in layers.items() if e["target"] != path and e["mixer"] != WINDOWED}
+    windows = tuple(e["target"] + "." for e in layers.values() if e["mixer"] == WINDOWED)  # its window is in config.json
     named = {}
     for name, tensor in state.items():
+        if name.startswith(windows):
+            continue
         prefix = next((p for p in moves if name.startswith(p)), None)
         name = moves[prefix] + name[len(prefix):] if prefix else name
         named[name] = tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor
@@ -171,7 +212,7 @@ def hf_config(graph: Graph, layers: dict, dtype: torch.dtype, names: dict | None
     config["architectures"] = [MODEL_CLASS]
     config["auto_map"] = {"AutoModelForCausalLM": f"{MODELING_FILE.stem}.{MODEL_CLASS}"}
     config[HYBRID_KEY] = {
-        "gdn_layers": {path: {"layer": e["layer"], "gdn_config": e["gdn_config"]} for path, e in layers.items()},
+        "gdn_layers": {path: {"layer": e["layer"], "mixer": e["mixer"], "gdn_config": e["gdn_config"]} for path, e in layers.items()},
         "layer_kinds": graph.layer_kinds,
         "passes": [entry["pass"] for entry in graph.history],
         "legacy_names": legacy_names(graph, names or {}),
@@ -215,10 +256,28 @@ def write_hf(graph: Graph, folder: Path, *, dtype: torch.dtype | None = None, sh
     layers = plan(graph)
     state = hf_state(graph, layers, dtype)
     write_model_dir(graph, folder, state, hf_config(graph, layers, dtype or graph.dtype, state), shard_bytes)
-    shutil.copyfile(MODELING_FILE, folder / MODELING_FILE.name)
-    for name, source in GDN_SOURCES.items():
-        shutil.copyfile(source, folder / name)
-    (folder / TEACHER_FILE).write_text(teacher_source(type(graph.config).__name__))
+    for name, code in exported_code(type(graph.config).__name__).items():
+        (folder / name).write_bytes(code)
+
+
+def exported_code(config_class: str) -> dict[str, bytes]:
+    """Every .py file an hf export holds, by name (written by write_hf, checked by verify_export)."""
+    code = {MODELING_FILE.name: MODELING_FILE.read_bytes(), TEACHER_FILE: teacher_source(config_class).encode()}
+    code |= {name: source.read_bytes() for name, source in GDN_SOURCES.items()}
+    return code | {name: flat_imports(source.read_text()).encode() for name, source in MIXER_SOURCES.items()}
+
+
+def flat_imports(source: str) -> str:
+    """A tcal/mixers/ file for the export's one flat folder: `from ..gdn import` -> `from .gdn import`
+    (transformers copies a remote module's relative imports from its own folder only). Every relative
+    import must then name a file the export holds."""
+    lines = [line.replace("from ..", "from .", 1) if line.startswith("from ..") else line for line in source.splitlines(keepends=True)]
+    held = {Path(n).stem for n in (*GDN_SOURCES, *MIXER_SOURCES)}
+    for line in lines:
+        if line.startswith("from .") and line.split()[1][1:].split(".")[0] not in held:
+            raise ExportError(f"An exported mixer file imports '{line.split()[1]}', which the export does not hold.",
+                              "This is a bug in surgery's export: report it with the mixer's name.")
+    return "".join(lines)
 
 
 def teacher_source(config_class: str) -> str:

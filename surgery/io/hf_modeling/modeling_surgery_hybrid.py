@@ -1,9 +1,12 @@
 """A surgery hybrid as an ordinary transformers model, for people who never installed surgery.
 
 The teacher's own transformers class is built from this config; each attention module that was
-converted (config.surgery_hybrid["gdn_layers"], keyed by module path) is then swapped for a
-GDNAttention: the project's GatedDeltaNet (gdn.py, kernels.py, token_step.py, delta_inputs.py and
-gated_norm.py beside this file, copied verbatim by `surgery export`) called the way the teacher's decoder layer calls its attention.
+converted (config.surgery_hybrid["gdn_layers"], keyed by module path) is then swapped for its mixer's
+layer (MIXERS: the project's GatedDeltaNet from gdn.py, kernels.py, token_step.py, delta_inputs.py and
+gated_norm.py beside this file, copied verbatim by `surgery export`; gla, kda and mamba2 from their own
+files beside it) called the way the teacher's decoder layer calls its attention (SwappedAttention).
+A sliding-window (swa) layer keeps the teacher's attention module, whose 4-D attention mask a
+forward pre-hook limits to the layer's window (WindowMask).
 
 Imports only torch, transformers and, when they import, fla (through kernels.py, on CUDA) and
 Triton (token_step.py, delta_inputs.py, gated_norm.py). Loads in transformers 4.57 and later
@@ -25,7 +28,13 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 from .delta_inputs import delta_inputs_torch  # noqa: F401
 from .gated_norm import gated_rms_norm_torch  # noqa: F401
 from .gdn import GatedDeltaNet
+from .gla import GatedLinearAttention
+from .gla_kernels import gla  # noqa: F401
+from .kda import KimiDeltaAttention
+from .kda_kernels import kda  # noqa: F401
 from .kernels import fla_available  # noqa: F401
+from .mamba2 import Mamba2
+from .mamba2_kernels import ssd  # noqa: F401
 from .surgery_teacher import TEACHER_CONFIG
 from .token_step import gdn_token_step  # noqa: F401
 
@@ -42,7 +51,8 @@ if release(transformers.__version__) < MIN_TRANSFORMERS or not hasattr(transform
 
 HYBRID_KEY = "surgery_hybrid"
 CACHE_ARGUMENTS = ("cache", "past_key_values", "past_key_value", "layer_past")
-STATE = "surgery_gdn_state"  # the attribute of a cache layer that holds its GDN's state
+STATE = "surgery_gdn_state"  # the attribute of a cache layer that holds its converted layer's state
+MIXERS = {"gdn": GatedDeltaNet, "gla": GatedLinearAttention, "kda": KimiDeltaAttention, "mamba2": Mamba2}  # config "mixer" -> layer
 
 
 class PaddingMask:
@@ -93,12 +103,12 @@ class AttentionOutput(tuple):
         return NotImplemented
 
 
-class GDNAttention(GatedDeltaNet):
-    """A GatedDeltaNet in an attention module's place: forward(hidden_states, ...) returns
-    (output, None) as the teacher's attention returns (output, weights). With a cache, the layer's
-    recurrent and conv state live on the cache's layer object for this layer index, and the layer
-    feeds that object zero-width keys so its sequence length (read for positions and masks) stays
-    right."""
+class SwappedAttention:
+    """A mixer layer in an attention module's place (mixed into the layer's class by attention_class):
+    forward(hidden_states, ...) returns (output, None) as the teacher's attention returns (output,
+    weights). With a cache, the layer's recurrent and conv state live on the cache's layer object for
+    this layer index, and the layer feeds that object zero-width keys so its sequence length (read
+    for positions and masks) stays right."""
 
     def __init__(self, gdn_config: dict, cache_index: int, padding: PaddingMask):
         super().__init__(**gdn_config)
@@ -150,6 +160,64 @@ class GDNAttention(GatedDeltaNet):
             state.recurrent = concat_rows(recurrent).get("s")
             state.conv = concat_rows(conv)
         return out
+
+
+class WindowMask:
+    """A forward pre-hook on a kept attention module that surgery converted to sliding-window attention
+    (config "mixer": "swa"): key j is seen by query i only when i - window < j <= i, positions as the
+    cache holds them (the queries at the end of the keys, or at the cache's length in a static one).
+    The module does the rest as the teacher's; its cache stays transformers' own (a full one)."""
+
+    def __init__(self, window: int, layer_index: int):
+        self.window, self.layer_index = window, layer_index
+
+    def __call__(self, module, args, kwargs):
+        signature = forward_signature(type(module))
+        bound = signature.bind(module, *args, **kwargs)
+        call = {}
+        for name, value in list(bound.arguments.items())[1:]:
+            kind = signature.parameters[name].kind
+            if kind is inspect.Parameter.VAR_KEYWORD:
+                call.update(value)
+            elif kind is not inspect.Parameter.VAR_POSITIONAL:
+                call[name] = value
+            elif value:
+                raise ValueError(f"{type(module).__name__} was called with extra positional arguments, which a windowed layer cannot pass on.")
+        hidden = next(iter(call.values()))  # the module's first argument: the hidden states [B, T, ...]
+        cache = next((call[k] for k in CACHE_ARGUMENTS if isinstance(call.get(k), Cache)), None)
+        past = cache.get_seq_length(self.layer_index) if cache is not None else 0
+        eager = getattr(getattr(module, "config", None), "_attn_implementation", None) == "eager"
+        call["attention_mask"] = self.band(call.get("attention_mask"), hidden.shape[1], past, hidden, eager)
+        return (), call
+
+    def band(self, mask, length: int, past: int, like: torch.Tensor, eager: bool):
+        if mask is not None and not (isinstance(mask, torch.Tensor) and mask.dim() == 4):
+            raise ValueError("This export's sliding-window (swa) layers window the attention's 4-D mask, and this attention "
+                             f"implementation passes {type(mask).__name__} masks: load it with attn_implementation='sdpa' or 'eager'.")
+        keys = mask.shape[-1] if mask is not None else past + length
+        start = past if keys >= past + length else keys - length  # a static cache's slots, or the queries at the keys' end
+        i = torch.arange(length, device=like.device)[:, None] + start
+        j = torch.arange(keys, device=like.device)[None, :]
+        allowed = (j <= i) & (i - j < self.window)
+        if mask is None and not eager:
+            return allowed[None, None]
+        if mask is None:
+            mask = torch.zeros(1, 1, length, keys, dtype=like.dtype, device=like.device)
+        if mask.dtype == torch.bool:
+            return mask & allowed
+        return mask.masked_fill(~allowed, torch.finfo(mask.dtype).min)
+
+
+@functools.lru_cache(maxsize=None)
+def attention_class(mixer: str) -> type:
+    """SwappedAttention over the layer class of `mixer` (one class per mixer)."""
+    if mixer not in MIXERS:
+        raise ValueError(f"This export's config names mixer {mixer!r}, which its code does not hold ({', '.join(MIXERS)}).")
+    layer = MIXERS[mixer]
+    return type(f"{mixer.upper()}Attention", (SwappedAttention, layer), {"__module__": __name__})
+
+
+GDNAttention = attention_class("gdn")
 
 
 @functools.lru_cache(maxsize=None)
@@ -217,7 +285,12 @@ class SurgeryHybridForCausalLM(PreTrainedModel):
             parent = self.get_submodule(parent_path)
             attention = getattr(parent, name)
             cache_index = getattr(attention, "layer_idx", None)
-            gdn = GDNAttention(entry["gdn_config"], entry["layer"] if cache_index is None else cache_index, self.gdn_padding)
+            index = entry["layer"] if cache_index is None else cache_index
+            if entry.get("mixer") == "swa":
+                attention.register_forward_pre_hook(WindowMask(int(entry["gdn_config"]["window"]), index), with_kwargs=True)
+                continue
+            swapped = attention_class(entry.get("mixer", "gdn"))
+            gdn = swapped(entry["gdn_config"], index, self.gdn_padding)
             keep_flags(attention, gdn)
             setattr(parent, name, gdn.to(dtype=self.dtype))
         self.register_forward_pre_hook(self.record_padding, with_kwargs=True)
