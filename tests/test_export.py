@@ -156,6 +156,9 @@ def test_swa_exports_as_a_windowed_mask(stories, tiny, tmp_path):
             assert relative_error(model(ids).logits, hybrid(ids)) <= 1e-4, implementation
             assert relative_error(model(ids).logits, stories()(ids)) > 1e-2  # the window is in force
         generates_as(hybrid, model)
+    model.config._attn_implementation = "flex_attention"  # an implementation whose masks cannot carry the window
+    with torch.no_grad(), pytest.raises(ValueError, match="attn_implementation='sdpa' or 'eager'"):
+        model(ids)
     for name, layer in (("gpt2", 0), ("gemma2", 1)):
         t = tiny(name)
         converted = t.graph.branch()

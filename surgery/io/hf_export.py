@@ -137,9 +137,7 @@ def refuse_other_mixers(graph: Graph, format: str, allowed: tuple[str, ...] = ("
     if other:
         named = ", ".join(f"layer {l} ({mixer})" for l, mixer in sorted(other.items(), key=lambda kv: int(kv[0])))
         held = "GDN layers only" if allowed == ("gdn",) else f"layers of {', '.join(allowed)} only"
-        why = (" (swa replaces the attention op inside the teacher's module, which the exported code keeps whole)"
-               if "swa" in other.values() else "")
-        raise ExportError(f"--format {format} exports {held}, and this hybrid converted {named}{why}.",
+        raise ExportError(f"--format {format} exports {held}, and this hybrid converted {named}.",
                           "Use the hybrid through surgery (generate, eval, save/load), or convert with another replace.mixer to export "
                           f"(--format hf takes {', '.join(EXPORTED_MIXERS)}; a hybrid whose every layer is KDA exports with --format kimi_linear).")
 
@@ -160,8 +158,10 @@ def plan(graph: Graph) -> dict:
         layers[graph.sites[layer].module_path] = {"layer": layer, "mixer": entry.get("mixer", "gdn"), "gdn_config": entry["gdn_config"],
                                                   "target": target}
     if refused:
-        raise ExportError("--format hf swaps whole attention modules, and these cannot be swapped exactly: " + "; ".join(refused) + ".",
-                          "This teacher's attention does not end where its module does; keep those layers as attention (select) to export.")
+        raise ExportError("--format hf swaps whole attention modules (or windows a kept one's mask, for swa), and these cannot be "
+                          "exported exactly: " + "; ".join(refused) + ".",
+                          "Keep those layers as attention (select) to export: where this teacher's attention does not end where its module "
+                          "does, or, for swa, where the teacher already slides the layer over a window.")
     return layers
 
 

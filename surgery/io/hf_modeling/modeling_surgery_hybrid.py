@@ -186,14 +186,15 @@ class WindowMask:
         hidden = next(iter(call.values()))  # the module's first argument: the hidden states [B, T, ...]
         cache = next((call[k] for k in CACHE_ARGUMENTS if isinstance(call.get(k), Cache)), None)
         past = cache.get_seq_length(self.layer_index) if cache is not None else 0
-        eager = getattr(getattr(module, "config", None), "_attn_implementation", None) == "eager"
-        call["attention_mask"] = self.band(call.get("attention_mask"), hidden.shape[1], past, hidden, eager)
+        implementation = getattr(getattr(module, "config", None), "_attn_implementation", None) or "sdpa"
+        mask = call.get("attention_mask")
+        if implementation not in ("sdpa", "eager") or not (mask is None or (isinstance(mask, torch.Tensor) and mask.dim() == 4)):
+            raise ValueError("This export's sliding-window (swa) layers window the attention's 4-D mask, which attention "
+                             f"implementation {implementation!r} does not take: load it with attn_implementation='sdpa' or 'eager'.")
+        call["attention_mask"] = self.band(mask, hidden.shape[1], past, hidden, implementation == "eager")
         return (), call
 
     def band(self, mask, length: int, past: int, like: torch.Tensor, eager: bool):
-        if mask is not None and not (isinstance(mask, torch.Tensor) and mask.dim() == 4):
-            raise ValueError("This export's sliding-window (swa) layers window the attention's 4-D mask, and this attention "
-                             f"implementation passes {type(mask).__name__} masks: load it with attn_implementation='sdpa' or 'eager'.")
         keys = mask.shape[-1] if mask is not None else past + length
         start = past if keys >= past + length else keys - length  # a static cache's slots, or the queries at the keys' end
         i = torch.arange(length, device=like.device)[:, None] + start
