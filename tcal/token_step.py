@@ -6,6 +6,10 @@ the gated-normed core output, with the recurrent state [B, H, Dk, Dv] (float32) 
     S = exp(g) S;  S += k (beta (v - S^T k))^T;  o = S^T (scale q)
     out = o * rsqrt(mean(o^2) + eps) * norm_weight * silu(gate)
 
+The decay is one per head (GDN: a_raw [B, H], dt_bias [H]) or one per key channel (KDA's recurrence,
+tcal.mixers.kda: a_raw [B, H*D], its low-rank gate already projected up, dt_bias [H*D]); the same
+kernel takes both, so a KDA layer's token is one kernel too.
+
 Why: a decode step is bound by kernel launches, not bytes. Composed from the layer's pieces and
 compiled, a layer's token was seven kernels on the H200 (four fused elementwise ones, fla's
 recurrent kernel, the state copy, the output norm); here it is one Triton kernel
@@ -16,8 +20,8 @@ twelfth session). `token_step_torch` is its reference: the same math in plain Py
 state's dtype: float64 for checks); the layer's composition rounds q, k, v and o to the model's
 dtype between its kernels, so in bf16 the two differ at that rounding.
 
-Shapes: q, k, v, gate [B, 1, H*D] or [B, H*D]; a, b [B, 1, H] or [B, H]; each may be a slice of a
-wider projection output (last stride 1). The output has v's shape and dtype.
+Shapes: q, k, v, gate [B, 1, H*D] or [B, H*D]; b [B, 1, H] or [B, H]; a as b (or as q: a decay per
+channel); each may be a slice of a wider projection output (last stride 1). The output has v's shape and dtype.
 """
 from __future__ import annotations
 
@@ -50,8 +54,12 @@ def token_step_torch(q, k, v, a, b, gate, A_log, dt_bias, norm_weight, state, sc
     k = k * torch.rsqrt(k.pow(2).sum(-1, keepdim=True) + L2NORM_EPS)
     vh = F.silu(vh) if v_silu else vh
     beta = b.reshape(batch, heads).to(cdt).sigmoid()
-    g = -A_log.to(cdt).exp() * F.softplus(a.reshape(batch, heads).to(cdt) + dt_bias.to(cdt))
-    s = state * g.exp()[..., None, None]
+    if per_channel(a, state):
+        g = -A_log.to(cdt).exp()[:, None] * F.softplus(per_head(a) + dt_bias.reshape(heads, -1).to(cdt))
+        s = state * g.exp()[..., :, None]  # each key channel (the state's rows) its own decay
+    else:
+        g = -A_log.to(cdt).exp() * F.softplus(a.reshape(batch, heads).to(cdt) + dt_bias.to(cdt))
+        s = state * g.exp()[..., None, None]
     delta = beta[..., None] * (vh - torch.einsum("bhk,bhkv->bhv", k, s))
     s = s + k[..., :, None] * delta[..., None, :]
     o = torch.einsum("bhk,bhkv->bhv", q * scale, s)
@@ -60,13 +68,19 @@ def token_step_torch(q, k, v, a, b, gate, A_log, dt_bias, norm_weight, state, sc
     return normed.to(v.dtype).reshape(v.shape)
 
 
+def per_channel(a: torch.Tensor, state: torch.Tensor) -> bool:
+    """Whether `a` holds a decay input per key channel (KDA) rather than per head (GDN)."""
+    batch, heads, dim = state.shape[:3]
+    return dim > 1 and a.numel() == batch * heads * dim
+
+
 if triton is not None:
 
     @triton.jit
     def _token_step_kernel(q, k, v, a, b, gate, A_log, dt_bias, norm_weight, state, out,
                            stride_q, stride_k, stride_v, stride_a, stride_b, stride_gate, stride_out,
                            scale, norm_eps, H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
-                           V_SILU: tl.constexpr):
+                           V_SILU: tl.constexpr, CHANNEL_DECAY: tl.constexpr):
         """Program (row n, head h): its [D, D] state tile in registers, read once, written once."""
         pid = tl.program_id(0).to(tl.int64)
         n, h = pid // H, pid % H
@@ -84,12 +98,18 @@ if triton is not None:
         b_q = b_q / tl.sqrt(tl.sum(b_q * b_q) + 1e-6) * scale
         b_k = b_k / tl.sqrt(tl.sum(b_k * b_k) + 1e-6)
         b_beta = tl.sigmoid(tl.load(b + n * stride_b + h).to(tl.float32))
-        x = tl.load(a + n * stride_a + h).to(tl.float32) + tl.load(dt_bias + h).to(tl.float32)
+        if CHANNEL_DECAY:  # a decay per key channel: a [B, H*D], dt_bias [H*D]
+            x = tl.load(a + n * stride_a + vec, mask=inside, other=0).to(tl.float32) + tl.load(dt_bias + vec, mask=inside, other=0).to(tl.float32)
+        else:
+            x = tl.load(a + n * stride_a + h).to(tl.float32) + tl.load(dt_bias + h).to(tl.float32)
         softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
         decay = tl.exp(-tl.exp(tl.load(A_log + h).to(tl.float32)) * softplus)
         tile = state + pid * D * D + d[:, None] * D + d[None, :]
         both = inside[:, None] & inside[None, :]
-        s = tl.load(tile, mask=both, other=0) * decay
+        if CHANNEL_DECAY:
+            s = tl.load(tile, mask=both, other=0) * decay[:, None]
+        else:
+            s = tl.load(tile, mask=both, other=0) * decay
         delta = b_beta * (b_v - tl.sum(s * b_k[:, None], 0))
         s += b_k[:, None] * delta[None, :]
         o = tl.sum(s * b_q[:, None], 0)
@@ -120,7 +140,7 @@ def token_step_triton(q, k, v, a, b, gate, A_log, dt_bias, norm_weight, state, s
     _token_step_kernel[(batch * heads,)](
         *rows, A_log, dt_bias, norm_weight, state, out, *(x.stride(0) for x in rows), out.stride(0),
         float(scale), float(norm_eps), H=heads, D=dim, BD=triton.next_power_of_2(dim), V_SILU=v_silu,
-        num_warps=4 if dim > 32 else 1,
+        CHANNEL_DECAY=per_channel(a, state), num_warps=4 if dim > 32 else 1,
     )
     return out.reshape(v.shape)
 

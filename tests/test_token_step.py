@@ -70,12 +70,63 @@ def test_token_step_is_taken_only_where_it_applies(monkeypatch):
     assert len(calls) == 1
 
 
-def step_inputs(dtype=torch.float32, batch=2, heads=3, dim=8, seed=0):
+def test_kda_takes_the_token_step_with_a_decay_per_channel(monkeypatch):
+    """A KDA layer (GDN's recurrence with a decay per key channel) decodes a token through the same
+    fused step: equal to its own composition and to full recomputation, its state in place; the per-channel
+    reference against a float64 loop of the definition; Kimi Linear's form (a sigmoid gate) composes."""
+    import tcal.mixers.kda as kda_module
+    from tcal.mixers.kda import KimiDeltaAttention
+
+    calls = []
+    real = kda_module.gdn_token_step
+    monkeypatch.setattr(kda_module, "gdn_token_step", lambda *a, **k: calls.append(1) or real(*a, **k))
+    torch.manual_seed(0)
+    m = KimiDeltaAttention(24, 3, 8, q_bias=True).to(torch.float64).eval()
+    with torch.no_grad():
+        m.A_log.uniform_(-2, 1)
+        m.dt_bias.normal_()
+        m.o_norm.weight.uniform_(0.5, 1.5)
+        m.f_proj[1].weight.normal_()  # each channel's decay its own
+    x = torch.randn(2, 9, 24, dtype=torch.float64)
+    fused, composed = prefilled(m, x[:, :6], True), prefilled(m, x[:, :6], False)
+    memory = fused.recurrent.data_ptr()
+    with torch.no_grad():
+        got = torch.cat([m(x[:, t:t + 1], cache=fused) for t in range(6, 9)], 1)
+        want = torch.cat([m(x[:, t:t + 1], cache=composed) for t in range(6, 9)], 1)
+        full = m(x)[:, 6:]
+    assert len(calls) == 3 and fused.recurrent.data_ptr() == memory
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got, full, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(fused.recurrent, composed.recurrent, rtol=1e-5, atol=1e-6)
+
+    q, k, v, a, b, gate, A_log, dt_bias, weight, state = [t.double() for t in step_inputs(channel_decay=True)]
+    before = state.clone()
+    token_step_torch(q, k, v, a, b, gate, A_log, dt_bias, weight, state, 8**-0.5, 1e-5, True)
+    qn, kn = (torch.nn.functional.normalize(torch.nn.functional.silu(t.reshape(2, 3, 8)), dim=-1, eps=0) for t in (q, k))
+    decay = torch.exp(-A_log.exp()[:, None] * torch.nn.functional.softplus(a.reshape(2, 3, 8) + dt_bias.reshape(3, 8)))
+    expected = before.clone()
+    for n in range(2):
+        for h in range(3):
+            s = before[n, h] * decay[n, h][:, None]
+            error = torch.nn.functional.silu(v.reshape(2, 3, 8)[n, h]) - s.T @ kn[n, h]
+            expected[n, h] = s + torch.outer(kn[n, h], torch.sigmoid(b.reshape(2, 3)[n, h]) * error)
+    torch.testing.assert_close(state, expected, rtol=1e-6, atol=1e-6)
+
+    calls.clear()
+    kimi = KimiDeltaAttention(24, 3, 8, kimi_form=True).to(torch.float64).eval()
+    with torch.no_grad():
+        kimi(x[:, 4:5], cache=prefilled(kimi, x[:, :4], True))
+    assert calls == []
+
+
+def step_inputs(dtype=torch.float32, batch=2, heads=3, dim=8, seed=0, channel_decay=False):
+    """Slices of one projection output; channel_decay: a decay input per key channel (KDA) instead of per head."""
     g = torch.Generator().manual_seed(seed)
     width = heads * dim
-    proj = torch.randn(batch, 1, 4 * width + 2 * heads, generator=g).to(dtype)
-    q, k, v, a, b, gate = proj.split([width, width, width, heads, heads, width], dim=-1)
-    params = [torch.randn(heads, generator=g), torch.randn(heads, generator=g), torch.rand(dim, generator=g) + 0.5]
+    decay = width if channel_decay else heads
+    proj = torch.randn(batch, 1, 4 * width + heads + decay, generator=g).to(dtype)
+    q, k, v, a, b, gate = proj.split([width, width, width, decay, heads, width], dim=-1)
+    params = [torch.randn(heads, generator=g), torch.randn(decay, generator=g), torch.rand(dim, generator=g) + 0.5]
     state = torch.randn(batch, heads, dim, dim, generator=g)
     return [q, k, v, a, b, gate, *params, state]
 
@@ -89,14 +140,14 @@ def test_token_step_op_passes_opcheck():
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed (a CUDA-side extra)")
 def test_triton_kernel_matches_the_reference_in_the_interpreter(tmp_path):
     """The kernel itself, run by Triton's CPU interpreter: non-power-of-two head size, both dtypes,
-    both v activations, the state written in place."""
+    both v activations, a decay per head and per key channel, the state written in place."""
     script = textwrap.dedent("""
         import torch
         from tcal.token_step import token_step_torch, token_step_triton
         import tests.test_token_step as t
         for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
-            for v_silu in (True, False):
-                args = t.step_inputs(dtype, batch=2, heads=3, dim=24, seed=1)
+            for v_silu, channel_decay in ((True, False), (False, False), (True, True)):
+                args = t.step_inputs(dtype, batch=2, heads=3, dim=24, seed=1, channel_decay=channel_decay)
                 mine = [x.clone() for x in args]
                 want = token_step_torch(*args, 24**-0.5, 1e-5, v_silu)
                 memory = mine[-1].data_ptr()
