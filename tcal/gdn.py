@@ -209,9 +209,24 @@ class RecurrentLayer(nn.Module):
     recurrent state and the conv streams' last inputs), its constructor config, and the fused input
     projections (a subclass's INPUT_PROJECTIONS, submodule paths of linears reading the layer input)."""
 
+    TOKEN_STEP = False  # a gated-delta-rule layer (GDN, KDA): a decoded token may take tcal.token_step
+
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, num_heads={self.num_heads}, head_dim={self.head_dim}, "
                 f"use_short_conv={self.use_short_conv}, backend={self.backend}, layer_idx={self.layer_idx}")
+
+    def forward(self, hidden_states: torch.Tensor, cache: GDNCache | None = None, projection=None) -> torch.Tensor:
+        """[B, T, hidden] -> [B, T, hidden]; with a GDNCache, continue the sequence it holds
+        (projection: see _input_projections). One decoded token of a TOKEN_STEP layer into an in-place
+        cache takes the fused token step (tcal.token_step: one kernel from the projections to the output norm)."""
+        if cache is not None and takes_token_step(self, hidden_states, cache):
+            return token_step_forward(self, hidden_states, cache, projection)
+        return self.forward_parts(hidden_states, cache, projection)["out"]
+
+    def token_decay_input(self, p: dict) -> torch.Tensor:
+        """What tcal.token_step reads as the decay's input, from the input projections p: one per head
+        [B, 1, H] or one per key channel [B, 1, H * Dk] (a TOKEN_STEP layer defines it)."""
+        raise NotImplementedError(f"{type(self).__name__} does not take the fused token step")
 
     def delta_rule_inputs(self, p: dict, cache: GDNCache | None):
         """q, k (conv, silu, L2-normalised), v, and the write gate's logit and value: what a delta-rule
@@ -316,6 +331,8 @@ class RecurrentLayer(nn.Module):
 class GatedDeltaNet(RecurrentLayer):
     """Gated DeltaNet layer: [B, T, hidden] -> [B, T, hidden]. See METHOD.md, 'The student layer'."""
 
+    TOKEN_STEP = True
+
     def __init__(
         self,
         hidden_size: int,
@@ -401,13 +418,8 @@ class GatedDeltaNet(RecurrentLayer):
             )
         return dict(q=q, k=k, v=v, g=g, beta=beta, beta_logit=beta_logit, **self.gated_output(core, p))
 
-    def forward(self, hidden_states: torch.Tensor, cache: GDNCache | None = None, projection=None) -> torch.Tensor:
-        """[B, T, hidden] -> [B, T, hidden]; with a GDNCache, continue the sequence it holds
-        (projection: see _input_projections). One decoded token into an in-place cache takes the
-        fused token step (tcal.token_step: one kernel from the projections to the output norm)."""
-        if cache is not None and takes_token_step(self, hidden_states, cache):
-            return token_step_forward(self, hidden_states, cache, projection)
-        return self.forward_parts(hidden_states, cache, projection)["out"]
+    def token_decay_input(self, p: dict) -> torch.Tensor:
+        return p["a_proj"]  # one decay per head
 
 
 def takes_fused_inputs(layer: GatedDeltaNet, p: dict) -> bool:
@@ -426,22 +438,24 @@ def needs_gradient(layer: nn.Module, p: dict) -> bool:
     return torch.is_grad_enabled() and (any(t.requires_grad for t in p.values()) or any(w.requires_grad for w in layer.parameters()))
 
 
-def takes_token_step(layer: GatedDeltaNet, x: torch.Tensor, cache: GDNCache) -> bool:
-    """No short convolution, one token, no gradient, a float32 (or float64) state to write in place,
-    and a head the step can hold (tcal.token_step.token_step_fits)."""
+def takes_token_step(layer: RecurrentLayer, x: torch.Tensor, cache: GDNCache) -> bool:
+    """A gated-delta-rule layer (TOKEN_STEP) with the step's SiLU output gate, no short convolution, one
+    token, no gradient, a float32 (or float64) state to write in place, and a head the step can hold
+    (tcal.token_step.token_step_fits)."""
     s = cache.recurrent
-    return (cache.in_place and s is not None and x.shape[1] == 1 and not layer.use_short_conv
+    return (layer.TOKEN_STEP and layer.o_norm.activation == "silu"
+            and cache.in_place and s is not None and x.shape[1] == 1 and not layer.use_short_conv
             and not torch.is_grad_enabled() and layer.v_activation in TOKEN_STEP_V_SILU
             and s.dtype in (torch.float32, torch.float64) and s.is_contiguous()
             and tuple(s.shape) == (x.shape[0], layer.num_heads, layer.head_dim, layer.head_dim)
             and token_step_fits(layer.head_dim, s.device.type, layer.backend))
 
 
-def token_step_forward(layer: GatedDeltaNet, x: torch.Tensor, cache: GDNCache, projection=None) -> torch.Tensor:
-    """GatedDeltaNet.forward of one token through tcal.token_step (the state written in place)."""
+def token_step_forward(layer: RecurrentLayer, x: torch.Tensor, cache: GDNCache, projection=None) -> torch.Tensor:
+    """A TOKEN_STEP layer's forward of one token through tcal.token_step (the state written in place)."""
     p = layer._input_projections(x, projection)
     normed = gdn_token_step(
-        p["q_proj"], p["k_proj"], p["v_proj"], p["a_proj"], p["b_proj"], p["g_proj"], layer.A_log,
+        p["q_proj"], p["k_proj"], p["v_proj"], layer.token_decay_input(p), p["b_proj"], p["g_proj"], layer.A_log,
         layer.dt_bias, layer.o_norm.weight, cache.recurrent, layer.head_dim**-0.5, layer.o_norm.eps,
         TOKEN_STEP_V_SILU[layer.v_activation], layer.backend,
     )

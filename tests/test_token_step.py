@@ -74,12 +74,11 @@ def test_kda_takes_the_token_step_with_a_decay_per_channel(monkeypatch):
     """A KDA layer (GDN's recurrence with a decay per key channel) decodes a token through the same
     fused step: equal to its own composition and to full recomputation, its state in place; the per-channel
     reference against a float64 loop of the definition; Kimi Linear's form (a sigmoid gate) composes."""
-    import tcal.mixers.kda as kda_module
     from tcal.mixers.kda import KimiDeltaAttention
 
     calls = []
-    real = kda_module.gdn_token_step
-    monkeypatch.setattr(kda_module, "gdn_token_step", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = tcal.gdn.gdn_token_step
+    monkeypatch.setattr(tcal.gdn, "gdn_token_step", lambda *a, **k: calls.append(1) or real(*a, **k))
     torch.manual_seed(0)
     m = KimiDeltaAttention(24, 3, 8, q_bias=True).to(torch.float64).eval()
     with torch.no_grad():

@@ -101,22 +101,14 @@ def swap_refusal(graph: Graph, layer: int, target: str) -> str | None:
     return None
 
 
-def window_refusal(graph: Graph, layer: int) -> str | None:
-    """Why an swa layer cannot be exported as the teacher's module with a windowed mask, or None: the
-    teacher already slides that layer over a window (transformers' config: layer_types, or a
-    sliding_window it applies to every layer), whose cache transformers keeps to that window, while
-    surgery's swa layer replaces the teacher's window with its own."""
-    config = graph.config
-    types = getattr(config, "layer_types", None)
-    window = getattr(config, "sliding_window", None)
-    if types is not None and layer < len(types):
-        sliding = types[layer] not in ("full_attention", "attention")
-    else:
-        sliding = bool(window) and getattr(config, "use_sliding_window", True) is not False
-    if sliding:
-        return (f"the teacher's attention there already slides over {window} tokens ({'layer_types' if types else 'sliding_window'}), "
-                "and transformers keeps that layer's cache to its window, where surgery's swa layer replaces it")
-    return None
+def sliding_cache_windows(graph: Graph) -> dict[int, int]:
+    """{layer: window} for each layer whose transformers cache (DynamicCache built from the teacher's
+    config, as generate builds it) keeps only a sliding window: an swa layer there cannot be exported,
+    since that cache drops keys surgery's swa layer (which replaces the teacher's window) may still read."""
+    from transformers import DynamicCache
+
+    layers = DynamicCache(config=graph.config).layers
+    return {i: layer.sliding_window for i, layer in enumerate(layers) if getattr(layer, "is_sliding", False)}
 
 
 def inside_path(name: str, path: str) -> bool:
@@ -150,8 +142,14 @@ def plan(graph: Graph) -> dict:
         raise ExportError("The model has no converted layer: it is the teacher itself.", "Export a hybrid (surgery apply), or use the teacher's own directory.")
     refuse_other_mixers(graph, "hf", EXPORTED_MIXERS)
     refused, layers = [], {}
+    windowed = [l for l, m in modules.items() if m.get("mixer") == WINDOWED]
+    sliding = sliding_cache_windows(graph) if windowed else {}
     for layer, target in graph.gdn_targets().items():
-        reason = window_refusal(graph, layer) if modules[str(layer)].get("mixer") == WINDOWED else swap_refusal(graph, layer, target)
+        if str(layer) in windowed:
+            reason = (f"the teacher's attention there already slides over {sliding[layer]} tokens, and transformers keeps that "
+                      "layer's cache to its window, where surgery's swa layer replaces it") if layer in sliding else None
+        else:
+            reason = swap_refusal(graph, layer, target)
         if reason:
             refused.append(f"layer {layer} ('{graph.sites[layer].module_path}'): {reason}")
         entry = modules[str(layer)]

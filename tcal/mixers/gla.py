@@ -63,6 +63,3 @@ class GatedLinearAttention(RecurrentLayer):
         if cache is not None:
             cache.recurrent = final
         return dict(q=q, k=k, v=v, g=g, **self.gated_output(core, p, v.dtype))
-
-    def forward(self, hidden_states: torch.Tensor, cache: GDNCache | None = None, projection=None) -> torch.Tensor:
-        return self.forward_parts(hidden_states, cache, projection)["out"]

@@ -18,8 +18,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..gdn import TOKEN_STEP_V_SILU, GatedRMSNorm, GDNCache, RecurrentLayer, takes_token_step
-from ..token_step import gdn_token_step
+from ..gdn import GatedRMSNorm, GDNCache, RecurrentLayer
 from .kda_kernels import kda
 
 PARAMETER_ROLES = {
@@ -44,6 +43,7 @@ class KimiDeltaAttention(RecurrentLayer):
     PARAMETER_ROLES = PARAMETER_ROLES
     COPIED_ROLES = ("qkv", "output")
     INPUT_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "f_proj.0", "b_proj", "g_proj")
+    TOKEN_STEP = True  # GDN's recurrence with a decay per key channel: tcal.token_step takes it
 
     def __init__(self, hidden_size: int, num_heads: int, head_dim: int, *, q_bias: bool = False, k_bias: bool = False,
                  v_bias: bool = False, o_bias: bool = False, use_short_conv: bool = False, conv_size: int = 4,
@@ -95,19 +95,7 @@ class KimiDeltaAttention(RecurrentLayer):
             cache.recurrent = final
         return dict(q=q, k=k, v=v, g=g, beta=beta, beta_logit=beta_logit, **self.gated_output(core, p, v.dtype))
 
-    def forward(self, hidden_states: torch.Tensor, cache: GDNCache | None = None, projection=None) -> torch.Tensor:
-        """[B, T, hidden] -> [B, T, hidden]; one decoded token into an in-place cache takes GDN's fused
-        token step with a decay per key channel (tcal.token_step), except in Kimi Linear's form (its
-        sigmoid output gate is not the step's)."""
-        if cache is not None and not self.kimi_form and takes_token_step(self, hidden_states, cache):
-            return self.token_step_forward(hidden_states, cache, projection)
-        return self.forward_parts(hidden_states, cache, projection)["out"]
-
-    def token_step_forward(self, hidden_states: torch.Tensor, cache: GDNCache, projection=None) -> torch.Tensor:
-        p = self._input_projections(hidden_states, projection)
-        up = self.f_proj[1]
-        channel_decay = F.linear(p["f_proj.0"].float(), up.weight.float())  # [B, 1, H*Dk]: as decay() computes it
-        normed = gdn_token_step(p["q_proj"], p["k_proj"], p["v_proj"], channel_decay, p["b_proj"], p["g_proj"], self.A_log,
-                                self.dt_bias, self.o_norm.weight, cache.recurrent, self.head_dim**-0.5, self.o_norm.eps,
-                                TOKEN_STEP_V_SILU[self.v_activation], self.backend)
-        return self.o_proj(normed)
+    def token_decay_input(self, p: dict) -> torch.Tensor:
+        """The decay's input per key channel for the fused token step, as decay() computes it: [B, 1, H * Dk]
+        (Kimi Linear's form, with its sigmoid output gate, composes its token instead: takes_token_step)."""
+        return F.linear(p["f_proj.0"].float(), self.f_proj[1].weight.float())

@@ -82,6 +82,3 @@ class Mamba2(RecurrentLayer):
             cache.recurrent = final
         core = y + self.D.to(y.dtype)[:, None] * v.to(y.dtype)
         return dict(q=q, k=k, v=v, dt=dt, g=g, **self.gated_output(core, p, v.dtype))
-
-    def forward(self, hidden_states: torch.Tensor, cache: GDNCache | None = None, projection=None) -> torch.Tensor:
-        return self.forward_parts(hidden_states, cache, projection)["out"]
