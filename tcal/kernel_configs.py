@@ -16,7 +16,8 @@ file adds that run's keys to the ones there. NVIDIA_H200.json also holds Gemma-3
 and Inductor caches took 97.0 s where building the same init while autotuning took 393.5 s
 (bench/RESULTS.md, twenty-fourth session), and the kda, mamba2 and gla mixers' kernels at SmolLM2's
 shapes (43 keys recorded from the mixers ablation, whose first alignments autotuned for 127-329 s;
-twenty-sixth session).
+twenty-sixth session), and a Llama-3-8B-shaped hybrid's GDN layers (32 heads of 128; 14 keys recorded from
+its first distillation steps, which autotuned for about 2 min 50 s; twenty-seventh session).
 """
 from __future__ import annotations
 

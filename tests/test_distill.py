@@ -474,16 +474,19 @@ def test_bad_inputs_fail_with_a_fix(runner, reference, loaded, hybrid, files, st
     # a micro-batch that does not fit names the knobs that make it fit
     real = stages_module.graph_logits
 
-    def no_room(gm, ids, *extra):
-        if torch.is_grad_enabled():  # training forwards; evaluations (no grad) still run
-            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 12.00 GiB.")
-        return real(gm, ids, *extra)
+    # (torch's allocator error, and Triton's launcher error when an autotuning launch finds no room)
+    for error in (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 12.00 GiB."), RuntimeError("Triton Error [CUDA]: out of memory")):
+        def no_room(gm, ids, *extra, error=error):
+            if torch.is_grad_enabled():  # training forwards; evaluations (no grad) still run
+                raise error
+            return real(gm, ids, *extra)
 
-    monkeypatch.setattr(stages_module, "graph_logits", no_room)
-    with pytest.raises(DistillError, match="micro-batch of 2 x 32 tokens") as info:
-        distill(fresh(loaded), [files / "train.txt"], tmp_path / "h", both_config(files, stage="kl", l2_tokens=None), teacher=stories_teacher, progress=False)
-    assert "--micro-batch (e.g. 1" in info.value.fix and "--grad-checkpoint" in info.value.fix
-    monkeypatch.undo()
+        monkeypatch.setattr(stages_module, "graph_logits", no_room)
+        with pytest.raises(DistillError, match="micro-batch of 2 x 32 tokens") as info:
+            distill(fresh(loaded), [files / "train.txt"], tmp_path / f"h{type(error).__name__}", both_config(files, stage="kl", l2_tokens=None),
+                    teacher=stories_teacher, progress=False)
+        assert "--micro-batch (e.g. 1" in info.value.fix and "--grad-checkpoint" in info.value.fix
+        monkeypatch.undo()
     # data problems found once the tokenizer is known
     with pytest.raises(DataError, match="holds no tokens"):
         distill(fresh(loaded), [files / "empty.txt"], tmp_path / "f", both_config(files), teacher=stories_teacher, progress=False)
