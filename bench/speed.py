@@ -15,7 +15,9 @@
             mode: plain (no sharding), fsdp (FSDP2, world size 1), fsdp_offload (shards, gradients and
             AdamW states in CPU memory): tokens/s and peak GPU and CPU memory per batch of
             --fsdp-batches, each mode and batch in a process of its own (an out-of-memory one leaves the
-            others standing), and per mode the largest batch that fits (issue 32)
+            others standing), and per mode the largest batch that fits (issue 32); with --fsdp-procs 1,2
+            each row also runs under torchrun on 2 processes (one GPU each; gloo on the CPU), anchored
+            to the same mode and batch on one (the 2-GPU scaling target: >= 1.8x)
   offload   a teacher larger than the device (issue 32): capture on meta + select/replace/calibrate/align
             of --offload-layers layers of a Llama-70B-shaped random teacher whose layers are streamed to
             the device (surgery.core.meta_capture); peak memory per device against the full 80-layer
@@ -31,6 +33,7 @@ so it measures whatever the library's default paths are. Rows: bench.harness.Row
     python bench/speed.py --random --sections prefill --casts                  # + its copies and dtype conversions (bench/casts.py)
     python bench/speed.py --sections fsdp --fsdp-modes fsdp_offload,plain --fsdp-batches 4,8,16,32 --fsdp-micro 4 --json fsdp.jsonl
     python bench/speed.py --sections fsdp --fsdp-shape smollm2 --keep-ratio 0.5 --fsdp-batches 16 --fsdp-lr-rest 7e-6
+    python bench/speed.py --sections fsdp --fsdp-modes fsdp --fsdp-procs 1,2 --fsdp-batches 8,16 --json fsdp2.jsonl   # 2 GPUs
     python bench/speed.py --smoke --sections prefill,generate,decode,export,distill,apply,fsdp   # CPU, stories260K, tiny sizes
 
 A section that outlives one device call goes in the background: bench/gpu.sh start / wait. The distill
@@ -52,6 +55,7 @@ import json
 import os
 import resource
 import shlex
+import signal
 import statistics
 import subprocess
 import sys
@@ -126,6 +130,8 @@ def arguments(argv=None) -> argparse.Namespace:
     ap.add_argument("--fsdp-lr-rest", type=float, default=0.0, help="fsdp: learning rate outside the GDN layers (0: frozen)")
     ap.add_argument("--fsdp-checkpoint", action="store_true", help="fsdp: per-layer activation checkpointing")
     ap.add_argument("--fsdp-timeout", type=float, default=560, help="fsdp: seconds one mode and batch may take")
+    ap.add_argument("--fsdp-procs", default="1", help="fsdp: process counts, ascending (more than 1: under torchrun, a GPU each; "
+                    "each row anchored to the same mode and batch on the first count)")
     ap.add_argument("--fsdp-one", default=None, help=argparse.SUPPRESS)  # a JSON spec: the child process of one fsdp row
     ap.add_argument("--offload-shape", default="8192x28672x64x8x128256x80",
                     help="offload: HIDDENxINTERMEDIATExHEADSxKV_HEADSxVOCABxLAYERS of the Llama-shaped teacher (default: Llama-3-70B)")
@@ -141,6 +147,12 @@ def arguments(argv=None) -> argparse.Namespace:
         surgery.core.compiled.BACKEND = "aot_eager"  # as the tests compile: inductor's C++ builds take minutes on the CPU
     check_names(ap, args.sections, SECTIONS, "section(s)")
     check_names(ap, args.fsdp_modes, FSDP_MODES, "fsdp mode(s)")
+    counts = args.fsdp_procs.split(",")
+    if not all(c.isdigit() and int(c) > 0 for c in counts):
+        ap.error(f"--fsdp-procs takes positive process counts, e.g. 1,2 (got {args.fsdp_procs!r})")
+    gpus = torch.cuda.device_count()
+    if gpus and max(int(c) for c in counts) > gpus and "fsdp" in args.sections.split(","):
+        ap.error(f"--fsdp-procs {args.fsdp_procs} needs a GPU per process; this machine has {gpus}")
     if not args.model and not args.random and set(args.sections.split(",")) - {"offload", "fsdp", "step_attention"}:  # these build their own teachers (or none)
         ap.error("name a teacher with --model, or pass --random (SmolLM2-135M's shapes, random weights)")
     return args
@@ -551,9 +563,18 @@ def fsdp_one(spec: dict) -> dict:
         return measured_fsdp_row(spec)
 
 
+def fsdp_device() -> torch.device:
+    """cuda:LOCAL_RANK (one GPU per torchrun process; 0 alone), else the CPU."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    torch.cuda.set_device(device)
+    return device
+
+
 def measured_fsdp_row(spec: dict) -> dict:
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    out = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu"}
+    device = fsdp_device()
+    out = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "rank": int(os.environ.get("RANK", "0"))}
     start = time.perf_counter()
     teacher = fsdp_teacher(spec["shape"], device, spec["seq_len"])
     student = teacher.branch()
@@ -572,7 +593,9 @@ def measured_fsdp_row(spec: dict) -> dict:
         start = time.perf_counter()
         try:
             result = distill(student, [str(SAMPLE)], Path(folder) / "run", config, teacher=teacher, device=device, progress=True)
-            out.update(tokens_per_s=steady_tokens_per_s(Path(folder) / "run", skip=1), tokens_per_s_all=result["tokens_per_s"], loss=result["loss"])
+            if result["rank"] == 0:  # rank 0 logs the steps (tokens/s of the global batch)
+                out.update(tokens_per_s=steady_tokens_per_s(Path(folder) / "run", skip=1), tokens_per_s_all=result["tokens_per_s"], loss=result["loss"],
+                           world=result["world"])
         except (SurgeryError, torch.OutOfMemoryError) as exc:
             out["oom" if "memory" in str(exc).lower() else "error"] = str(exc).splitlines()[0][:300]
         out["train_s"] = round(time.perf_counter() - start, 1)
@@ -584,46 +607,80 @@ def measured_fsdp_row(spec: dict) -> dict:
 
 
 def fsdp_child(args, spec: dict) -> dict:
-    """fsdp_one in a process of its own (its peak memory is its own; an out-of-memory kill ends only it).
+    """fsdp_one in a process of its own (its peak memory is its own; an out-of-memory kill ends only it),
+    or in spec["procs"] processes under torchrun (rank 0's row, with each peak the largest of any rank).
     Its stderr (capture, kernel autotuning, distill's step lines) passes through as it comes, so a row
     that runs out of --fsdp-timeout still shows where its time went (an 8B row printed nothing in 290 s
-    when the child's stderr was held until it ended)."""
-    command = [sys.executable, str(Path(__file__).resolve()), "--sections", "fsdp", "--fsdp-one", json.dumps(spec)]
-    print(f"fsdp: {spec['mode']}, batch {spec['batch']}: a child process, at most {args.fsdp_timeout:g} s", file=sys.stderr, flush=True)
-    try:
-        done = subprocess.run(command, stdout=subprocess.PIPE, text=True, timeout=args.fsdp_timeout)
-    except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {args.fsdp_timeout:g} s (its stderr above)"}
-    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-    return json.loads(lines[-1]) if lines else {"error": f"exit {done.returncode} (its stderr above)"}
+    when the child's stderr was held until it ended); a timeout kills the child's whole session, so no
+    torchrun worker outlives it."""
+    script = [str(Path(__file__).resolve()), "--sections", "fsdp", "--fsdp-one", json.dumps(spec)]
+    procs = spec.get("procs", 1)
+    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(procs)] if procs > 1 else []
+    print(f"fsdp: {spec['mode']}, batch {spec['batch']}, {procs} process(es): at most {args.fsdp_timeout:g} s", file=sys.stderr, flush=True)
+    with subprocess.Popen([sys.executable, *launcher, *script], stdout=subprocess.PIPE, text=True, start_new_session=True) as child:
+        try:
+            stdout = child.communicate(timeout=args.fsdp_timeout)[0]
+        except subprocess.TimeoutExpired:
+            os.killpg(child.pid, signal.SIGKILL)
+            child.communicate()
+            return {"error": f"timed out after {args.fsdp_timeout:g} s (its stderr above)"}
+    ranks = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+    if len(ranks) < procs:
+        return {"error": f"exit {child.returncode}: {len(ranks)} of {procs} processes reported (their stderr above)"}
+    return merged_ranks(ranks)
+
+
+def merged_ranks(ranks: list[dict]) -> dict:
+    """Rank 0's row (the global batch's tokens/s), each peak memory the largest of any rank, and any
+    rank's out-of-memory or error."""
+    row = dict(next(r for r in ranks if r.get("rank", 0) == 0))
+    for key in ("peak_alloc_gib", "peak_reserved_gib", "peak_rss_gib"):
+        if any(key in r for r in ranks):
+            row[key] = max(r[key] for r in ranks if key in r)
+    for key in ("oom", "error"):
+        row.setdefault(key, next((r[key] for r in ranks if key in r), None))
+        if row[key] is None:
+            del row[key]
+    return row
 
 
 def fsdp_section(args, rows: Rows) -> None:
-    """Each mode (plain first: the anchor) at each batch, ascending, until one does not fit; then the
-    mode's largest batch that fit, anchored to plain's."""
+    """Per process count, each mode (plain first: the anchor) at each batch, ascending, until one does
+    not fit; then the mode's largest batch that fit, anchored to plain's. On more processes than the
+    first count, a row's anchor is the same mode and batch on the first count (the scaling)."""
     modes = sorted(args.fsdp_modes.split(","), key=lambda m: m != "plain")
     batches = sorted(int(b) for b in args.fsdp_batches.split(","))
+    counts = sorted(int(p) for p in args.fsdp_procs.split(","))
     name = f"{args.fsdp_shape} pair, keep {args.keep_ratio:g}: surgery.distill"
-    plain, largest = {}, {}
-    for mode in modes:
-        for batch in batches:
-            spec = {"mode": mode, "batch": batch, "shape": args.fsdp_shape, "keep_ratio": args.keep_ratio, "seq_len": args.fsdp_seq_len,
-                    "micro": args.fsdp_micro, "steps": args.fsdp_steps, "lr_rest": args.fsdp_lr_rest, "checkpoint": args.fsdp_checkpoint}
-            got = fsdp_child(args, spec)
-            config, base = f"{mode}, {batch} x {args.fsdp_seq_len}", plain.get(batch, {})
-            anchor = lambda key: ("plain", base[key]) if mode != "plain" and base.get(key) else None  # noqa: E731
-            rows.add(name, config, "training", got.get("tokens_per_s"), "tokens/s", anchor("tokens_per_s"), **spec, **got)
-            if "peak_alloc_gib" in got:
-                rows.add(name, config, "peak GPU memory (allocated)", got["peak_alloc_gib"], "GiB", anchor("peak_alloc_gib"))
-            if "peak_rss_gib" in got:
-                rows.add(name, config, "peak CPU memory (RSS)", got["peak_rss_gib"], "GiB", anchor("peak_rss_gib"))
-            plain[batch] = got if mode == "plain" else base
-            if got.get("tokens_per_s") is None:
-                break  # a larger batch will not fit either
-            largest[mode] = batch
-        anchor = ("plain", largest["plain"]) if mode != "plain" and largest.get("plain") else None
-        rows.add(name, f"{mode}, batches {args.fsdp_batches} x {args.fsdp_seq_len}", "largest batch that fits", largest.get(mode),
-                 "sequences", anchor)
+    first = {}  # (mode, batch) -> the row on counts[0] processes
+    for procs in counts:
+        on = "" if procs == 1 else f" on {procs} processes"
+        plain, largest = {}, {}
+        for mode in modes:
+            for batch in batches:
+                spec = {"mode": mode, "batch": batch, "shape": args.fsdp_shape, "keep_ratio": args.keep_ratio, "seq_len": args.fsdp_seq_len,
+                        "micro": args.fsdp_micro, "steps": args.fsdp_steps, "lr_rest": args.fsdp_lr_rest, "checkpoint": args.fsdp_checkpoint,
+                        "procs": procs}
+                got = fsdp_child(args, spec)
+                config, base = f"{mode}{on}, {batch} x {args.fsdp_seq_len}", plain.get(batch, {})
+                if procs == counts[0]:
+                    first[mode, batch] = got
+                    anchor = lambda key: ("plain", base[key]) if mode != "plain" and base.get(key) else None  # noqa: E731
+                else:
+                    one, label = first.get((mode, batch), {}), f"{counts[0]} process(es)"
+                    anchor = lambda key: (label, one[key]) if one.get(key) else None  # noqa: E731
+                rows.add(name, config, "training", got.get("tokens_per_s"), "tokens/s", anchor("tokens_per_s"), **spec, **got)
+                if "peak_alloc_gib" in got:
+                    rows.add(name, config, "peak GPU memory (allocated)", got["peak_alloc_gib"], "GiB", anchor("peak_alloc_gib"))
+                if "peak_rss_gib" in got:
+                    rows.add(name, config, "peak CPU memory (RSS)", got["peak_rss_gib"], "GiB", anchor("peak_rss_gib"))
+                plain[batch] = got if mode == "plain" else base
+                if got.get("tokens_per_s") is None:
+                    break  # a larger batch will not fit either
+                largest[mode] = batch
+            anchor = ("plain", largest["plain"]) if mode != "plain" and largest.get("plain") else None
+            rows.add(name, f"{mode}{on}, batches {args.fsdp_batches} x {args.fsdp_seq_len}", "largest batch that fits", largest.get(mode),
+                     "sequences", anchor)
 # ---- offload (issue 32): a teacher larger than one device, converted layer by layer -------------------
 
 def offloaded_conversion(args, rows: Rows) -> None:

@@ -140,6 +140,21 @@ def test_speed_fsdp_smoke(tmp_path, monkeypatch):
     assert [r["value"] for r in largest] == [2, 2] and largest[1]["anchor"] == "plain"
 
 
+def test_speed_fsdp_rows_on_two_processes(tmp_path):
+    """--fsdp-procs 1,2: each row's child runs for real, the second under torchrun (two gloo processes);
+    the 2-process row is anchored to the same mode and batch on one, reports the largest rank's peak,
+    and trains the same steps (rank 0's final loss equals the one process's)."""
+    out = tmp_path / "fsdp.jsonl"
+    rows = speed.main(["--smoke", "--sections", "fsdp", "--fsdp-modes", "fsdp", "--fsdp-batches", "2", "--fsdp-procs", "1,2",
+                       "--fsdp-steps", "2", "--fsdp-seq-len", "32", "--json", str(out)])
+    check_rows(rows, out)
+    one, two = [r for r in rows.rows if r["metric"] == "training"]
+    assert (one["world"], two["world"]) == (1, 2) and one["value"] and two["value"], (one, two)
+    assert two["config"] == "fsdp on 2 processes, 2 x 32" and two["anchor"] == "1 process(es)" and two["anchor_value"] == one["value"]
+    assert two["loss"] == pytest.approx(one["loss"], rel=1e-4) and "peak_rss_gib" in two
+    assert [r["value"] for r in rows.rows if r["metric"] == "largest batch that fits"] == [2, 2]
+
+
 def test_speed_refuses_an_unknown_fsdp_mode(capsys):
     with pytest.raises(SystemExit):
         speed.main(["--smoke", "--sections", "fsdp", "--fsdp-modes", "plain,zero3"])
