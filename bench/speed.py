@@ -12,8 +12,8 @@
   distill   surgery.distill tokens/s of the 50% hybrid at --distill-shape, compiled against eager
   apply     `surgery apply` wall seconds with empty kernel caches (cold) against the same again (warm)
   fsdp      surgery.distill of a --fsdp-shape pair (Llama-3-8B's shapes by default, random weights) per
-            mode: plain (no sharding), fsdp (FSDP2, world size 1), fsdp_offload (shards, gradients and
-            AdamW states in CPU memory): tokens/s and peak GPU and CPU memory per batch of
+            mode: plain (no sharding), fsdp (FSDP2), fsdp_offload (shards, gradients and AdamW states
+            in CPU memory), fsdp_teacher (fsdp with the teacher sharded too, its full weights released): tokens/s and peak GPU and CPU memory per batch of
             --fsdp-batches, each mode and batch in a process of its own (an out-of-memory one leaves the
             others standing), and per mode the largest batch that fits (issue 32); with --fsdp-procs 1,2
             each row also runs under torchrun on 2 processes (one GPU each; gloo on the CPU), anchored
@@ -33,7 +33,7 @@ so it measures whatever the library's default paths are. Rows: bench.harness.Row
     python bench/speed.py --random --sections prefill --casts                  # + its copies and dtype conversions (bench/casts.py)
     python bench/speed.py --sections fsdp --fsdp-modes fsdp_offload,plain --fsdp-batches 4,8,16,32 --fsdp-micro 4 --json fsdp.jsonl
     python bench/speed.py --sections fsdp --fsdp-shape smollm2 --keep-ratio 0.5 --fsdp-batches 16 --fsdp-lr-rest 7e-6
-    python bench/speed.py --sections fsdp --fsdp-modes fsdp --fsdp-procs 1,2 --fsdp-batches 8,16 --json fsdp2.jsonl   # 2 GPUs
+    python bench/speed.py --sections fsdp --fsdp-modes fsdp,fsdp_teacher --fsdp-procs 1,2 --fsdp-batches 8,16 --json fsdp2.jsonl   # 2 GPUs
     python bench/speed.py --smoke --sections prefill,generate,decode,export,distill,apply,fsdp   # CPU, stories260K, tiny sizes
 
 A section that outlives one device call goes in the background: bench/gpu.sh start / wait. The distill
@@ -81,7 +81,7 @@ FSDP_SHAPES = {  # transformers LlamaConfig fields of the random pairs the fsdp 
     "llama8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                     num_key_value_heads=8, rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False),
 }
-FSDP_MODES = ("plain", "fsdp", "fsdp_offload")
+FSDP_MODES = ("plain", "fsdp", "fsdp_offload", "fsdp_teacher")
 LOGITS_BUDGET = 4 << 30  # bytes of logits one Decoder.prefill call may return (a 64k x 16 prompt is prefilled in pieces)
 # the caches a cold `surgery apply` starts without: Triton's kernels (fla's autotuning too), Inductor's, surgery's tokens
 COLD_CACHES = ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "SURGERY_CACHE")
@@ -588,11 +588,12 @@ def measured_fsdp_row(spec: dict) -> dict:
     batch, seq_len, mode = spec["batch"], spec["seq_len"], spec["mode"]
     config = DistillConfig(tokens=spec["steps"] * batch * seq_len, stage="kl", seq_len=seq_len, global_batch=batch, micro_batch=spec["micro"],
                            warmup=0.0, compile=False, lr_kl_rest=spec["lr_rest"], grad_checkpoint=spec["checkpoint"],
-                           fsdp=mode != "plain", fsdp_offload=mode == "fsdp_offload")
+                           fsdp=mode != "plain", fsdp_offload=mode == "fsdp_offload", fsdp_teacher=mode == "fsdp_teacher")
     with tempfile.TemporaryDirectory() as folder:
         start = time.perf_counter()
         try:
-            result = distill(student, [str(SAMPLE)], Path(folder) / "run", config, teacher=teacher, device=device, progress=True)
+            result = distill(student, [str(SAMPLE)], Path(folder) / "run", config, teacher=teacher, device=device, progress=True,
+                             release_teacher=True)
             if result["rank"] == 0:  # rank 0 logs the steps (tokens/s of the global batch)
                 out.update(tokens_per_s=steady_tokens_per_s(Path(folder) / "run", skip=1), tokens_per_s_all=result["tokens_per_s"], loss=result["loss"],
                            world=result["world"])

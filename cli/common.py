@@ -9,7 +9,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from surgery.errors import SurgeryError
+from surgery.errors import OUT_OF_MEMORY_FIX, SurgeryError, first_line, ran_out_of_memory
 
 out = Console(width=None if sys.stdout.isatty() else 160)  # pipes and logs get the whole table
 err = Console(stderr=True, soft_wrap=True)  # messages are never cut mid-word or mid-value; a terminal wraps them
@@ -41,7 +41,9 @@ def fail(exc: SurgeryError) -> None:
 
 
 class guard:
-    """Context: SurgeryError -> one paragraph and exit 2 (tracebacks only with --debug)."""
+    """Context: SurgeryError -> one paragraph and exit 2 (tracebacks only with --debug); so is running
+    out of device memory anywhere in a command (torch's allocator or a Triton launch), with what makes
+    the work fit."""
 
     def __init__(self, debug: bool):
         self.debug = debug
@@ -54,6 +56,8 @@ class guard:
             return False
         if isinstance(value, SurgeryError):
             fail(value)
+        if ran_out_of_memory(value):
+            fail(SurgeryError(f"Out of memory ({first_line(value)}).", OUT_OF_MEMORY_FIX))
         return False
 
 

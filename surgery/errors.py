@@ -8,6 +8,18 @@ def first_line(exc: BaseException, default: str | None = None) -> str:
     return lines[0] if lines else (default or type(exc).__name__)
 
 
+def ran_out_of_memory(exc: BaseException) -> bool:
+    """torch's allocator error, or a kernel launcher's: Triton raises a RuntimeError ('Triton Error
+    [CUDA]: out of memory') when an autotuning launch finds no room (an 8B pair at batch 16 on one
+    H200, bench/RESULTS.md, twenty-seventh session)."""
+    return type(exc).__name__ == "OutOfMemoryError" or (isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower())
+
+
+OUT_OF_MEMORY_FIX = ("Make the work smaller or give it more memory: apply takes --set calibrate.batch_size=N and --set align.batch_size=N "
+                     "(windows per forward) or --offload-layers; distill --micro-batch N or --grad-checkpoint; eval --batch-size N; "
+                     "or run on a device with more free memory (--device).")
+
+
 class SurgeryError(Exception):
     """Base class: `problem` says what is wrong, `fix` what to do about it."""
 

@@ -130,14 +130,16 @@ def test_speed_fsdp_smoke(tmp_path, monkeypatch):
     mode reports the largest batch that fit."""
     monkeypatch.setattr(speed, "fsdp_child", lambda args, spec: speed.fsdp_one(spec))
     out = tmp_path / "fsdp.jsonl"
-    rows = speed.main(["--smoke", "--sections", "fsdp", "--fsdp-modes", "fsdp_offload,plain", "--fsdp-batches", "2",
+    rows = speed.main(["--smoke", "--sections", "fsdp", "--fsdp-modes", "fsdp_offload,plain,fsdp_teacher", "--fsdp-batches", "2",
                        "--fsdp-steps", "2", "--fsdp-seq-len", "32", "--json", str(out)])
     check_rows(rows, out)
-    assert [r["mode"] for r in rows.rows if r["metric"] == "training"] == ["plain", "fsdp_offload"]  # plain first: the anchor
-    offload = next(r for r in rows.rows if r["metric"] == "training" and r["mode"] == "fsdp_offload")
+    training = [r for r in rows.rows if r["metric"] == "training"]
+    assert [r["mode"] for r in training] == ["plain", "fsdp_offload", "fsdp_teacher"]  # plain first: the anchor
+    offload = training[1]
     assert offload["anchor"] == "plain" and offload["tokens_per_s"] == offload["value"] and offload["batch"] == 2
+    assert training[2]["loss"] == pytest.approx(training[0]["loss"], rel=1e-5)  # the sharded teacher gives the same targets
     largest = [r for r in rows.rows if r["metric"] == "largest batch that fits"]
-    assert [r["value"] for r in largest] == [2, 2] and largest[1]["anchor"] == "plain"
+    assert [r["value"] for r in largest] == [2, 2, 2] and largest[1]["anchor"] == "plain"
 
 
 def test_speed_fsdp_rows_on_two_processes(tmp_path):

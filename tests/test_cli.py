@@ -208,6 +208,29 @@ def test_apply_errors_are_one_paragraph(runner, stories_path, tmp_path, args, wo
     assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.parametrize("error", [torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB."),
+                                   RuntimeError("Triton Error [CUDA]: out of memory")])
+def test_running_out_of_memory_is_one_paragraph(runner, stories_path, tmp_path, monkeypatch, error):
+    """Out of device memory deep in a pass (torch's allocator, or a Triton launch) ends the command
+    with what makes the work fit, no traceback, and no --out written."""
+    import passes.calibrate
+
+    def no_room(*args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(passes.calibrate, "teacher_data", no_room)
+    result = invoke(runner, "apply", "--model", stories_path, "--passes", "select,replace,calibrate", "--layers", "1", "--out", tmp_path / "o")
+    assert_clean_failure(result, "Pass 'calibrate' ran out of memory", "calibrate.batch_size", "--micro-batch")
+    assert not (tmp_path / "o").exists()
+    import importlib  # outside the passes: the command's guard says the same
+
+    monkeypatch.setattr(importlib.import_module("surgery.eval.perplexity"), "perplexity", no_room)
+    text = tmp_path / "t.txt"
+    text.write_text("Once upon a time there was a cat. " * 20)
+    result = invoke(runner, "eval", "--model", stories_path, "--text", text)
+    assert_clean_failure(result, "Out of memory (", "eval --batch-size")
+
+
 def test_missing_model_and_text(runner, tmp_path, stories_path):
     result = invoke(runner, "inspect", "--model", tmp_path / "nothing-here")
     assert_clean_failure(result, "nothing-here")

@@ -251,12 +251,41 @@ def test_two_sharded_processes_and_resume_across_world_sizes(reference, loaded, 
     assert_same_run(out, reference, rel=1e-5, rtol=1e-4)
 
 
+def test_a_sharded_teacher_repeats_the_run(reference, loaded, train_file, stories_teacher, stories_path, tmp_path, monkeypatch):
+    """fsdp_teacher: stage kl's teacher sharded too (frozen, a unit per decoder layer). One process and
+    two repeat the plain run; a caller's teacher Graph is left whole and running, a teacher the run
+    captured itself (from a path) drops its full weights, keeping only the shards."""
+    seen, real_shard = [], trainer_module.shard_teacher
+
+    def shard(teacher, place, release):
+        root = real_shard(teacher, place, release)
+        units = [m for m in root.modules() if isinstance(m, FSDPModule)]
+        sharded = all(isinstance(p, DTensor) and not p.requires_grad for p in root.parameters())
+        seen.append((len(units), sharded, release, {p.device.type for p in teacher.gm.parameters()}))
+        return root
+
+    monkeypatch.setattr(trainer_module, "shard_teacher", shard)
+    c = config(**scored(train_file), fsdp=True, fsdp_teacher=True)
+    distill(fresh(loaded), [train_file], tmp_path / "graph", c, teacher=stories_teacher, progress=False, device="cpu")
+    assert seen == [(6, True, False, {"cpu"})]  # the 5 decoder layers and the root; the caller's Graph keeps its weights
+    assert_same_run(tmp_path / "graph", reference, rel=1e-6, rtol=1e-5)
+    distill(fresh(loaded), [train_file], tmp_path / "path", c, teacher=stories_path, progress=False, device="cpu")
+    assert seen[1:] == [(6, True, True, {"meta"})]  # captured by the run: only the shards stay
+    assert_same_run(tmp_path / "path", reference, rel=1e-6, rtol=1e-5)
+    monkeypatch.undo()
+    on_ranks(2, lambda: distill(fresh(loaded), [train_file], tmp_path / "two", c, teacher=stories_teacher, progress=False, device="cpu"))
+    assert json.loads((tmp_path / "two" / "distill.json").read_text())["world"] == 2
+    assert_same_run(tmp_path / "two", reference, rel=1e-5, rtol=1e-4)
+
+
 def test_bad_fsdp_options_fail_with_a_fix(hybrid, train_file, tmp_path):
     with pytest.raises(DistillError, match="fsdp_offload only applies to a sharded run") as info:
         config(fsdp_offload=True).validate()
     assert "--fsdp" in info.value.fix
     with pytest.raises(DistillError, match="fsdp_mixed"):
         config(fsdp_mixed=True).validate()
+    with pytest.raises(DistillError, match="fsdp_teacher only applies to a sharded run"):
+        config(fsdp_teacher=True).validate()
     with pytest.raises(DistillError, match="compile is not supported with fsdp"):
         config(fsdp=True, compile=True).validate()
     from typer.testing import CliRunner

@@ -10,7 +10,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from ..errors import PassConfigError, PassFailedError, PassOrderError, SurgeryError
+from ..errors import OUT_OF_MEMORY_FIX, PassConfigError, PassFailedError, PassOrderError, SurgeryError, first_line, ran_out_of_memory
 from .graph import Graph
 
 
@@ -274,6 +274,8 @@ def named(p: Pass, graph: Graph, step):
     except SurgeryError as exc:
         raise type(exc)(f"Pass '{p.name}' failed (after: {before}). {exc.problem}", exc.fix) from exc
     except Exception as exc:
+        if ran_out_of_memory(exc):
+            raise PassFailedError(f"Pass '{p.name}' ran out of memory (after: {before}): {first_line(exc)}", OUT_OF_MEMORY_FIX) from exc
         raise PassFailedError(f"Pass '{p.name}' failed (after: {before}): {type(exc).__name__}: {exc}", "Run with --debug for the trace.") from exc
 
 

@@ -18,7 +18,7 @@ MAX_STEPS = 10**9
 # Fields that change how a run is executed or reported but not the numbers it trains on; --resume
 # accepts new values for these (micro_batch changes only the float summation order).
 OPERATIONAL = ("micro_batch", "save_every", "keep_checkpoints", "grad_checkpoint", "eval_every", "eval_text", "eval_tokens", "time_limit",
-               "compile", "fsdp", "fsdp_offload")
+               "compile", "fsdp", "fsdp_offload", "fsdp_teacher")
 
 
 def stages_run(stage: str | None, l2_tokens: int | None, tokens: int, tokens_per_step: int) -> str:
@@ -33,9 +33,8 @@ def stages_run(stage: str | None, l2_tokens: int | None, tokens: int, tokens_per
 class DistillConfig(PassConfig):
     """tokens         training tokens over all stages; a stage runs tokens // (global_batch x seq_len) steps
     stage          "l2" (per-layer, teacher-forced MSE), "kl" (end-to-end logits), or "both" in turn;
-                   None (the default): "both" where its l2 share is at least one optimizer step, else "kl".
-                   Issue 30's recipe study (bench/RESULTS.md, twenty-second session): an l2 stage of 1M of 8.4M tokens
-                   gave both inits their lowest perplexity (TC / copy-only 29.53 / 36.78; KL alone 30.36 / 39.64)
+                   None (the default): "both" where its l2 share is at least one optimizer step, else "kl"
+                   (issue 30's recipe study, bench/RESULTS.md, twenty-second session, has why)
     l2_tokens      with stage "both": tokens of stage 1 (default tokens // 7, the reference's 100M of 700M)
     global_batch   sequences per optimizer step over all processes; micro_batch: per forward on one
                    process (default: the process's whole share, i.e. no accumulation)
@@ -44,20 +43,18 @@ class DistillConfig(PassConfig):
                    (everything outside the GDN layers; only stage kl can move it). 0 freezes a group.
                    Defaults from METHOD.md: stage 1 lr 1e-3 on the GDN layers; stage 2 1e-4 / 7e-6.
     warmup         fraction of each stage's steps with a linear warmup; schedule: cosine | constant
-    freeze_gates_steps  optimizer steps (of the whole run, from its first) during which the GDN gate
-                   parameters (tcal's "gates" role: a/b/g_proj, A_log, dt_bias) get no update: the
-                   gates Taylor-Calibrate set are held while the rest adapts (issue 30's recipe study)
+    freeze_gates_steps  optimizer steps (of the whole run) in which the GDN gates (tcal's "gates" role:
+                   a/b/g_proj, A_log, dt_bias) get no update, held as Taylor-Calibrate set them
     eval_every, save_every  in tokens; 0 = only at the start (eval) and at the end
     autocast       bf16 autocast (None: on CUDA); float32 master weights stay in the model's dtype
-    time_limit     seconds of training in this process (0: none); when they are up the run writes a
-                   checkpoint at the next step boundary and stops, and --resume continues it: a long run
-                   fits job slots or time-limited machines, and its curve is that of an uninterrupted one
+    time_limit     seconds of training in this process (0: none); then a checkpoint at the next step
+                   boundary and a stop; --resume continues it as if uninterrupted
     compile        run the student's, the teacher's and the evaluation forwards through torch.compile
                    (None: where it pays, surgery.core.compiled)
-    fsdp           shard the trained weights, gradients and optimizer states over the processes with
-                   FSDP2 (surgery.train.sharding); also with one process. Checkpoints stay full (any
-                   world size, with or without fsdp, resumes them)
+    fsdp           shard the trained weights, gradients and optimizer states over the processes with FSDP2
+                   (surgery.train.sharding), also on one; checkpoints stay full (any world size resumes them)
     fsdp_offload   with fsdp: keep shards, gradients and optimizer states in CPU memory
+    fsdp_teacher   with fsdp: stage kl's teacher sharded the same way, frozen (1/N of its weights a process)
     fsdp_mixed     with fsdp: bf16 weights in compute, float32 gradient reduction (None: with autocast,
                    i.e. on CUDA; it needs autocast)"""
 
@@ -94,6 +91,7 @@ class DistillConfig(PassConfig):
     fsdp: bool = False
     fsdp_offload: bool = False
     fsdp_mixed: bool | None = None
+    fsdp_teacher: bool = False
 
     def validate(self) -> None:
         def bad(problem: str, fix: str):
@@ -124,8 +122,9 @@ class DistillConfig(PassConfig):
             bad(f"betas must lie in [0, 1), got {self.beta1}, {self.beta2}.", "Use e.g. 0.9 and 0.95.")
         if self.temperature <= 0:
             bad(f"temperature must be > 0, got {self.temperature}.", "Use e.g. 1.0.")
-        if not self.fsdp and (self.fsdp_offload or self.fsdp_mixed is not None):
-            bad(f"{'fsdp_offload' if self.fsdp_offload else 'fsdp_mixed'} only applies to a sharded run.", "Add --fsdp, or drop the option.")
+        if not self.fsdp and (self.fsdp_offload or self.fsdp_mixed is not None or self.fsdp_teacher):
+            name = "fsdp_offload" if self.fsdp_offload else "fsdp_teacher" if self.fsdp_teacher else "fsdp_mixed"
+            bad(f"{name} only applies to a sharded run.", "Add --fsdp, or drop the option.")
         if self.fsdp and self.compile:
             bad("compile is not supported with fsdp yet.", "Drop --compile (or --fsdp).")
         if self.fsdp and self.freeze_gates_steps:

@@ -22,7 +22,7 @@ __all__ = ["DistillConfig", "distill"]
 
 def distill(model, data, out, config: DistillConfig, *, teacher=None, resume: bool = False, force: bool = False,
             device=None, dtype: torch.dtype | None = None, progress: bool = True,
-            on_step: Callable[[dict], None] | None = None, on_open: Callable | None = None) -> dict:
+            on_step: Callable[[dict], None] | None = None, on_open: Callable | None = None, release_teacher: bool = False) -> dict:
     """Train the hybrid `model` (a saved-hybrid directory or a Graph) against its teacher on the text
     files `data`, writing checkpoints, log.jsonl and distill.json into `out`.
 
@@ -38,6 +38,8 @@ def distill(model, data, out, config: DistillConfig, *, teacher=None, resume: bo
     on_step   called with each step's log record after its checkpoint (if any) is written
     on_open   called with the student Graph that trains (on resume, the checkpoint's) before the first
               step: a caller can snapshot or score it between steps (bench/recovery.py)
+    release_teacher  with config.fsdp_teacher, drop a caller's teacher Graph's full weights once they are
+              sharded, as a teacher the run captured itself always does (the Graph no longer runs after)
     The run holds out's writer lock (surgery.io.lock; rank 0 under torchrun): a second writer of
     `out` gets OutputBusyError at once.
     Under torchrun (WORLD_SIZE > 1) each process runs this with the same arguments; it joins or starts
@@ -52,7 +54,8 @@ def distill(model, data, out, config: DistillConfig, *, teacher=None, resume: bo
     place = placement(device, group=config.fsdp)
     try:
         with output_lock(out) if place.main else contextlib.nullcontext():  # one writer per run directory
-            job = open_job(place, model, data, out, config, teacher=teacher, resume=resume, force=force, dtype=dtype)
+            job = open_job(place, model, data, out, config, teacher=teacher, resume=resume, force=force, dtype=dtype,
+                           release_teacher=release_teacher)
             if on_open is not None and job.student is not None:
                 on_open(job.student)
             return Trainer(job, progress, on_step).run()

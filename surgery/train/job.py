@@ -37,6 +37,7 @@ class Job:
     student: Graph | None = None
     teacher: Graph | None = None
     teacher_name: str = ""
+    owns_teacher: bool = False  # its weights are the run's own (open_teacher): a sharded teacher may drop them
     previous: list = field(default_factory=list)
     order: WindowOrder | None = None
     eval_ids: torch.Tensor | None = None
@@ -65,7 +66,8 @@ def shares(place: Placement, config: DistillConfig, out: Path, resume: bool) -> 
                            f"({', '.join(map(str, fits[:8]))}): checkpoints are gathered, so any of them resumes it, with or without --fsdp.") from exc
 
 
-def open_job(place: Placement, model, data, out, config: DistillConfig, *, teacher, resume: bool, force: bool, dtype) -> Job:
+def open_job(place: Placement, model, data, out, config: DistillConfig, *, teacher, resume: bool, force: bool, dtype,
+             release_teacher: bool = False) -> Job:
     c = config
     digests = [sha256_file(p) for p in check_files(data)]
     local, micro = shares(place, c, Path(out), resume)
@@ -81,6 +83,7 @@ def open_job(place: Placement, model, data, out, config: DistillConfig, *, teach
     if job.complete:  # a finished run resumed again: nothing to load
         return job
     model_name = open_models(job, last or model, teacher, dtype or torch.float32)
+    job.owns_teacher |= release_teacher
     tokenizer = job.teacher.tokenizer or job.student.tokenizer
     corpus = place.main_first(lambda: TokenCorpus.build(data, tokenizer, digests=digests))  # rank 0 tokenises; the others find the cache
     lead = leading_token(tokenizer)
@@ -105,7 +108,7 @@ def open_models(job: Job, start_from, teacher, dtype: torch.dtype) -> str:
         job.previous = earlier.get("previous", [])
     elif earlier:
         job.previous = [*earlier.get("previous", []), {k: v for k, v in earlier.items() if k != "previous"}]
-    job.teacher, job.teacher_name = open_teacher(job.student, teacher, place.device, teacher_dtype(job.student, job.autocast_on, place.device))
+    job.teacher, job.teacher_name, job.owns_teacher = open_teacher(job.student, teacher, place.device, teacher_dtype(job.student, job.autocast_on, place.device))
     run_dir.check_teacher(job.teacher_name)
     check_lengths(job.config.seq_len, job.student, job.teacher)
     return run_dir.saved["model"] if run_dir.saved else student_name

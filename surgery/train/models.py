@@ -71,17 +71,20 @@ def find_teacher(student: Graph, teacher, device, dtype) -> tuple[Graph, str]:
     return capture(path, device=device, dtype=dtype), str(path.resolve())
 
 
-def open_teacher(student: Graph, teacher, device, dtype) -> tuple[Graph, str]:
-    """The teacher as a Graph with its own weights. Weights it shares with the student (an in-memory
-    teacher after `replace`) are copied, so training the student never moves the teacher."""
+def open_teacher(student: Graph, teacher, device, dtype) -> tuple[Graph, str, bool]:
+    """The teacher as a Graph with its own weights, its name, and whether its weights are this run's
+    own (captured or copied here; not a caller's Graph, which the run must leave as it found it).
+    Weights it shares with the student (an in-memory teacher after `replace`) are copied, so
+    training the student never moves the teacher."""
     graph, name = find_teacher(student, teacher, device, dtype)
+    owned = not isinstance(teacher, Graph) and (teacher is not None or student.teacher is None)
     gm = graph.teacher_gm
     student_tensors = {p.data_ptr() for p in student.gm.parameters()}
     if any(p.data_ptr() in student_tensors for p in gm.parameters()):
-        gm = copy.deepcopy(gm)
+        gm, owned = copy.deepcopy(gm), True
     graph = dataclasses.replace(graph, gm=gm, teacher=None, cache={})
     check_teacher(student, graph, name)
-    return graph, name
+    return graph, name, owned
 
 
 def check_teacher(student: Graph, teacher: Graph, name: str) -> None:

@@ -23,7 +23,9 @@ or without --fsdp. No pickle anywhere: torch.distributed.checkpoint is not used,
 resume would unpickle a file from the run directory. The cost: one full copy of the student's
 weights per process, and at each checkpoint every rank joins the gather of the optimizer states
 (a tensor at a time) that rank 0 keeps whole in CPU memory (twice the trained weights in float32).
-The teacher is frozen and whole on every process; sharding it the same way is the next step."""
+The teacher is frozen and whole on every process, or, with fsdp_teacher, in stage kl sharded the same
+way (shard_teacher: each process keeps 1/world of its weights and gathers a decoder layer's at a time
+for its forward; a teacher the run opened itself then drops its full copies)."""
 from __future__ import annotations
 
 import contextlib
@@ -72,10 +74,12 @@ def exclusive(root: torch.nn.Module, units: list[torch.nn.Module]) -> list[torch
 
 
 def apply_fsdp(root: torch.nn.Module, units: list[torch.nn.Module], place: Placement, *, precision: MixedPrecisionPolicy,
-               offload: bool, checkpoint: bool) -> None:
+               offload: bool, checkpoint: bool, reshard_after_forward: bool | None = None) -> None:
     mesh = init_device_mesh(place.device.type, (place.world,))
     policy = CPUOffloadPolicy(pin_memory=place.device.type == "cuda") if offload else OffloadPolicy()
     options = dict(mesh=mesh, mp_policy=precision, offload_policy=policy)
+    if reshard_after_forward is not None:
+        options["reshard_after_forward"] = reshard_after_forward
     for unit in units:
         if checkpoint:
             checkpoint_unit(unit)
@@ -178,6 +182,29 @@ def shard_student(student: Graph, stage: str, place: Placement, config, autocast
         names = unit_names(root)
     apply_fsdp(root, units, place, precision=policy, offload=config.fsdp_offload, checkpoint=config.grad_checkpoint)
     return ShardedStudent(root, names, place)
+
+
+def shard_teacher(teacher: Graph, place: Placement, release: bool) -> torch.nn.Module:
+    """Stage kl's teacher (fsdp_teacher) cut by layer and sharded as the student is: frozen, in its own
+    dtype, each process keeping 1/world of its weights and gathering one decoder layer's at a time,
+    resharding after every forward (the root too: no backward follows). The units read the teacher
+    graph's own tensors; `release` (a teacher the run owns) then drops the graph's full copies."""
+    root = split_by_layer(teacher.gm, teacher.sites)
+    root.requires_grad_(False)
+    units = [m for name, m in root.named_children() if name.startswith("layer_")]
+    apply_fsdp(root, units, place, precision=MixedPrecisionPolicy(cast_forward_inputs=False), offload=False, checkpoint=False,
+               reshard_after_forward=True)
+    if release:
+        drop_weights(teacher.gm)
+    return root
+
+
+def drop_weights(gm: torch.nn.Module) -> None:
+    """Replace a module's parameters by meta tensors of their shapes (no memory; parameter counts stay
+    right): a sharded copy holds them now, and the full tensors are freed (gm no longer runs)."""
+    for module in gm.modules():
+        for name, p in list(module.named_parameters(recurse=False)):
+            setattr(module, name, torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"), requires_grad=False))
 
 
 def clip_grad_norm(params, max_norm: float, device: torch.device) -> float:

@@ -165,14 +165,16 @@ def stage_l2(student: Graph, teacher: Graph, place: Placement, autocast: Callabl
 
 
 def stage_kl(student: Graph, teacher: Graph, place: Placement, autocast: Callable, temperature: float,
-             compile: bool = False, prepare=None, wrapped=None) -> Stage:
+             compile: bool = False, prepare=None, wrapped=None, teacher_module=None) -> Stage:
     """KL(teacher || student) over the logits, the whole student trained. prepare: a graph rewrite
     for the compiled path only; the student's shares its parameters, so training it trains the student.
-    wrapped: what computes the student's logits (default: its graph, under DDP with several processes)."""
+    wrapped: what computes the student's logits (default: its graph, under DDP with several processes);
+    teacher_module: what computes the teacher's (default: its graph; a sharded one: fsdp_teacher)."""
     if wrapped is None:
         wrapped = place.wrap(prepare(student.gm) if compile and prepare is not None else student.gm)
     extra = student.gm.meta.get("extra_inputs", {})
-    run_teacher = maybe_compiled(teacher.gm, compile, place.device, use="train", label="teacher graph", prepare=prepare)
+    run_teacher = maybe_compiled(teacher.gm if teacher_module is None else teacher_module, compile, place.device, use="train",
+                                 label="teacher graph", prepare=prepare)
     run_student = maybe_compiled(wrapped, compile, place.device, use="train", label="student graph")
     terms = maybe_compiled(chunk_terms, compile, place.device, use="train", label="KL loss chunk", dynamic=False)
 

@@ -26,12 +26,12 @@ import torch
 
 from ..core.compiled import resolve_compile
 from ..decode.causal_flags import CausalFlags
-from ..errors import DistillError, first_line
+from ..errors import DistillError, first_line, ran_out_of_memory
 from .config import lr_factor
 from .interrupt import Interrupts
 from .job import Job
 from .progress import Reporter
-from .sharding import ShardedStudent, clip_grad_norm, shard_student
+from .sharding import ShardedStudent, clip_grad_norm, shard_student, shard_teacher
 from .stages import Stage, gate_parameters, gradient_checkpointing, param_groups, stage_kl, stage_l2
 from .state import rng_state, set_rng_state
 
@@ -69,13 +69,6 @@ def build_optimizer(job: Job, index: int, stage: str, steps: int, sharded: Shard
             optimizer.load_state_dict(job.state["optimizer"])
         scheduler.load_state_dict(job.state["scheduler"])
     return optimizer, scheduler, trainable
-
-
-def ran_out_of_memory(exc: BaseException) -> bool:
-    """torch's allocator error, or a kernel launcher's: Triton raises a RuntimeError ('Triton Error
-    [CUDA]: out of memory') when an autotuning launch finds no room (an 8B pair at batch 16 on one
-    H200, bench/RESULTS.md, twenty-seventh session)."""
-    return isinstance(exc, torch.OutOfMemoryError) or (isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower())
 
 
 def out_of_memory(exc: Exception, job: Job) -> DistillError:
@@ -200,7 +193,8 @@ class Trainer:
         if stage == "l2":
             built = stage_l2(job.student, job.teacher, self.place, job.autocast, self.compile, flags, self.sharded)
         else:
-            built = stage_kl(job.student, job.teacher, self.place, job.autocast, self.config.temperature, self.compile, flags, self.sharded)
+            teacher = shard_teacher(job.teacher, self.place, release=job.owns_teacher) if self.config.fsdp_teacher else None  # nothing runs teacher.gm after
+            built = stage_kl(job.student, job.teacher, self.place, job.autocast, self.config.temperature, self.compile, flags, self.sharded, teacher)
         with gradient_checkpointing(job.student.gdn_modules().values(), self.config.grad_checkpoint):
             for stage_step in range(self.tally.done - first, steps):
                 record = self.train_step(first + stage_step, stage, optimizer, scheduler, built, trainable)
