@@ -747,7 +747,9 @@ def peak_bytes(device, live) -> int:
 def main(argv=None) -> Rows:
     args = arguments(argv)
     if args.fsdp_one:
-        print(json.dumps(fsdp_one(json.loads(args.fsdp_one))), flush=True)
+        row = json.dumps(fsdp_one(json.loads(args.fsdp_one))) + "\n"  # one write: torchrun's workers share the pipe, and print
+        sys.stdout.write(row)                                             # writes the newline apart (two rows on one line, seen in CI)
+        sys.stdout.flush()
         return Rows()
     rows = Rows(args.json)
     sections = args.sections.split(",")

@@ -213,17 +213,16 @@ def test_apply_errors_are_one_paragraph(runner, stories_path, tmp_path, args, wo
 def test_running_out_of_memory_is_one_paragraph(runner, stories_path, tmp_path, monkeypatch, error):
     """Out of device memory deep in a pass (torch's allocator, or a Triton launch) ends the command
     with what makes the work fit, no traceback, and no --out written."""
-    import passes.calibrate
+    import importlib  # the installed name: importing the top-level `passes` folder would register a second copy of every pass
 
     def no_room(*args, **kwargs):
         raise error
 
-    monkeypatch.setattr(passes.calibrate, "teacher_data", no_room)
+    monkeypatch.setattr(importlib.import_module("surgery.passes.calibrate"), "teacher_data", no_room)
     result = invoke(runner, "apply", "--model", stories_path, "--passes", "select,replace,calibrate", "--layers", "1", "--out", tmp_path / "o")
     assert_clean_failure(result, "Pass 'calibrate' ran out of memory", "calibrate.batch_size", "--micro-batch")
     assert not (tmp_path / "o").exists()
-    import importlib  # outside the passes: the command's guard says the same
-
+    # outside the passes: the command's guard says the same
     monkeypatch.setattr(importlib.import_module("surgery.eval.perplexity"), "perplexity", no_room)
     text = tmp_path / "t.txt"
     text.write_text("Once upon a time there was a cat. " * 20)
