@@ -74,6 +74,7 @@ from surgery import Decoder, DistillConfig, PassManager, capture, distill, expor
 from surgery.core.run import run_graph  # noqa: E402
 from surgery.decode.fast import FastGraph  # noqa: E402
 from surgery.errors import SurgeryError  # noqa: E402
+from surgery.train.placement import local_device  # noqa: E402
 
 SECTIONS = ("prefill", "generate", "decode", "export", "distill", "apply", "fsdp", "offload", "step_attention")
 FSDP_SHAPES = {  # transformers LlamaConfig fields of the random pairs the fsdp section trains ("stories": the real tiny teacher)
@@ -563,17 +564,8 @@ def fsdp_one(spec: dict) -> dict:
         return measured_fsdp_row(spec)
 
 
-def fsdp_device() -> torch.device:
-    """cuda:LOCAL_RANK (one GPU per torchrun process; 0 alone), else the CPU."""
-    if not torch.cuda.is_available():
-        return torch.device("cpu")
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    torch.cuda.set_device(device)
-    return device
-
-
 def measured_fsdp_row(spec: dict) -> dict:
-    device = fsdp_device()
+    device = local_device()  # cuda:LOCAL_RANK under torchrun, as distill's own placement
     out = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "rank": int(os.environ.get("RANK", "0"))}
     start = time.perf_counter()
     teacher = fsdp_teacher(spec["shape"], device, spec["seq_len"])
@@ -639,9 +631,9 @@ def merged_ranks(ranks: list[dict]) -> dict:
         if any(key in r for r in ranks):
             row[key] = max(r[key] for r in ranks if key in r)
     for key in ("oom", "error"):
-        row.setdefault(key, next((r[key] for r in ranks if key in r), None))
-        if row[key] is None:
-            del row[key]
+        found = [r[key] for r in ranks if key in r]
+        if found:
+            row.setdefault(key, found[0])
     return row
 
 

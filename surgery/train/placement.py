@@ -83,17 +83,25 @@ class Placement:
         return DistributedDataParallel(module, device_ids=ids, broadcast_buffers=False)
 
 
+def local_device(device=None) -> torch.device:
+    """The device this process computes on, made current: `device`, else CUDA when it is there, else the
+    CPU; an unnumbered CUDA device is cuda:LOCAL_RANK under torchrun (the current one alone)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) if world > 1 else torch.cuda.current_device())
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    return dev
+
+
 def placement(device=None, group: bool = False) -> Placement:
     """One process, or one of WORLD_SIZE started by torchrun (or already in a process group):
-    nccl on CUDA, gloo on CPU. The device defaults to cuda:LOCAL_RANK when CUDA is there.
+    nccl on CUDA, gloo on CPU, on local_device(device).
     group: a lone process (no torchrun) gets a process group of its own (FSDP needs one)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local = int(os.environ.get("LOCAL_RANK", "0"))
-    dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if dev.type == "cuda" and dev.index is None:
-        dev = torch.device("cuda", local if world > 1 else torch.cuda.current_device())
-    if dev.type == "cuda":
-        torch.cuda.set_device(dev)
+    dev = local_device(device)
     owns = False
     if (world > 1 or group) and not dist.is_initialized():
         backend = "nccl" if dev.type == "cuda" else "gloo"
