@@ -193,6 +193,7 @@ def apply(
 ):
     """Run passes on a model and save the hybrid."""
     from surgery import PassManager, capture, diff as graph_diff, save
+    from surgery.core.kernel_warmup import kernel_warmup
     from surgery.core.pipeline import parse_options
     from surgery.data.text import check_text_file
     from surgery.io.lock import output_lock
@@ -218,18 +219,21 @@ def apply(
         dev, dt = placement(device, dtype)
         offload = choose_offload(paths[0], dev, dt, offload_layers)  # else the teacher must fit the device (checked)
         err.print(f"{'capturing on the meta device' if offload else 'loading and capturing'} {model} {'for' if offload else 'on'} {dev} ({str(dt).removeprefix('torch.')})")
-        graph = capture(model, device=dev, dtype=dt, debug=debug, offload=offload)
-        err.print(f"found {graph.num_layers} attention layers")
-        if any(p.name in ("calibrate", "align") for p in manager.passes) and not calibration:
-            err.print("no --calibration given: using the built-in calibration sample")
+        with kernel_warmup(dev, wanted=bool(manager.layer_runs()) and not offload) as warmup:  # compiles while we load
+            graph = capture(model, device=dev, dtype=dt, debug=debug, offload=offload)
+            err.print(f"found {graph.num_layers} attention layers")
+            if any(p.name in ("calibrate", "align") for p in manager.passes) and not calibration:
+                err.print("no --calibration given: using the built-in calibration sample")
 
-        def report(name, result):
-            render_pass_result(name, result.info)
-            if name == "select" and result.info.get("scores") and not as_json:
-                render_scores(result.info)
+            def report(name, result):
+                if warmup is not None:  # the converted layers exist once replace ran: their kernels can compile
+                    warmup.send(graph, manager.layer_runs(after=name))
+                render_pass_result(name, result.info)
+                if name == "select" and result.info.get("scores") and not as_json:
+                    render_scores(result.info)
 
-        before = graph.branch() if any(p.structural for p in manager.passes) else None
-        results = manager(graph, progress=report)
+            before = graph.branch() if any(p.structural for p in manager.passes) else None
+            results = manager(graph, progress=report)
         if before is not None and not as_json:
             render_diff(graph_diff(before, graph), f"{model} -> {out_dir}")  # what `surgery diff MODEL OUT` prints
         save(graph, out_dir, force=force)

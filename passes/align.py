@@ -60,6 +60,9 @@ class Align(Pass):
     def preflight(self, graph: Graph) -> None:
         check_text(graph, self.config)
 
+    def layer_runs(self) -> list[tuple[str, int, int]]:
+        return [("train", self.config.samples, self.config.length)]  # every window at once, float32 (tcal.phase2)
+
     def run(self, graph: Graph) -> PassResult:
         start = time.perf_counter()
         modules = {l: m for l, m in graph.gdn_modules().items() if m.param_groups()}  # swa: nothing to align

@@ -52,6 +52,9 @@ class Calibrate(Pass):
             raise PassConfigError(f"calibrate.gate=reference writes g_proj as a multiple of v_proj, and layer(s) {', '.join(low)} "
                                   "have a low-rank g_proj (replace.kimi_form=true).", "Use calibrate.gate=constant (the default) or tokenwise.")
 
+    def layer_runs(self) -> list[tuple[str, int, int]]:
+        return [("infer", self.config.samples, self.config.length)]  # Phase 1's forwards on the calibration windows
+
     def run(self, graph: Graph) -> PassResult:
         start = time.perf_counter()
         data = teacher_data(graph, self.config)

@@ -166,6 +166,12 @@ class Pass:
     def ensures(self, graph: Graph) -> None:
         """What the pass promises about the graph it leaves; raise broken(...) when it does not hold."""
 
+    def layer_runs(self) -> list[tuple[str, int, int]]:
+        """How this pass will run the converted layers, as (use, batch, tokens): "train" (a float32
+        forward and backward) or "infer" (a forward in the graph's dtype). A helper process compiles
+        their kernels ahead of the pass (surgery.core.kernel_warmup); none by default."""
+        return []
+
     def broken(self, what: str) -> PassFailedError:
         """The error for a promise that does not hold: `what` says what broke."""
         return PassFailedError(f"Pass '{self.name}' did not keep its promise: {what}", "This is a bug in the pass; run with --debug and report it.")
@@ -251,6 +257,12 @@ class PassManager:
 
     def order(self, already=None) -> str:
         return ",".join(list(already or []) + [p.name for p in self.passes])
+
+    def layer_runs(self, after: str | None = None) -> list[tuple[str, int, int]]:
+        """The layer runs (Pass.layer_runs) of the passes after the first one named `after` (all: None)."""
+        names = [p.name for p in self.passes]
+        start = names.index(after) + 1 if after in names else 0
+        return [run for p in self.passes[start:] for run in p.layer_runs()]
 
     def __call__(self, graph: Graph, progress=None) -> PassResult:
         self.validate([h["pass"] for h in graph.history])
