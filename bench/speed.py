@@ -117,7 +117,8 @@ def arguments(argv=None) -> argparse.Namespace:
     ap.add_argument("--no-compiled", action="store_true", help="prefill: leave out the compiled rows (a compile per shape and model)")
     ap.add_argument("--profile", action="store_true", help="prefill: torch.profiler on one hybrid eager forward per shape; "
                     "decode: on a few static steps of teacher and hybrid, not replayed; "
-                    "the top 15 CUDA kernels (CPU ops on the CPU) by total time")
+                    "the top 15 CUDA kernels (CPU ops on the CPU) by total time; export: cProfile on one generate "
+                    "of teacher and export, the top functions by own time")
     ap.add_argument("--step-attention-sweep", action="store_true", help="step_attention: also time the split-KV kernels' "
                     "untuned constants (bench/step_attention_bench.py)")
     ap.add_argument("--casts", action="store_true", help="prefill: the copies (dtype conversions, copy_, clone) of one hybrid "
@@ -380,6 +381,22 @@ def hf_generate(model, ids, new_tokens: int) -> tuple[float, float]:
     return 1000 * (t[0] - start), 1000 * (end - t[0]) / max(len(t) - 1, 1)
 
 
+def host_profile(fn, label: str, top: int = 25) -> None:
+    """cProfile on one call of fn: the `top` functions by own time, printed as name | calls | ms (where
+    a host-bound decode spends its Python time)."""
+    import cProfile
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.runcall(fn)
+    stats = pstats.Stats(profiler).stats
+    rows = sorted(((tt, nc, f"{Path(f).name}:{line} {name}") for (f, line, name), (_, nc, tt, _, _) in stats.items()), reverse=True)
+    print(f"\n{label}: host profile, top {top} functions by own time of {sum(r[0] for r in rows) * 1000:.1f} ms\n"
+          "| function | calls | ms |\n|---|---:|---:|", flush=True)
+    for tt, nc, name in rows[:top]:
+        print(f"| {name[:120]} | {nc} | {tt * 1000:.2f} |", flush=True)
+
+
 def prefilled(s: Setup, decoder: Decoder, batch: int, ids: torch.Tensor) -> Decoder:
     """decoder reset for the prompt and the timed steps, the prompt prefilled in pieces whose logits fit."""
     decoder.reset(batch, ids.shape[1] + s.args.decode_steps + 8)
@@ -478,6 +495,8 @@ def exported(s: Setup, rows: Rows) -> None:
             hf_generate(m, ids, 2)  # warm-up at this shape: kernels compile and autotune on first use
             runs = [hf_generate(m, ids, a.new_tokens) for _ in range(max(1, a.repeats // 2))]
             results[label] = (statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs))
+            if a.profile:
+                host_profile(lambda: hf_generate(m, ids, a.new_tokens), f"{label}: transformers generate, {config}")
             free(s.device)
         name = f"{s.label()}: hf export, transformers generate"
         teacher_prefill, teacher_step = results["teacher"]
