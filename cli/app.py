@@ -219,7 +219,7 @@ def apply(
         dev, dt = placement(device, dtype)
         offload = choose_offload(paths[0], dev, dt, offload_layers)  # else the teacher must fit the device (checked)
         err.print(f"{'capturing on the meta device' if offload else 'loading and capturing'} {model} {'for' if offload else 'on'} {dev} ({str(dt).removeprefix('torch.')})")
-        with kernel_warmup(dev, wanted=bool(manager.layer_runs()) and not offload) as warmup:  # compiles while we load
+        with kernel_warmup(dev, [] if offload else manager.layer_runs()) as warmup:  # compiles while we load
             graph = capture(model, device=dev, dtype=dt, debug=debug, offload=offload)
             err.print(f"found {graph.num_layers} attention layers")
             if any(p.name in ("calibrate", "align") for p in manager.passes) and not calibration:

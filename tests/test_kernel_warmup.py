@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 
 from surgery import PassManager
 from surgery.core import kernel_warmup as warmup_module
-from surgery.core.kernel_warmup import HELPER, KernelWarmup, layer_jobs, warmup_wanted
+from surgery.core.kernel_warmup import HELPER, KernelWarmup, kernel_warmup, layer_jobs, shares, warmup_wanted
 from tcal import warm_kernels
 from tcal.gdn import GatedDeltaNet
 
@@ -72,26 +72,35 @@ def test_the_helper_runs_each_use(converted, monkeypatch):
         warm_kernels.warm_layer("gdn", job["layers"][0]["config"], [["predict", 1, 4]], torch.device("cpu"))
 
 
-def test_the_helper_process_takes_one_job(converted):
-    warmup = KernelWarmup.spawn("cpu")
+def test_the_helpers_take_one_job_a_share_each(converted):
+    warmup = KernelWarmup.spawn("cpu", helpers=2)
     runs = [("train", 2, 16), ("infer", 1, 16)]
     try:
+        assert len(warmup.processes) == 2
         assert not warmup.send(converted, [])  # no pass left that runs the layers
         assert warmup.send(converted, runs)
         assert not warmup.send(converted, runs)  # once
-        assert warmup.process.wait(timeout=300) == 0  # it read the job and ran it
+        assert [p.wait(timeout=300) for p in warmup.processes] == [0, 0]  # each read its share and ran it
     finally:
         warmup.close()
+
+
+def test_shares_split_the_runs_training_first(converted):
+    jobs = layer_jobs(converted, [("infer", 1, 16), ("train", 2, 16)])
+    first, second = shares(jobs, 2)
+    assert [j["uses"] for j in first] == [[["train", 2, 16]]] and [j["uses"] for j in second] == [[["infer", 1, 16, "float32"]]]
+    assert shares(jobs, 1) == [jobs]
+    assert shares(jobs, 3)[2] == []  # a helper with no share is sent nothing and ends
 
 
 def test_the_helper_waits_for_converted_layers(stories):
     warmup = KernelWarmup.spawn("cpu")
     try:
         assert not warmup.send(stories(), [("train", 2, 16)])  # before replace: nothing to warm, nothing sent
-        assert warmup.process.poll() is None
+        assert warmup.processes[0].poll() is None
     finally:
         warmup.close()
-    assert warmup.process.returncode is not None
+    assert warmup.processes[0].returncode is not None
 
 
 def test_a_bad_job_fails_the_helper_only():
@@ -100,10 +109,19 @@ def test_a_bad_job_fails_the_helper_only():
     assert process.returncode != 0 and "unknown mixer" in process.stderr
 
 
-def test_no_helper_without_cuda_or_when_switched_off(monkeypatch):
+def test_no_helper_without_cuda_or_runs_or_when_switched_off(monkeypatch):
     assert not warmup_wanted("cpu") and KernelWarmup.start("cpu") is None
+    with kernel_warmup("cpu", [("train", 2, 16)]) as warmup:
+        assert warmup is None
     monkeypatch.setenv(warmup_module.SWITCH, "off")
     assert not warmup_wanted("cuda:0")
+    started = []
+    monkeypatch.setattr(KernelWarmup, "start", staticmethod(lambda device, helpers=1: started.append(helpers)))
+    with kernel_warmup("cuda:0", []):
+        pass
+    with kernel_warmup("cuda:0", [("infer", 2, 16), ("train", 2, 16), ("train", 4, 8)]):
+        pass
+    assert started == [2]  # none without runs; one helper per kind of run
 
 
 def test_apply_with_the_helper_writes_the_same_hybrid(stories_path, tmp_path, monkeypatch):
@@ -114,15 +132,17 @@ def test_apply_with_the_helper_writes_the_same_hybrid(stories_path, tmp_path, mo
     runner = CliRunner()
     result = invoke(runner, "apply", "--model", stories_path, "--out", tmp_path / "plain", *args)
     assert result.exit_code == 0, result.output
-    helpers = []
+    started = []
 
-    def start(device):
-        helpers.append(KernelWarmup.spawn("cpu"))
-        return helpers[-1]
+    def start(device, helpers=1):
+        started.append(KernelWarmup.spawn("cpu", helpers))
+        return started[-1]
 
     monkeypatch.setattr(KernelWarmup, "start", staticmethod(start))
     result = invoke(runner, "apply", "--model", stories_path, "--out", tmp_path / "warmed", *args)
     assert result.exit_code == 0, result.output
-    assert len(helpers) == 1 and helpers[0].sent and helpers[0].process.returncode is not None  # given the job, then stopped
+    warmup = started[0]
+    assert len(started) == 1 and len(warmup.processes) == 2 and warmup.sent  # a helper per kind of run, given the job
+    assert all(p.returncode is not None for p in warmup.processes)  # stopped with the command
     plain, warmed = (load_file(tmp_path / name / "model.safetensors") for name in ("plain", "warmed"))
     assert plain.keys() == warmed.keys() and all(torch.equal(plain[k], warmed[k]) for k in plain)

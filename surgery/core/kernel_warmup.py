@@ -1,16 +1,17 @@
-"""A helper process that compiles the converted layers' GPU kernels while the main process loads,
-captures and calibrates (the helper's side: tcal.warm_kernels).
+"""Helper processes that compile the converted layers' GPU kernels while the main process loads,
+captures and calibrates (the helpers' side: tcal.warm_kernels).
 
 A fresh GPU's first `surgery apply` spent about 11 s of align compiling fla's Triton kernels on one
-core (bench/RESULTS.md, twenty-second session). `surgery apply` starts the helper as soon as it knows
-the device (KernelWarmup.start): the helper imports fla while this process loads the teacher. Once
-replace has put the converted layers in the graph, `send` tells it each distinct layer (its mixer
-and constructor config) and how the passes still to run will use it (Pass.layer_runs); it runs them
-once on random inputs, so their kernels land in Triton's on-disk cache before the passes ask for them.
+core (bench/RESULTS.md, twenty-second session). `surgery apply` starts the helpers as soon as it knows
+the device (kernel_warmup): they import fla while this process loads the teacher. Once replace has
+put the converted layers in the graph, `send` tells them each distinct layer (its mixer and
+constructor config) and how the passes still to run will use it (Pass.layer_runs); they run them once
+on random inputs, so the kernels land in Triton's on-disk cache before the passes ask for them. With
+one helper, align's first step on a fresh H200 took 2 s instead of 10 s (RESULTS, twenty-eighth session).
 
-The helper's work is never read back: if it fails, is slow or is not started (no CUDA, fla absent,
+The helpers' work is never read back: if one fails, is slow or is not started (no CUDA, fla absent,
 fewer than MIN_CPUS cores, SURGERY_KERNEL_WARMUP=off) the passes compile as they always did.
-`close` stops it (Triton writes a cache entry whole or not at all)."""
+`close` stops them (Triton writes a cache entry whole or not at all)."""
 from __future__ import annotations
 
 import importlib.util
@@ -23,13 +24,14 @@ from contextlib import contextmanager
 import torch
 
 SWITCH = "SURGERY_KERNEL_WARMUP"  # "off": never start the helper
-MIN_CPUS = 4  # the helper's import and compiles want a core of their own, beside the main process's
+MIN_CPUS = 4  # the helpers' imports and compiles want cores of their own, beside the main process's
 HELPER = "tcal.warm_kernels"
+MAX_HELPERS = 2  # one per kind of run (tcal.warm_kernels.USES)
 NOT_LAYERS = ("attention", "split", "swa")  # layer kinds without a layer of their own to warm (graph.layer_kinds)
 
 
 def warmup_wanted(device) -> bool:
-    """Whether a helper would pay: CUDA, Triton and fla installed, cores to spare, not switched off."""
+    """Whether helpers would pay: CUDA, Triton and fla installed, cores to spare, not switched off."""
     if torch.device(device).type != "cuda" or os.environ.get(SWITCH, "").lower() in ("off", "0", "false"):
         return False
     if (os.cpu_count() or 1) < MIN_CPUS:
@@ -55,33 +57,44 @@ def layer_jobs(graph, runs: list) -> list[dict]:
     return list(jobs.values())
 
 
-class KernelWarmup:
-    """The helper process, from start until close; it takes one job (send)."""
+def shares(jobs: list[dict], helpers: int) -> list[list[dict]]:
+    """The jobs spread over `helpers` processes by use, round robin in the jobs' order (training
+    first): each helper compiles its own share at the same time as the others."""
+    split = [[dict(job, uses=job["uses"][i::helpers]) for job in jobs] for i in range(helpers)]
+    return [[job for job in share if job["uses"]] for share in split]
 
-    def __init__(self, process: subprocess.Popen):
-        self.process, self.sent = process, False
+
+class KernelWarmup:
+    """The helper processes, from start until close; they take one job (send), each a share of it.
+    One helper per kind of run the passes will make (calibrate's forward, align's training step):
+    compiling is serial within a process, so the two sets of kernels compile side by side."""
+
+    def __init__(self, processes: list[subprocess.Popen]):
+        self.processes, self.sent = processes, False
 
     @classmethod
-    def start(cls, device) -> "KernelWarmup | None":
-        """The helper for `device`, when one would pay (warmup_wanted); else None."""
+    def start(cls, device, helpers: int = 1) -> "KernelWarmup | None":
+        """`helpers` helpers (at most MAX_HELPERS) for `device`, when they would pay (warmup_wanted); else None."""
         if not warmup_wanted(device):
             return None
         device = torch.device(device)
         index = device.index if device.index is not None else torch.cuda.current_device()
-        return cls.spawn(f"cuda:{index}")
+        return cls.spawn(f"cuda:{index}", min(max(1, helpers), MAX_HELPERS))
 
     @classmethod
-    def spawn(cls, device: str) -> "KernelWarmup | None":
-        """The helper on `device`, unconditionally (None if it cannot start); its output is discarded."""
-        try:
-            process = subprocess.Popen([sys.executable, "-m", HELPER, device], stdin=subprocess.PIPE,
-                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=True)
-        except OSError:
-            return None
-        return cls(process)
+    def spawn(cls, device: str, helpers: int = 1) -> "KernelWarmup | None":
+        """`helpers` helpers on `device`, unconditionally (None if none can start); their output is discarded."""
+        processes = []
+        for _ in range(helpers):
+            try:
+                processes.append(subprocess.Popen([sys.executable, "-m", HELPER, device], stdin=subprocess.PIPE,
+                                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=True))
+            except OSError:
+                break
+        return cls(processes) if processes else None
 
     def send(self, graph, runs: list) -> bool:
-        """Give the helper the graph's converted layers and `runs` (PassManager.layer_runs), once:
+        """Give the helpers the graph's converted layers and `runs` (PassManager.layer_runs), once:
         False (nothing sent) while the graph has no converted layer to warm or no run is left."""
         if self.sent or not runs:
             return False
@@ -89,26 +102,31 @@ class KernelWarmup:
         if not jobs:
             return False
         self.sent = True
-        try:
-            self.process.stdin.write(json.dumps({"layers": jobs}, default=str) + "\n")
-            self.process.stdin.close()
-        except (OSError, ValueError):  # the helper already ended: nothing to warm
-            pass
+        for process, share in zip(self.processes, shares(jobs, len(self.processes))):
+            try:
+                if share:
+                    process.stdin.write(json.dumps({"layers": share}, default=str) + "\n")
+                process.stdin.close()  # a helper without a share ends
+            except (OSError, ValueError):  # that helper already ended: nothing to warm there
+                pass
         return True
 
     def close(self) -> None:
-        """Stop the helper if it is still running (what it compiled so far stays in the cache)."""
-        if self.process.poll() is None:
-            self.process.kill()
-        self.process.wait()
-        if self.process.stdin is not None and not self.process.stdin.closed:
-            self.process.stdin.close()
+        """Stop the helpers still running (what they compiled so far stays in the cache)."""
+        for process in self.processes:
+            if process.poll() is None:
+                process.kill()
+            process.wait()
+            if process.stdin is not None and not process.stdin.closed:
+                process.stdin.close()
 
 
 @contextmanager
-def kernel_warmup(device, wanted: bool = True):
-    """A KernelWarmup for `device` while the block runs (None where none starts, or not `wanted`)."""
-    warmup = KernelWarmup.start(device) if wanted else None
+def kernel_warmup(device, runs: list):
+    """KernelWarmup for `device` while the block runs, one helper per kind of run in `runs` (the
+    pipeline's PassManager.layer_runs); None where none starts (no runs, no CUDA, ...)."""
+    kinds = {run[0] for run in runs}
+    warmup = KernelWarmup.start(device, helpers=len(kinds)) if kinds else None
     try:
         yield warmup
     finally:
