@@ -185,17 +185,28 @@ def row_aligned(weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.
     return F.pad(weight, (0, 0, 0, pad)), (None if bias is None else F.pad(bias, (0, pad)))
 
 
+def weight_and_bias(layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """layer.weight and layer.bias, read from its parameter dict where both are registered there: each
+    nn.Module attribute read costs about 0.7 us on the CPU, and fused_weight reads 12 every decoded token
+    of every layer. A parametrized weight (a property, not in the dict) is read as an attribute."""
+    registered = layer._parameters
+    if "weight" in registered and "bias" in registered:
+        return registered["weight"], registered["bias"]
+    return layer.weight, layer.bias
+
+
 def fused_weight(owner: nn.Module, layers) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The concatenated weight and bias of `layers` (row_aligned). When no gradient is needed (inference, decoding
     one token at a time) the concatenation is kept on `owner` until a parameter changes (tensor
     version counter or storage), so a decode step does not copy every projection matrix again."""
-    params = [p for l in layers for p in (l.weight, l.bias) if p is not None]
+    pairs = [weight_and_bias(l) for l in layers]
+    params = [p for pair in pairs for p in pair if p is not None]
     inference = not (torch.is_grad_enabled() and any(p.requires_grad for p in params))
     key = tuple((p.data_ptr(), p._version, p.dtype, p.device) for p in params)
     cached = owner.__dict__.get("_fused_cache")
     if inference and cached is not None and cached[0] == key:
         return cached[1], cached[2]
-    weight, bias = row_aligned(*concatenated([l.weight for l in layers], [l.bias for l in layers]))
+    weight, bias = row_aligned(*concatenated(*zip(*pairs)))
     if inference:
         owner.__dict__["_fused_cache"] = (key, weight, bias)
     else:
@@ -314,8 +325,9 @@ class RecurrentLayer(nn.Module):
         else:
             weight, bias = fused_weight(self, layers)
         sizes = [l.out_features for l in layers]
-        parts = F.linear(x, weight, bias)[..., :sum(sizes)].split(sizes, dim=-1)  # without row_aligned's padding
-        return dict(zip(self.INPUT_PROJECTIONS, parts))
+        out = F.linear(x, weight, bias)
+        pad = out.shape[-1] - sum(sizes)  # row_aligned's zero rows: split off as one more part, then dropped by zip
+        return dict(zip(self.INPUT_PROJECTIONS, out.split_with_sizes(sizes + [pad] if pad else sizes, dim=-1)))
 
     def _stream(self, y: torch.Tensor, name: str, activation, cache: GDNCache | None = None) -> torch.Tensor:
         """Optional short convolution, activation, split into heads."""
