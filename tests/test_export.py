@@ -73,6 +73,27 @@ def test_stories_greedy_generate_and_left_padding(stories_export):
               cache=__import__("transformers").DynamicCache())
 
 
+def test_padding_mask_read_however_passed(stories_export):
+    """The GDN layers' 2-D mask is forward's attention_mask argument passed by keyword or by position, as
+    binding the call to forward's signature reads it (the pre-hook reads it without binding)."""
+    import inspect
+
+    model = hf_load(stories_export[1])
+    modeling = sys.modules[type(model).__module__]
+    ids = ids_for((2, 9), 512)
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0
+    with torch.no_grad():
+        keyword = model(ids, attention_mask=mask).logits
+        assert torch.equal(model(ids, mask).logits, keyword)
+        assert not torch.equal(model(ids).logits[1], keyword[1])  # the mask was read
+    cls = type(model)
+    for args, kwargs in [((ids, mask), {}), ((ids,), {"attention_mask": mask}), ((), {"input_ids": ids}), ((ids,), {})]:
+        bound = inspect.signature(cls.forward).bind_partial(model, *args, **kwargs).arguments.get("attention_mask")
+        assert modeling.call_argument(cls, "attention_mask", args, kwargs) is bound
+    assert modeling.call_argument(cls, "no_such_argument", (), {"no_such_argument": 1}) is None
+
+
 def generates_as(loaded, model) -> None:
     """The export's greedy tokens in transformers' generate equal surgery's, alone and in a left-padded batch."""
     long, short = loaded.tokenizer("Once upon a time")["input_ids"], loaded.tokenizer("The dog")["input_ids"]

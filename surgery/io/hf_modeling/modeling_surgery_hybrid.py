@@ -71,8 +71,8 @@ class PaddingMask:
         if self.mask is None:
             return None
         if length not in self.rows:
-            keep = self.mask[:, -length:].bool()
-            self.rows[length] = None if bool(keep.all()) else keep
+            keep = self.mask[:, -length:]  # all() reads any dtype as bool: no cast unless a row is padded
+            self.rows[length] = None if bool(keep.all()) else keep.bool()
         return self.rows[length]
 
 
@@ -227,6 +227,31 @@ def forward_signature(cls) -> inspect.Signature:
     return inspect.signature(cls.forward)
 
 
+@functools.lru_cache(maxsize=None)
+def argument_slot(cls, name: str) -> tuple[bool, int | None]:
+    """Whether cls.forward has a parameter `name`, and its index among a call's positional arguments (self
+    not counted; None where it cannot be passed by position)."""
+    parameters = list(forward_signature(cls).parameters.values())[1:]
+    named = any(p.name == name and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in parameters)
+    for i, p in enumerate(parameters):
+        if p.kind not in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
+            break
+        if p.name == name:
+            return named, i
+    return named, None
+
+
+def call_argument(cls, name: str, args: tuple, kwargs: dict):
+    """cls.forward's argument `name` in a call (None when not passed), as binding the call to forward's
+    signature reads it, without the binding (inspect's costs ~6 us a forward call on the CPU)."""
+    named, position = argument_slot(cls, name)
+    if not named:
+        return None
+    if name in kwargs:
+        return kwargs[name]
+    return args[position] if position is not None and position < len(args) else None
+
+
 def keep_flags(attention: torch.nn.Module, gdn: torch.nn.Module) -> None:
     """The attention module's plain attributes (is_sliding, layer_idx, ...) on its GDN, for a decoder
     layer that reads them (transformers 4.x's Gemma3 layer reads self_attn.is_sliding)."""
@@ -298,8 +323,7 @@ class SurgeryHybridForCausalLM(PreTrainedModel):
         self.register_forward_hook(self.forget_padding, with_kwargs=True)
 
     def record_padding(self, module, args, kwargs):
-        bound = forward_signature(type(self)).bind_partial(self, *args, **kwargs).arguments
-        mask = bound.get("attention_mask")
+        mask = call_argument(type(self), "attention_mask", args, kwargs)
         self.gdn_padding.set(mask if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None)
 
     def forget_padding(self, module, args, kwargs, output):
