@@ -298,3 +298,25 @@ def test_generate_carries_the_gdn_state(stories_export):
     for index in lengths:
         assert lengths[index] == [len(prompt)] + [1] * 7, lengths[index]
         assert len(states[index]) == 1  # one state tensor from the prefill on: written in place, never rebuilt
+
+
+@pytest.mark.parametrize("cache_class", ["DynamicCache", "StaticCache"])
+def test_a_converted_first_layer_keeps_the_cache_length(stories, tmp_path, cache_class):
+    """transformers reads the sequence length from the first cache layer (positions, masks): with layer
+    0 converted, a decode loop over the export's own cache continues the prompt as the whole-sequence
+    forward does, and every layer reports the tokens seen (dynamic and static caches alike)."""
+    import transformers
+
+    surgery.save(convert(stories(), [0, 2]), tmp_path / "hybrid")
+    model = hf_load(export(tmp_path / "hybrid", tmp_path / "hf"))
+    ids = ids_for((1, 20), 512, seed=1)
+    if cache_class == "StaticCache":
+        cache = transformers.StaticCache(config=model.config, max_cache_len=32)
+    else:
+        cache = transformers.DynamicCache()
+    with torch.no_grad():
+        model(ids[:, :17], past_key_values=cache, use_cache=True)
+        steps = torch.cat([model(ids[:, i:i + 1], past_key_values=cache, use_cache=True).logits for i in range(17, 20)], 1)
+        whole = model(ids, use_cache=False).logits[:, 17:]
+    assert [int(cache.get_seq_length(i)) for i in range(len(cache.layers))] == [20] * len(cache.layers)
+    assert relative_error(steps, whole) <= 1e-5

@@ -107,8 +107,12 @@ class SwappedAttention:
     """A mixer layer in an attention module's place (mixed into the layer's class by attention_class):
     forward(hidden_states, ...) returns (output, None) as the teacher's attention returns (output,
     weights). With a cache, the layer's recurrent and conv state live on the cache's layer object for
-    this layer index, and the layer feeds that object zero-width keys so its sequence length (read
-    for positions and masks) stays right."""
+    this layer index, and the layer feeds that object a key of one element (a one) per token and no
+    values, so its sequence length (read for positions and masks) stays right: transformers counts a
+    dynamic layer's length only when its keys hold elements, a static layer's by its nonzero slots
+    (zero-width keys left a converted layer 0 at length 0, and a decode loop that asks the cache for
+    its length went wrong). The marks cost one element a token (2 bytes in bf16), against an attention
+    layer's 2 x KV heads x head size."""
 
     def __init__(self, gdn_config: dict, cache_index: int, padding: PaddingMask):
         super().__init__(**gdn_config)
@@ -129,8 +133,8 @@ class SwappedAttention:
         its PyTorch reference elsewhere) and carries the state without copying it; the prefill runs
         the chunked kernel (fla's on CUDA)."""
         batch, length = hidden_states.shape[:2]
-        empty = hidden_states.new_zeros(batch, 1, length, 0)
-        cache.update(empty, empty, self.cache_index)
+        marks = hidden_states.new_ones(batch, 1, length, 1)  # one nonzero key a token: every layer type counts it
+        cache.update(marks, marks[..., :0], self.cache_index)
         layer = cache.layers[self.cache_index]
         if getattr(layer, STATE, None) is None:
             state = self.new_cache()
