@@ -59,13 +59,10 @@ def test_inspect_an_export_shows_what_its_cache_keeps(pair):
     graph, exported = (json.loads(run("inspect", "--model", m, "--json")) for m in (hybrid, hf))
     assert exported["verified"] and exported["gdn_paths"] == ["model.layers.1.self_attn", "model.layers.3.self_attn"]
     fields = ("layer", "now", "window", "kv_bytes_per_token", "state_bytes")
-    marks = {1: 4, 3: 4}  # an export's converted layer keeps one float32 key a token: the cache's length marks
-    expected = [{k: r[k] for k in fields} | ({"kv_bytes_per_token": marks[r["layer"]]} if r["layer"] in marks else {}) for r in graph["sites"]]
-    assert [{k: r[k] for k in fields} for r in exported["sites"]] == expected
+    assert [{k: r[k] for k in fields} for r in exported["sites"]] == [{k: r[k] for k in fields} for r in graph["sites"]]
     assert [r["kind"] for r in exported["sites"]] == ["softmax", "gdn", "softmax", "gdn", "softmax"]
-    for key in ("layers", "softmax_layers", "gdn_layers", "state_bytes"):
+    for key in ("layers", "softmax_layers", "gdn_layers", "kv_bytes_per_token", "state_bytes"):
         assert exported[key] == graph[key], key
-    assert exported["kv_bytes_per_token"] == graph["kv_bytes_per_token"] + sum(marks.values())
     assert "5 layers: 3 softmax attention + 2 GDN" in run("inspect", "--model", hf)
 
 

@@ -107,12 +107,12 @@ class SwappedAttention:
     """A mixer layer in an attention module's place (mixed into the layer's class by attention_class):
     forward(hidden_states, ...) returns (output, None) as the teacher's attention returns (output,
     weights). With a cache, the layer's recurrent and conv state live on the cache's layer object for
-    this layer index, and the layer feeds that object a key of one element (a one) per token and no
-    values, so its sequence length (read for positions and masks) stays right: transformers counts a
-    dynamic layer's length only when its keys hold elements, a static layer's by its nonzero slots
-    (zero-width keys left a converted layer 0 at length 0, and a decode loop that asks the cache for
-    its length went wrong). The marks cost one element a token (2 bytes in bf16), against an attention
-    layer's 2 x KV heads x head size."""
+    this layer index, and the layer feeds that object zero-width keys and values, so the object sees
+    every token. Where transformers reads that layer's length (length_read: for positions and masks),
+    the keys are one element (a one) a token instead: it counts a dynamic layer's length only when its
+    keys hold elements, a static layer's by its nonzero slots (zero-width keys left a converted layer 0
+    at length 0, and a decode loop that asks the cache for its length went wrong). Those marks cost one
+    element a token (2 bytes in bf16) and a copy each call, so only the layers read carry them."""
 
     def __init__(self, gdn_config: dict, cache_index: int, padding: PaddingMask):
         super().__init__(**gdn_config)
@@ -133,7 +133,7 @@ class SwappedAttention:
         its PyTorch reference elsewhere) and carries the state without copying it; the prefill runs
         the chunked kernel (fla's on CUDA)."""
         batch, length = hidden_states.shape[:2]
-        marks = hidden_states.new_ones(batch, 1, length, 1)  # one nonzero key a token: every layer type counts it
+        marks = hidden_states.new_ones(batch, 1, length, 1 if length_read(cache, self.cache_index) else 0)
         cache.update(marks, marks[..., :0], self.cache_index)
         layer = cache.layers[self.cache_index]
         if getattr(layer, STATE, None) is None:
@@ -164,6 +164,15 @@ class SwappedAttention:
             state.recurrent = concat_rows(recurrent).get("s")
             state.conv = concat_rows(conv)
         return out
+
+
+def length_read(cache: Cache, index: int) -> bool:
+    """Whether transformers reads cache layer `index`'s length: get_seq_length's default layer (0) and,
+    for masks, the first layer of each kind (full or sliding, the cache's is_sliding)."""
+    kinds = getattr(cache, "is_sliding", None)
+    if not isinstance(kinds, (list, tuple)) or index >= len(kinds):
+        return index == 0
+    return list(kinds).index(kinds[index]) == index
 
 
 class WindowMask:
