@@ -27,6 +27,7 @@ from .mixers import get_mixer
 from .phase2 import AlignOptions, align_layers
 
 USES = ("train", "infer")
+JOB_MIN_FREE = 8 * 2**30  # device bytes free when the job comes (the teacher loaded): below, the passes need them more
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -62,10 +63,15 @@ def main(argv: list[str]) -> int:
         if not fla_available():  # imports fla and pins the shipped launch configs; without it nothing to compile
             return 0
     line = sys.stdin.readline()
-    if not line.strip():  # the main process had nothing to send (or ended first)
+    if not line.strip() or not room_for_job(device):  # nothing sent (or the main process ended first); or no memory to spare
         return 0
     run(json.loads(line), device)
     return 0
+
+
+def room_for_job(device: torch.device) -> bool:
+    """Whether the device has JOB_MIN_FREE bytes free (the CPU: always)."""
+    return device.type != "cuda" or torch.cuda.mem_get_info(device)[0] >= JOB_MIN_FREE
 
 
 if __name__ == "__main__":

@@ -146,3 +146,20 @@ def test_apply_with_the_helper_writes_the_same_hybrid(stories_path, tmp_path, mo
     assert all(p.returncode is not None for p in warmup.processes)  # stopped with the command
     plain, warmed = (load_file(tmp_path / name / "model.safetensors") for name in ("plain", "warmed"))
     assert plain.keys() == warmed.keys() and all(torch.equal(plain[k], warmed[k]) for k in plain)
+
+
+def test_helpers_only_with_memory_to_spare(monkeypatch):
+    """A helper holds a CUDA context while the teacher loads: none starts on a device with less than
+    MIN_FREE free, and a helper leaves its job where the loaded teacher left less than JOB_MIN_FREE."""
+    free = {"bytes": 32 * 2**30}
+    monkeypatch.delenv(warmup_module.SWITCH, raising=False)
+    monkeypatch.setattr(warmup_module.os, "cpu_count", lambda: 8)
+    monkeypatch.setattr(warmup_module.importlib.util, "find_spec", lambda name: object())
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free["bytes"], 80 * 2**30))
+    assert warmup_wanted("cuda:0")
+    free["bytes"] = warmup_module.MIN_FREE - 1
+    assert not warmup_wanted("cuda:0")
+    free["bytes"] = warm_kernels.JOB_MIN_FREE
+    assert warm_kernels.room_for_job(torch.device("cuda:0"))
+    free["bytes"] = warm_kernels.JOB_MIN_FREE - 1
+    assert not warm_kernels.room_for_job(torch.device("cuda:0")) and warm_kernels.room_for_job(torch.device("cpu"))

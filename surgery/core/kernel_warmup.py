@@ -10,7 +10,9 @@ on random inputs, so the kernels land in Triton's on-disk cache before the passe
 one helper, align's first step on a fresh H200 took 2 s instead of 10 s (RESULTS, twenty-eighth session).
 
 The helpers' work is never read back: if one fails, is slow or is not started (no CUDA, fla absent,
-fewer than MIN_CPUS cores, SURGERY_KERNEL_WARMUP=off) the passes compile as they always did.
+fewer than MIN_CPUS cores or MIN_FREE device bytes free, SURGERY_KERNEL_WARMUP=off) the passes compile
+as they always did; a helper also leaves its job undone where the loaded teacher left little memory free
+(tcal.warm_kernels.JOB_MIN_FREE).
 `close` stops them (Triton writes a cache entry whole or not at all)."""
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ import torch
 
 SWITCH = "SURGERY_KERNEL_WARMUP"  # "off": never start the helper
 MIN_CPUS = 4  # the helpers' imports and compiles want cores of their own, beside the main process's
+MIN_FREE = 16 * 2**30  # device bytes free at the start: each helper holds a CUDA context while the teacher loads
 HELPER = "tcal.warm_kernels"
 MAX_HELPERS = 2  # one per kind of run (tcal.warm_kernels.USES)
 NOT_LAYERS = ("attention", "split", "swa")  # layer kinds without a layer of their own to warm (graph.layer_kinds)
@@ -36,7 +39,9 @@ def warmup_wanted(device) -> bool:
         return False
     if (os.cpu_count() or 1) < MIN_CPUS:
         return False
-    return all(importlib.util.find_spec(name) is not None for name in ("triton", "fla"))
+    if not all(importlib.util.find_spec(name) is not None for name in ("triton", "fla")):
+        return False
+    return torch.cuda.mem_get_info(torch.device(device))[0] >= MIN_FREE  # never compete for a large teacher's memory
 
 
 def layer_jobs(graph, runs: list) -> list[dict]:
