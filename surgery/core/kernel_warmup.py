@@ -25,7 +25,7 @@ from contextlib import contextmanager
 
 import torch
 
-SWITCH = "SURGERY_KERNEL_WARMUP"  # "off": never start the helper
+SWITCH = "SURGERY_KERNEL_WARMUP"  # "off": never start the helpers
 MIN_CPUS = 4  # the helpers' imports and compiles want cores of their own, beside the main process's
 MIN_FREE = 16 * 2**30  # device bytes free at the start: each helper holds a CUDA context while the teacher loads
 HELPER = "tcal.warm_kernels"
@@ -34,7 +34,7 @@ NOT_LAYERS = ("attention", "split", "swa")  # layer kinds without a layer of the
 
 
 def warmup_wanted(device) -> bool:
-    """Whether helpers would pay: CUDA, Triton and fla installed, cores to spare, not switched off."""
+    """Whether helpers would pay: CUDA, Triton and fla installed, cores and device memory to spare, not switched off."""
     if torch.device(device).type != "cuda" or os.environ.get(SWITCH, "").lower() in ("off", "0", "false"):
         return False
     if (os.cpu_count() or 1) < MIN_CPUS:
