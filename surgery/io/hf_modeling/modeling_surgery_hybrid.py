@@ -52,6 +52,7 @@ if release(transformers.__version__) < MIN_TRANSFORMERS or not hasattr(transform
 HYBRID_KEY = "surgery_hybrid"
 CACHE_ARGUMENTS = ("cache", "past_key_values", "past_key_value", "layer_past")
 STATE = "surgery_gdn_state"  # the attribute of a cache layer that holds its converted layer's state
+LENGTH_READ = "surgery_length_read"  # the attribute of a cache that holds length_read's answers
 MIXERS = {"gdn": GatedDeltaNet, "gla": GatedLinearAttention, "kda": KimiDeltaAttention, "mamba2": Mamba2}  # config "mixer" -> layer
 
 
@@ -168,11 +169,15 @@ class SwappedAttention:
 
 def length_read(cache: Cache, index: int) -> bool:
     """Whether transformers reads cache layer `index`'s length: get_seq_length's default layer (0) and,
-    for masks, the first layer of each kind (full or sliding, the cache's is_sliding)."""
-    kinds = getattr(cache, "is_sliding", None)
-    if not isinstance(kinds, (list, tuple)) or index >= len(kinds):
-        return index == 0
-    return list(kinds).index(kinds[index]) == index
+    for masks, the first layer of each kind (full or sliding, the cache's is_sliding). Kept on the cache
+    once its layers are known (is_sliding builds a list each read: not once per layer per token)."""
+    known = vars(cache).setdefault(LENGTH_READ, {})
+    if index not in known:
+        kinds = getattr(cache, "is_sliding", None)
+        if not isinstance(kinds, (list, tuple)) or index >= len(kinds):
+            return index == 0  # a cache whose layers come as they are first updated: not kept
+        known[index] = list(kinds).index(kinds[index]) == index
+    return known[index]
 
 
 class WindowMask:
