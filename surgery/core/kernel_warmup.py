@@ -30,7 +30,7 @@ MIN_CPUS = 4  # the helpers' imports and compiles want cores of their own, besid
 MIN_FREE = 16 * 2**30  # device bytes free at the start: each helper holds a CUDA context while the teacher loads
 HELPER = "tcal.warm_kernels"
 MAX_HELPERS = 2  # one per kind of run (tcal.warm_kernels.USES)
-NOT_LAYERS = ("attention", "split", "swa")  # layer kinds without a layer of their own to warm (graph.layer_kinds)
+NOT_MIXERS = ("attention", "split")  # graph.layer_kinds that name no mixer (the helper skips mixers without a layer)
 
 
 def warmup_wanted(device) -> bool:
@@ -54,7 +54,7 @@ def layer_jobs(graph, runs: list) -> list[dict]:
     jobs: dict[str, dict] = {}
     kinds = graph.layer_kinds
     for layer, module in graph.gdn_modules().items():
-        if kinds[layer] in NOT_LAYERS or not hasattr(module, "gdn_config"):
+        if kinds[layer] in NOT_MIXERS or not hasattr(module, "gdn_config"):
             continue
         config = dict(module.gdn_config(), layer_idx=None)
         key = json.dumps([kinds[layer], config], sort_keys=True, default=str)
