@@ -491,19 +491,24 @@ def exported(s: Setup, rows: Rows) -> None:
     for context in (int(x) for x in a.export_contexts.split(",")):
         ids, config = s.ids(1, context), f"prompt {context}, {a.new_tokens} new"
         results = {}
-        for label, m in (("teacher", s.model), ("export", model)):
-            hf_generate(m, ids, 2)  # warm-up at this shape: kernels compile and autotune on first use
+        # the export as users get it (its converted layers' one-token CUDA graphs on), then with them off
+        for label, m, graphs in (("teacher", s.model, None), ("export", model, True), ("export, layer graphs off", model, False)):
+            if graphs is not None:
+                m.surgery_step_graphs.enabled = graphs
+            hf_generate(m, ids, 3)  # warm-up at this shape: kernels compile and autotune, layer graphs are captured and checked
             runs = [hf_generate(m, ids, a.new_tokens) for _ in range(max(1, a.repeats // 2))]
             results[label] = (statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs))
-            if a.profile:
+            if a.profile and label != "export, layer graphs off":
                 host_profile(lambda: hf_generate(m, ids, a.new_tokens), f"{label}: transformers generate, {config}")
             free(s.device)
-        name = f"{s.label()}: hf export, transformers generate"
+        model.surgery_step_graphs.enabled = True
         teacher_prefill, teacher_step = results["teacher"]
         rows.add("teacher, transformers generate", config, "prefill", teacher_prefill, "ms")
-        rows.add(name, config, "prefill", results["export"][0], "ms", ("teacher", teacher_prefill))
         rows.add("teacher, transformers generate", config, "decode", 1000 / teacher_step, "tokens/s")
-        rows.add(name, config, "decode", 1000 / results["export"][1], "tokens/s", ("teacher", 1000 / teacher_step))
+        for label in ("export", "export, layer graphs off"):
+            name = f"{s.label()}: hf {label}, transformers generate"
+            rows.add(name, config, "prefill", results[label][0], "ms", ("teacher", teacher_prefill))
+            rows.add(name, config, "decode", 1000 / results[label][1], "tokens/s", ("teacher", 1000 / teacher_step))
         del ids
     del model
     free(s.device)

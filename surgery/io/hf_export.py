@@ -44,6 +44,7 @@ from .legacy_rope import keeps_rope, legacy_rope_keys
 from .tokenizer_check import check_saved
 
 MODELING_FILE = Path(__file__).parent / "hf_modeling" / "modeling_surgery_hybrid.py"
+LAYER_GRAPHS_FILE = MODELING_FILE.parent / "layer_graphs.py"  # the converted layers' one-token CUDA graphs
 MODEL_CLASS = "SurgeryHybridForCausalLM"
 HYBRID_KEY = "surgery_hybrid"  # the config.json field the modeling file reads
 GDN_SOURCES = {"gdn.py": Path(tcal.gdn.__file__), "kernels.py": Path(tcal.kernels.__file__),
@@ -260,7 +261,8 @@ def write_hf(graph: Graph, folder: Path, *, dtype: torch.dtype | None = None, sh
 
 def exported_code(config_class: str) -> dict[str, bytes]:
     """Every .py file an hf export holds, by name (written by write_hf, checked by verify_export)."""
-    code = {MODELING_FILE.name: MODELING_FILE.read_bytes(), TEACHER_FILE: teacher_source(config_class).encode()}
+    code = {MODELING_FILE.name: MODELING_FILE.read_bytes(), LAYER_GRAPHS_FILE.name: LAYER_GRAPHS_FILE.read_bytes(),
+            TEACHER_FILE: teacher_source(config_class).encode()}
     code |= {name: source.read_bytes() for name, source in GDN_SOURCES.items()}
     return code | {name: flat_imports(source.read_text()).encode() for name, source in MIXER_SOURCES.items()}
 

@@ -14,6 +14,7 @@ Triton (token_step.py, delta_inputs.py, gated_norm.py). Loads in transformers 4.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import re
@@ -33,6 +34,7 @@ from .gla_kernels import gla  # noqa: F401
 from .kda import KimiDeltaAttention
 from .kda_kernels import kda  # noqa: F401
 from .kernels import fla_available  # noqa: F401
+from .layer_graphs import StepGraphs, graph_layer
 from .mamba2 import Mamba2
 from .mamba2_kernels import ssd  # noqa: F401
 from .surgery_teacher import TEACHER_CONFIG
@@ -121,6 +123,9 @@ class SwappedAttention:
         self.__dict__["padding"] = padding  # shared, not a submodule
 
     def forward(self, hidden_states: torch.Tensor, *args, **kwargs):
+        given = self.__dict__.get("given_state")
+        if given is not None:  # the decoder layer's one-token graph (layer_graphs) did the cache's part
+            return AttentionOutput((super().forward(hidden_states, given), None))
         cache = next((kwargs[k] for k in CACHE_ARGUMENTS if isinstance(kwargs.get(k), Cache)), None)
         state = self.cached_state(cache, hidden_states) if cache is not None else None
         keep = self.padding.keep(hidden_states.shape[1])
@@ -142,6 +147,29 @@ class SwappedAttention:
             state.in_place = True
             setattr(layer, STATE, state)
         return getattr(layer, STATE)
+
+    def one_token_state(self, hidden_states: torch.Tensor, args: tuple, kwargs: dict):
+        """For the decoder layer's one-token graph (layer_graphs.LayerGraphs): this layer's state once the
+        cache has seen the token (the length marks written), or None, with the cache untouched, where
+        the call must run as it is (no cache, nothing prefilled yet, a padded token)."""
+        cache = next((v for v in (*args, *kwargs.values()) if isinstance(v, Cache)), None)
+        layers = getattr(cache, "layers", None)
+        if cache is None or not isinstance(layers, list) or self.cache_index >= len(layers):
+            return None
+        state = getattr(layers[self.cache_index], STATE, None)
+        if state is None or state.recurrent is None or self.padding.keep(hidden_states.shape[1]) is not None:
+            return None
+        return self.cached_state(cache, hidden_states)
+
+    @contextlib.contextmanager
+    def using(self, state):
+        """Within: forward runs on `state` and leaves the cache alone (one_token_state did its part)."""
+        before = self.__dict__.get("given_state")
+        self.__dict__["given_state"] = state
+        try:
+            yield
+        finally:
+            self.__dict__["given_state"] = before
 
     def forward_rows(self, hidden_states: torch.Tensor, keep: torch.Tensor, state):
         """Left-padded rows, one at a time over their real tokens only (a pad token must not enter
@@ -324,6 +352,7 @@ class SurgeryHybridForCausalLM(PreTrainedModel):
     def __init__(self, config, *args, **kwargs):
         super().__init__(config, *args, **kwargs)
         self.gdn_padding = PaddingMask()
+        self.surgery_step_graphs = StepGraphs()  # one-token CUDA graphs of the converted decoder layers
         for path, entry in getattr(config, HYBRID_KEY)["gdn_layers"].items():
             parent_path, _, name = path.rpartition(".")
             parent = self.get_submodule(parent_path)
@@ -337,6 +366,7 @@ class SurgeryHybridForCausalLM(PreTrainedModel):
             gdn = swapped(entry["gdn_config"], index, self.gdn_padding)
             keep_flags(attention, gdn)
             setattr(parent, name, gdn.to(dtype=self.dtype))
+            graph_layer(parent, name, parent_path, self.surgery_step_graphs)
         self.register_forward_pre_hook(self.record_padding, with_kwargs=True)
         self.register_forward_hook(self.forget_padding, with_kwargs=True)
 
