@@ -8,6 +8,7 @@
 #   there: one call per part, right after each other (the machine stays warm; $BUNDLE_ROOT stays):
 #          carry [".gpu/qK"]:  bash bench/gpu.sh append .gpu/qK
 #          after the last:     bash bench/gpu.sh setup      # checks sha256; GGUFs in /root/m, texts in /root/d
+#                                                           # and byte-compiles torch, Triton and the checkout (the machines ship no bytecode)
 #          eval "$(bash bench/gpu.sh env [TF_VERSION])"    # PYTHONPATH: Triton, a carried transformers, the wheels
 #          bash bench/gpu.sh start NAME COMMAND...          # detached (setsid): outlives the call; log /root/bg/NAME.log
 #          bash bench/gpu.sh wait NAME SECONDS [FILE...]    # exit 0 once NAME ended (status in /root/bg/NAME.rc), 3 if not,
@@ -78,6 +79,11 @@ setup() {
   done
   rm -rf "$root/repo" && mkdir -p "$root/repo" && tar cf - --exclude=./.gpu . | tar xf - -C "$root/repo"
   (cd "$root/repo" && python3 -m pip install --no-deps --no-build-isolation --no-index -e . 2>&1 | tail -1)
+  # The device machines set PYTHONDONTWRITEBYTECODE=1 and their torch comes without bytecode, so every process compiled
+  # torch's compiler stack from source (~10 s: twenty-ninth session); a user's pip install byte-compiles, and so does this
+  local t0=$SECONDS
+  python3 -m compileall -q -j 0 "$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" /tmp/site2 "$root/repo" > /dev/null 2>&1 || true
+  echo "bytecode compiled in $((SECONDS - t0)) s"
   ls -l "$root/m" "$root/d"
 }
 

@@ -160,7 +160,10 @@ class StepGraphs:
         self.backend = backend or CudaGraphs()
 
     def __deepcopy__(self, memo):
-        return StepGraphs(self.backend if isinstance(self.backend, Rerun) else None)
+        """A copied model gets no graphs (they hold the original's buffers), the same switch and kind of backend."""
+        twin = StepGraphs(self.backend if isinstance(self.backend, Rerun) else None)
+        twin.enabled = self.enabled
+        return twin
 
 
 class CapturedStep:
