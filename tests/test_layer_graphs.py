@@ -218,6 +218,22 @@ def test_the_switch_and_the_class_name(graphs_module, monkeypatch):
     assert twin.__dict__[graphs_module.ATTRIBUTE] is not layer.__dict__[graphs_module.ATTRIBUTE]
 
 
+def test_moving_the_weights_drops_the_graphs(graphs_module):
+    """A graph holds its capture's tensor addresses: after .to() (new storage) the layer captures again."""
+    torch.manual_seed(1)
+    eager = ToyLayer(False)
+    graphed = copy.deepcopy(eager)
+    graphs_module.graph_layer(graphed, "mixer", "toy", graphs_module.StepGraphs(graphs_module.Rerun()))
+    run_steps(graphed, 3)
+    layer_graphs = graphed.__dict__[graphs_module.ATTRIBUTE]
+    assert len(layer_graphs.graphs) == 1
+    graphed.double().float()
+    assert not layer_graphs.graphs
+    got, _ = run_steps(graphed, 4)
+    want, _ = run_steps(eager, 4)
+    assert len(layer_graphs.graphs) == 1 and all(torch.allclose(g, w, atol=1e-6) for g, w in zip(got, want))
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 def test_cuda_graphs_decode_as_the_eager_export(stories_hf):
     """The real backend: the export on CUDA (float32) decodes the same greedy tokens, its logits and GDN state

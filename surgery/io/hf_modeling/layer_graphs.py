@@ -298,6 +298,14 @@ class GraphedLayer:
             return super().forward(*args, **kwargs)
         return graphs.call(self, super().forward, args, kwargs)
 
+    def _apply(self, fn, *args, **kwargs):
+        """`.to()`, `.half()`, `.cuda()` and the like give the parameters new storage, which a captured graph would
+        not see: the layer's graphs are dropped first and captured again on the next decoded token."""
+        graphs = self.__dict__.get(ATTRIBUTE)
+        if graphs is not None:
+            graphs.graphs.clear()
+        return super()._apply(fn, *args, **kwargs)
+
 
 @functools.lru_cache(maxsize=None)
 def graphed_class(cls: type) -> type:
