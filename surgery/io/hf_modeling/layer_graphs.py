@@ -205,7 +205,7 @@ class LayerGraphs:
         state = mixer.one_token_state(hidden, args, kwargs)  # the cache has seen the token from here on
         if state is None:
             return forward(*args, **kwargs)
-        key = (tuple(hidden.shape), hidden.dtype, hidden.device, torch.is_inference_mode_enabled(),
+        key = (tuple(hidden.shape), hidden.dtype, hidden.device, torch.is_inference_mode_enabled(), autocast(hidden.device.type),
                signature(args[1:]), signature(kwargs), tuple((n, tuple(t.shape), t.dtype) for n, t in state_tensors(state).items()))
         with mixer.using(state):
             if key not in self.graphs:
@@ -281,6 +281,14 @@ def leaves(tree) -> list:
     if type(tree) is dict:
         return [leaf for value in tree.values() for leaf in leaves(value)]
     return [tree]
+
+
+def autocast(device_type: str):
+    """The autocast mode a call runs under (a graph keeps the casts of its capture)."""
+    try:
+        return torch.is_autocast_enabled(device_type) and torch.get_autocast_dtype(device_type)
+    except (TypeError, AttributeError):  # torch before 2.4: no per-device queries
+        return torch.is_autocast_enabled()
 
 
 def is_compiling() -> bool:
