@@ -236,8 +236,8 @@ def prefill(s: Setup, rows: Rows) -> None:
     public default path surgery.fast_logits (on CUDA: causal flags, the eager graph replayed as a CUDA
     graph from a shape's second call, compiling once eager calls paid for it) and the same with
     compile=True, for teacher and hybrid; the hybrid `surgery apply` saved, on the default path, beside
-    the one surgery.save wrote. --profile: the top kernels of one hybrid forward per shape, on the
-    default route's eager graph (fused, not replayed: the profiler sees each kernel)."""
+    the one surgery.save wrote. --profile: the top kernels of one teacher and one hybrid forward per shape,
+    on the default route's eager graph (fused, not replayed: the profiler sees each kernel)."""
     a = s.args
     for length, batch in pairs(a.shapes):
         ids, config = s.ids(batch, length), f"{length} x {batch}"
@@ -265,9 +265,10 @@ def prefill(s: Setup, rows: Rows) -> None:
                 rows.add(f"{s.label()}: fast_logits, compiled", config, "prefill", hybrid_c, "ms", ("compiled teacher", teacher_c))
             applied_default(s, rows, ids, config, default)
             if a.profile:
-                eager = default_eager_runner(s.hybrid)
-                eager(ids)  # the bucket's first call builds its graph (the causal-flag proof runs the masks): not profiled
-                top_kernels(lambda: eager(ids), s.device, f"{s.label()} default route, eager (not replayed), {config}")
+                for label, graph in (("teacher", s.teacher), (s.label(), s.hybrid)):
+                    eager = default_eager_runner(graph)
+                    eager(ids)  # the bucket's first call builds its graph (the causal-flag proof runs the masks): not profiled
+                    top_kernels(lambda: eager(ids), s.device, f"{label} default route, eager (not replayed), {config}", top=25)
             if a.casts:
                 eager = default_eager_runner(s.hybrid)
                 eager(ids)  # the graph built (and fla's autotuning done) before the census
