@@ -34,10 +34,10 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 def warm_layer(mixer: str, config: dict, uses: list, device: torch.device) -> None:
     """Run a fresh layer of `mixer` built from `config` once per use, on random inputs (a mixer that
     replaces the attention op, not the layer, runs the teacher's projections and has nothing to warm)."""
-    kind = get_mixer(mixer)
-    if kind.replaces != "layer":
+    entry = get_mixer(mixer)
+    if entry.replaces != "layer":
         return
-    layer = kind.module.from_gdn_config(config).to(device)
+    layer = entry.module.from_gdn_config(config).to(device)
     for use in uses:
         kind, batch, tokens = use[0], int(use[1]), int(use[2])
         if kind not in USES:

@@ -43,10 +43,17 @@ def tree_map(fn, tree):
     return tree
 
 
+def leaves(tree) -> list:
+    """Every leaf of nested tuples, lists and dicts (tensors and other values alike)."""
+    if type(tree) in (tuple, list):
+        return [leaf for item in tree for leaf in leaves(item)]
+    if type(tree) is dict:
+        return [leaf for value in tree.values() for leaf in leaves(value)]
+    return [tree]
+
+
 def tensors_in(tree) -> list[torch.Tensor]:
-    found: list[torch.Tensor] = []
-    tree_map(found.append, tree)
-    return found
+    return [leaf for leaf in leaves(tree) if isinstance(leaf, torch.Tensor)]
 
 
 def signature(tree):
@@ -174,9 +181,9 @@ class CapturedStep:
         self.hidden, self.state_in, self.state_out = hidden, state_in, state_out
         self.outputs, self.replay, self.checked = outputs, replay, False
 
-    def run(self, hidden: torch.Tensor, state):
-        """The step on `hidden`, `state` updated as the eager step updates it; outputs are copies."""
-        real = state_tensors(state)
+    def run(self, hidden: torch.Tensor, real: dict[str, torch.Tensor]):
+        """The step on `hidden`, the state's tensors `real` (state_tensors) updated as the eager step
+        updates them; outputs are copies."""
         self.hidden.copy_(hidden)
         for name, tensor in self.state_in.items():
             tensor.copy_(real[name])
@@ -205,8 +212,9 @@ class LayerGraphs:
         state = mixer.one_token_state(hidden, args, kwargs)  # the cache has seen the token from here on
         if state is None:
             return forward(*args, **kwargs)
+        real = state_tensors(state)
         key = (tuple(hidden.shape), hidden.dtype, hidden.device, torch.is_inference_mode_enabled(), autocast(hidden.device.type),
-               signature(args[1:]), signature(kwargs), tuple((n, tuple(t.shape), t.dtype) for n, t in state_tensors(state).items()))
+               signature(args[1:]), signature(kwargs), tuple((n, tuple(t.shape), t.dtype) for n, t in real.items()))
         with mixer.using(state):
             if key not in self.graphs:
                 out = forward(*args, **kwargs)
@@ -217,7 +225,7 @@ class LayerGraphs:
                 return forward(*args, **kwargs)
             if not entry.checked:
                 return self.check(key, entry, forward, hidden, state, args, kwargs)
-        return entry.run(hidden, state)
+        return entry.run(hidden, real)
 
     def wanted(self, hidden) -> bool:
         return (self.shared.enabled and isinstance(hidden, torch.Tensor) and hidden.dim() == 3 and hidden.shape[1] == 1
@@ -253,11 +261,11 @@ class LayerGraphs:
 
     def check(self, key, entry: CapturedStep, forward, hidden, state, args, kwargs):
         """The first replay of a shape against the eager step on the same inputs; returns the eager result."""
-        scratch = cloned_state(state)
-        replayed = entry.run(hidden, scratch)
+        scratch_tensors = state_tensors(cloned_state(state))
+        replayed = entry.run(hidden, scratch_tensors)
         out = forward(*args, **kwargs)
         got, want = tensors_in(replayed), tensors_in(out)
-        scratch_tensors, real = state_tensors(scratch), state_tensors(state)
+        real = state_tensors(state)  # after the eager step: a mixer may have replaced its tensors
         same = (len(got) == len(want) and all(agree(g, w) for g, w in zip(got, want))
                 and set(scratch_tensors) == set(real) and all(agree(scratch_tensors[n], real[n]) for n in real))
         if same:
@@ -272,15 +280,6 @@ class LayerGraphs:
             self.warned = True
             warnings.warn(f"surgery export: decoder layer {self.label}'s one-token CUDA graph {why}; that call shape "
                           f"decodes eagerly (set {SWITCH}=off to turn the graphs off).", stacklevel=3)
-
-
-def leaves(tree) -> list:
-    """Every leaf of nested tuples, lists and dicts (tensors and other values alike)."""
-    if type(tree) in (tuple, list):
-        return [leaf for item in tree for leaf in leaves(item)]
-    if type(tree) is dict:
-        return [leaf for value in tree.values() for leaf in leaves(value)]
-    return [tree]
 
 
 def autocast(device_type: str):

@@ -52,7 +52,6 @@ if release(transformers.__version__) < MIN_TRANSFORMERS or not hasattr(transform
                       f"(found {transformers.__version__}): pip install -U 'transformers>=4.57'.")
 
 HYBRID_KEY = "surgery_hybrid"
-CACHE_ARGUMENTS = ("cache", "past_key_values", "past_key_value", "layer_past")
 STATE = "surgery_gdn_state"  # the attribute of a cache layer that holds its converted layer's state
 LENGTH_READ = "surgery_length_read"  # the attribute of a cache that holds length_read's answers
 MIXERS = {"gdn": GatedDeltaNet, "gla": GatedLinearAttention, "kda": KimiDeltaAttention, "mamba2": Mamba2}  # config "mixer" -> layer
@@ -126,7 +125,7 @@ class SwappedAttention:
         given = self.__dict__.get("given_state")
         if given is not None:  # the decoder layer's one-token graph (layer_graphs) did the cache's part
             return AttentionOutput((super().forward(hidden_states, given), None))
-        cache = next((kwargs[k] for k in CACHE_ARGUMENTS if isinstance(kwargs.get(k), Cache)), None)
+        cache = cache_in(args, kwargs)
         state = self.cached_state(cache, hidden_states) if cache is not None else None
         keep = self.padding.keep(hidden_states.shape[1])
         if keep is None:
@@ -152,7 +151,7 @@ class SwappedAttention:
         """For the decoder layer's one-token graph (layer_graphs.LayerGraphs): this layer's state once the
         cache has seen the token (the length marks written), or None, with the cache untouched, where
         the call must run as it is (no cache, nothing prefilled yet, a padded token)."""
-        cache = next((v for v in (*args, *kwargs.values()) if isinstance(v, Cache)), None)
+        cache = cache_in(args, kwargs)
         layers = getattr(cache, "layers", None)
         if cache is None or not isinstance(layers, list) or self.cache_index >= len(layers):
             return None
@@ -195,6 +194,12 @@ class SwappedAttention:
         return out
 
 
+def cache_in(args: tuple, kwargs: dict) -> Cache | None:
+    """The transformers cache a call was given, under whatever name or position (cache, past_key_values,
+    past_key_value, layer_past, GPT-2's second positional argument)."""
+    return next((v for v in (*args, *kwargs.values()) if isinstance(v, Cache)), None)
+
+
 def length_read(cache: Cache, index: int) -> bool:
     """Whether transformers reads cache layer `index`'s length: get_seq_length's default layer (0) and,
     for masks, the first layer of each kind (full or sliding, the cache's is_sliding). Kept on the cache
@@ -230,7 +235,7 @@ class WindowMask:
             elif value:
                 raise ValueError(f"{type(module).__name__} was called with extra positional arguments, which a windowed layer cannot pass on.")
         hidden = next(iter(call.values()))  # the module's first argument: the hidden states [B, T, ...]
-        cache = next((call[k] for k in CACHE_ARGUMENTS if isinstance(call.get(k), Cache)), None)
+        cache = cache_in((), call)
         past = cache.get_seq_length(self.layer_index) if cache is not None else 0
         implementation = getattr(getattr(module, "config", None), "_attn_implementation", None) or "sdpa"
         mask = call.get("attention_mask")
