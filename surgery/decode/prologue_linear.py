@@ -104,9 +104,10 @@ def _block_n(n: int) -> int:
     return 16 if n <= 2048 else 32 if n <= 8192 else 64
 
 
-def prologue_linear_triton(a, b, norm_weight, eps: float, weight, bias, swiglu: bool):
+def prologue_linear_triton(a, b, norm_weight, eps: float, weight, bias, swiglu: bool, config: tuple | None = None):
     """The kernel: (h or None, y) for a, b [..., K] (row strides of their own, last stride 1) of at most
-    ROWS rows, weight [N, K] (last stride 1), of one 16-bit dtype."""
+    ROWS rows, weight [N, K] (last stride 1), of one 16-bit dtype. config: (BLOCK_N, BLOCK_K, warps,
+    stages) instead of the defaults (bench/speed.py's sweep)."""
     if triton is None:
         raise RuntimeError("prologue_linear_triton needs Triton; use the references.")
     width, n = a.shape[-1], weight.shape[0]
@@ -114,12 +115,12 @@ def prologue_linear_triton(a, b, norm_weight, eps: float, weight, bias, swiglu: 
     y = torch.empty(*a.shape[:-1], n, dtype=a.dtype, device=a.device)
     h = None if swiglu else torch.empty(a.shape, dtype=a.dtype, device=a.device)
     if y.numel():
-        block_n = _block_n(n)
+        block_n, block_k, warps, stages = config or (_block_n(n), BLOCK_K, 4, None)
         _prologue_linear_kernel[(triton.cdiv(n, block_n),)](
             ra, rb, norm_weight if norm_weight is not None else ra, weight, bias if bias is not None else weight,
             h if h is not None else y, y, ra.shape[0], n, width, ra.stride(0), rb.stride(0), weight.stride(0), float(eps),
             SWIGLU=swiglu, HAS_NW=norm_weight is not None, HAS_BIAS=bias is not None,
-            BM=ROWS, BN=block_n, BK=BLOCK_K, num_warps=4)
+            BM=ROWS, BN=block_n, BK=block_k, num_warps=warps, **({} if stages is None else {"num_stages": stages}))
     return h, y
 
 
