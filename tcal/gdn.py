@@ -315,20 +315,17 @@ class RecurrentLayer(nn.Module):
     def _input_projections(self, x: torch.Tensor, projection=None) -> dict[str, torch.Tensor]:
         """All INPUT_PROJECTIONS of x as ONE matmul (weights concatenated): at short lengths the layer is
         launch-bound, and one GEMM replaces six (GDN's). `projection` (weight, bias): that concatenation made
-        by the caller (a decoder's static step keeps one, since compiling cannot use the cache), or a tensor:
-        that matmul's output already (a decode step computes it in one kernel with the norm before it,
-        surgery.decode.prologue_linear)."""
+        by the caller (a decoder's static step keeps one, since compiling cannot use the cache)."""
         modules = self._modules  # a plain name is a child (get_submodule walks a dotted path, 4x slower a decoded token)
         layers = [modules[n] if n in modules else self.get_submodule(n) for n in self.INPUT_PROJECTIONS]
-        if isinstance(projection, torch.Tensor):
-            out = projection
-        elif projection is not None:
-            out = F.linear(x, *projection)
+        if projection is not None:
+            weight, bias = projection
         elif torch.compiler.is_compiling():  # the weight cache would break the graph
             return {n: l(x) for n, l in zip(self.INPUT_PROJECTIONS, layers)}
         else:
-            out = F.linear(x, *fused_weight(self, layers))
+            weight, bias = fused_weight(self, layers)
         sizes = [l.out_features for l in layers]
+        out = F.linear(x, weight, bias)
         pad = out.shape[-1] - sum(sizes)  # row_aligned's zero rows: split off as one more part, then dropped by zip
         return dict(zip(self.INPUT_PROJECTIONS, out.split_with_sizes(sizes + [pad] if pad else sizes, dim=-1)))
 

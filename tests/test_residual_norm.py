@@ -16,16 +16,11 @@ from test_generate import full_greedy, hybrid, incremental_greedy
 
 from surgery.decode import Decoder
 from surgery.decode.fused_norms import fuse_rms_norms
-from surgery.decode.prologue_linear import norm_linear
 from surgery.decode.residual_norm import add_rms_norm, fuse_residual_norms
 
 
 def calls(gm) -> int:
     return sum(1 for n in gm.graph.nodes if n.op == "call_function" and n.target is add_rms_norm)
-
-
-def norm_linears(gm) -> int:
-    return sum(1 for n in gm.graph.nodes if n.op == "call_function" and n.target is norm_linear)
 
 
 def logits(gm, ids):
@@ -56,8 +51,7 @@ def test_static_steps_of_a_hybrid():
     graph = hybrid(get_tiny("llama").graph.branch())
     prompt = torch.randint(3, graph.config.vocab_size, (1, 8), generator=torch.Generator().manual_seed(1))[0].tolist()
     decoder = Decoder(graph, step_mode="static")
-    # each pair is then taken into the linear reading its norm (surgery.decode.prologue_linear)
-    assert calls(decoder.step_gm) + norm_linears(decoder.step_gm) == 2 * graph.config.num_hidden_layers
+    assert calls(decoder.step_gm) == 2 * graph.config.num_hidden_layers
     assert incremental_greedy(decoder, prompt, 5)[0] == full_greedy(graph, prompt, 5)[0]
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-from torch.fx import GraphModule
 
 from .fused_linears import FusedWeight
 
@@ -38,17 +37,15 @@ class GDNState(nn.Module):
     def nbytes(self) -> int:
         return self.cache.nbytes()
 
-    def forward(self, hidden_states, projected: bool = False):
+    def forward(self, hidden_states):
         """The layer continued from the cache. In place, a new state is copied into the tensors that
         held the old one (when shapes agree), so their memory stays where a captured step reads it;
-        a one-token step the layer takes in place (tcal.token_step) needs no copy. `projected`: the
-        input is already the fused projection's output (explicit_projections put that matmul in the graph)."""
+        a one-token step the layer takes in place (tcal.token_step) needs no copy."""
         work = self.gdn.new_cache()
         work.recurrent, work.conv, work.in_place = self.cache.recurrent, dict(self.cache.conv), self.in_place
         state = self._state[0]
         static = self.projection is not None and state is not None and state.static
-        projection = hidden_states if projected else self.projection.pair() if static else None
-        out = self.gdn(hidden_states, cache=work, projection=projection)
+        out = self.gdn(hidden_states, cache=work, projection=self.projection.pair() if static else None)
         if work.recurrent is self.cache.recurrent and not work.conv:  # the layer wrote the state itself
             return out
         if self.in_place and self.cache.recurrent is not None and self.cache.recurrent.shape == work.recurrent.shape:
@@ -76,31 +73,3 @@ class GDNState(nn.Module):
 
     def _tensors(self) -> list:
         return [t for t in (self.cache.recurrent, *self.cache.conv.values()) if t is not None]
-
-
-def explicit_projections(gm: GraphModule, gdn: dict) -> int:
-    """Rewrite gm in place: each call of a GDNState with a fused projection reads that matmul from the graph
-    (aten.linear over the fused weight, registered as non-persistent buffers) instead of running it
-    inside, so the graph's fusions can take it (surgery.decode.prologue_linear: the norm before it and
-    the matmul as one kernel). Returns how many calls changed."""
-    by_target = {f"_decode_gdn.layer{layer}": m for layer, m in gdn.items()}
-    count = 0
-    for node in list(gm.graph.nodes):
-        module = by_target.get(node.target) if node.op == "call_module" else None
-        if module is None or module.projection is None or len(node.args) != 1 or node.kwargs:
-            continue
-        weight, bias = module.projection.pair()
-        name = node.target.replace(".", "_") + "_projection"
-        gm.register_buffer(f"{name}_weight", weight, persistent=False)
-        if bias is not None:
-            gm.register_buffer(f"{name}_bias", bias, persistent=False)
-        with gm.graph.inserting_before(node):
-            w = gm.graph.get_attr(f"{name}_weight")
-            b = gm.graph.get_attr(f"{name}_bias") if bias is not None else None
-            node.args = (gm.graph.call_function(torch.ops.aten.linear.default, (node.args[0], w, b)),)
-        node.kwargs = {"projected": True}
-        count += 1
-    if count:
-        gm.graph.lint()
-        gm.recompile()
-    return count

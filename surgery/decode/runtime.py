@@ -28,12 +28,11 @@ from .caches import DecodeState, KVCacheAttention
 from .fused_linears import fuse_sibling_linears
 from .fusions import fuse_elementwise
 from .step_tables import hoist_tables
-from .gdn_state import GDNState, explicit_projections
+from .gdn_state import GDNState
 from .lengths import FIX_FULL
 from .masks import MASK_PROBE
 from .plan import DecodePlan, plan_decode
 from .positions import rewrite_positions
-from .prologue_linear import fuse_prologue_linears
 from .prefill import Prefill
 from .regimes import History
 from .self_check import self_check
@@ -85,9 +84,7 @@ def static_step_graph(gm, gdn: dict, fuse: bool | None, compiled: bool):
     step_gm = fork(gm)
     fused = fuse_sibling_linears(step_gm) + [m.fuse_projection() for m in gdn.values()]
     if (FUSED_BY_DEFAULT if fuse is None else fuse) and not compiled:
-        explicit_projections(step_gm, gdn)
         fuse_elementwise(step_gm, in_place=True)
-        fuse_prologue_linears(step_gm)  # after the norms and SwiGLU products are single calls
         hoist_tables(step_gm)  # the RoPE / position tables once per capacity, not at every step
     return step_gm, fused
 
