@@ -3,7 +3,8 @@ warm-up), the one row format (a markdown table row, and a JSON line per row when
 file), the models a bench loads, and the `surgery` command run as a user runs it.
 
 The entry points (each answers --help; bench/RESULTS.md records each figure with its command):
-  bench/speed.py         prefill, generate, decode, export, distill, apply, fsdp, offload: each against its anchor in one run
+  bench/speed.py         prefill, generate, decode, export, distill, apply, fsdp, offload: each against its anchor in one run;
+                         step_attention and floors (CUDA only): one kernel at decode shapes, replayed as a CUDA graph
   bench/quality.py       perplexity tables (phases, policies, --mixers: per mixer with block error and state bytes),
                          in memory and through save / `surgery apply`; --kernel-check: fla's gla/kda kernels on CUDA
   bench/recovery.py      recovery curves: distillation of the copy-only and Taylor-Calibrate inits (one per stay: --init),

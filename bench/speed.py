@@ -76,7 +76,7 @@ from surgery.decode.fast import FastGraph  # noqa: E402
 from surgery.errors import SurgeryError  # noqa: E402
 from surgery.train.placement import local_device  # noqa: E402
 
-SECTIONS = ("prefill", "generate", "decode", "export", "distill", "apply", "fsdp", "offload", "step_attention")
+SECTIONS = ("prefill", "generate", "decode", "export", "distill", "apply", "fsdp", "offload", "step_attention", "floors")
 FSDP_SHAPES = {  # transformers LlamaConfig fields of the random pairs the fsdp section trains ("stories": the real tiny teacher)
     "smollm2": SMOLLM2_SHAPE,
     "llama8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
@@ -155,7 +155,10 @@ def arguments(argv=None) -> argparse.Namespace:
     gpus = torch.cuda.device_count()
     if gpus and max(int(c) for c in counts) > gpus and "fsdp" in args.sections.split(","):
         ap.error(f"--fsdp-procs {args.fsdp_procs} needs a GPU per process; this machine has {gpus}")
-    if not args.model and not args.random and set(args.sections.split(",")) - {"offload", "fsdp", "step_attention"}:  # these build their own teachers (or none)
+    cuda_only = {"step_attention", "floors"} & set(args.sections.split(","))
+    if cuda_only and not torch.cuda.is_available():
+        ap.error(f"section(s) {', '.join(sorted(cuda_only))} time CUDA kernels; this machine has no CUDA device")
+    if not args.model and not args.random and set(args.sections.split(",")) - {"offload", "fsdp", "step_attention", "floors"}:  # these build their own teachers (or none)
         ap.error("name a teacher with --model, or pass --random (SmolLM2-135M's shapes, random weights)")
     return args
 
@@ -785,6 +788,9 @@ def main(argv=None) -> Rows:
             elif section == "step_attention":  # the kept-attention op of a static step alone: needs only torch and Triton
                 from bench.step_attention_bench import run as step_attention
                 step_attention(args.decode_context, args.decode_batches, sweep_constants=args.step_attention_sweep)
+            elif section == "floors":  # one kernel's cost in a CUDA graph at decode shapes: needs only torch and Triton
+                from bench.kernel_floors import run as kernel_floors
+                kernel_floors(rows)
             else:
                 runs[section](setup, rows)
             print(f"# {section}: {time.perf_counter() - start:.1f} s", flush=True)

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -161,6 +162,15 @@ def test_speed_refuses_an_unknown_fsdp_mode(capsys):
     with pytest.raises(SystemExit):
         speed.main(["--smoke", "--sections", "fsdp", "--fsdp-modes", "plain,zero3"])
     assert "unknown fsdp mode(s) zero3; known: plain, fsdp, fsdp_offload" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU's answer")
+def test_speed_cuda_only_sections_say_so_on_the_cpu(capsys):
+    """step_attention and floors time CUDA kernels: on the CPU one line says so, no stack trace."""
+    for section in ("floors", "step_attention"):
+        with pytest.raises(SystemExit):
+            speed.main(["--sections", section])
+        assert f"section(s) {section} time CUDA kernels; this machine has no CUDA device" in capsys.readouterr().err
 
 
 def test_quality_smoke(tmp_path, monkeypatch):
