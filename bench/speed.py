@@ -77,6 +77,8 @@ from surgery.errors import SurgeryError  # noqa: E402
 from surgery.train.placement import local_device  # noqa: E402
 
 SECTIONS = ("prefill", "generate", "decode", "export", "distill", "apply", "fsdp", "offload", "step_attention", "floors")
+CUDA_ONLY = {"step_attention", "floors"}  # one kernel timed on the GPU: no teacher, no CPU fallback
+OWN_TEACHERS = {"offload", "fsdp", *CUDA_ONLY}  # sections that build their own teachers (or need none)
 FSDP_SHAPES = {  # transformers LlamaConfig fields of the random pairs the fsdp section trains ("stories": the real tiny teacher)
     "smollm2": SMOLLM2_SHAPE,
     "llama8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
@@ -155,10 +157,10 @@ def arguments(argv=None) -> argparse.Namespace:
     gpus = torch.cuda.device_count()
     if gpus and max(int(c) for c in counts) > gpus and "fsdp" in args.sections.split(","):
         ap.error(f"--fsdp-procs {args.fsdp_procs} needs a GPU per process; this machine has {gpus}")
-    cuda_only = {"step_attention", "floors"} & set(args.sections.split(","))
-    if cuda_only and not torch.cuda.is_available():
-        ap.error(f"section(s) {', '.join(sorted(cuda_only))} time CUDA kernels; this machine has no CUDA device")
-    if not args.model and not args.random and set(args.sections.split(",")) - {"offload", "fsdp", "step_attention", "floors"}:  # these build their own teachers (or none)
+    sections = set(args.sections.split(","))
+    if sections & CUDA_ONLY and not torch.cuda.is_available():
+        ap.error(f"section(s) {', '.join(sorted(sections & CUDA_ONLY))} time CUDA kernels; this machine has no CUDA device")
+    if not args.model and not args.random and sections - OWN_TEACHERS:
         ap.error("name a teacher with --model, or pass --random (SmolLM2-135M's shapes, random weights)")
     return args
 
