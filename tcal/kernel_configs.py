@@ -17,7 +17,10 @@ and Inductor caches took 97.0 s where building the same init while autotuning to
 (bench/RESULTS.md, twenty-fourth session), and the kda, mamba2 and gla mixers' kernels at SmolLM2's
 shapes (43 keys recorded from the mixers ablation, whose first alignments autotuned for 127-329 s;
 twenty-sixth session), and a Llama-3-8B-shaped hybrid's GDN layers (32 heads of 128; 14 keys recorded from
-its first distillation steps, which autotuned for about 2 min 50 s; twenty-seventh session).
+its first distillation steps, which autotuned for about 2 min 50 s; twenty-seventh session), and the split
+state pass's kernels at SmolLM2's shapes (tcal/split_state.py: fla's pre-scan and merge, and its state pass
+from given states, with and without a final state; recorded from `bench/speed.py --sections state_splits`,
+thirty-first session).
 """
 from __future__ import annotations
 

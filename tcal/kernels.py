@@ -22,6 +22,8 @@ import re
 import torch
 import torch.nn.functional as F
 
+from .split_state import requested_splits, split_state_gated_delta_rule
+
 # At or below this length the token loop is cheaper than building chunk matrices.
 RECURRENT_MAX_T = 16
 # fla's fused recurrent kernel is its fast path for short inputs, but it has no backward.
@@ -228,9 +230,13 @@ def _fla_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_s
         output_final_state=output_final_state,
         use_qk_l2norm_in_kernel=False,
     )
-    if q.shape[1] <= FLA_RECURRENT_MAX_T and not _needs_grad(q, k, v, g, beta, initial_state):
-        # gk and gv sit between g and beta in this signature: pass by keyword.
-        return fused_recurrent_gated_delta_rule(q, k, v, g=g, beta=beta, **options)
+    if not _needs_grad(q, k, v, g, beta, initial_state):
+        if q.shape[1] <= FLA_RECURRENT_MAX_T:
+            # gk and gv sit between g and beta in this signature: pass by keyword.
+            return fused_recurrent_gated_delta_rule(q, k, v, g=g, beta=beta, **options)
+        splits = requested_splits(q.shape[0], v.shape[2], q.shape[1], q.device)
+        if splits > 1:  # few rows, many chunks: the state pass cut along the sequence
+            return split_state_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state, splits)
     return chunk_gated_delta_rule(q, k, v, g, beta, **options)
 
 

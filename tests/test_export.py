@@ -54,7 +54,7 @@ def test_stories_logits_equal_surgery_load(stories_export):
     config = json.loads((out / "config.json").read_text())
     assert set(config["surgery_hybrid"]["gdn_layers"]) == {"model.layers.1.self_attn", "model.layers.3.self_attn"}
     assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_surgery_hybrid.SurgeryHybridForCausalLM"
-    assert {"gdn.py", "kernels.py", "token_step.py", "delta_inputs.py", "gated_norm.py", "modeling_surgery_hybrid.py", "layer_graphs.py", "model.safetensors", "generation_config.json", "tokenizer.json"} <= {p.name for p in out.iterdir()}
+    assert {"gdn.py", "kernels.py", "token_step.py", "delta_inputs.py", "gated_norm.py", "split_state.py", "modeling_surgery_hybrid.py", "layer_graphs.py", "model.safetensors", "generation_config.json", "tokenizer.json"} <= {p.name for p in out.iterdir()}
     assert "import surgery" not in (out / "modeling_surgery_hybrid.py").read_text()
     loaded, model = surgery.load(hybrid), hf_load(out)
     ids = ids_for((2, 33), 512)
