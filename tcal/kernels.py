@@ -234,7 +234,7 @@ def _fla_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_s
         if q.shape[1] <= FLA_RECURRENT_MAX_T:
             # gk and gv sit between g and beta in this signature: pass by keyword.
             return fused_recurrent_gated_delta_rule(q, k, v, g=g, beta=beta, **options)
-        splits = requested_splits(q.shape[0], v.shape[2], q.shape[1], q.device)
+        splits = requested_splits(q.shape[0], v.shape[2], q.shape[1], q.device, max(k.shape[-1], v.shape[-1]))
         if splits > 1:  # few rows, many chunks: the state pass cut along the sequence
             return split_state_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state, splits)
     return chunk_gated_delta_rule(q, k, v, g, beta, **options)

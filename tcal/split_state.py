@@ -38,6 +38,9 @@ MIN_GAIN = 0.8  # taken only where the model says the pass gets 1.25x faster (ro
 # Splitting pays only while the unsplit pass leaves the GPU nearly idle: at 9 heads x 2 rows of 8k it lost
 # at every piece count (0.70-0.92x), at 9 x 1 it won from 8k (1.13x) and at 32k (1.37x).
 MAX_ROW_HEADS = 16
+# The model was fitted at head size 64 only; a larger head's pre-scan and merge work on [K, K] in TF32x3 and
+# were neither timed nor run on a GPU yet, so they stay unsplit unless SURGERY_STATE_SPLITS forces a count.
+MAX_HEAD_DIM = 64
 
 
 def split_depth(n_chunks: int, splits: int) -> float:
@@ -47,17 +50,17 @@ def split_depth(n_chunks: int, splits: int) -> float:
     return PIECE_STEP * math.ceil(n_chunks / splits) + MERGE_STEP * splits
 
 
-def state_splits(batch: int, heads: int, n_chunks: int) -> int:
+def state_splits(batch: int, heads: int, n_chunks: int, head_dim: int = 64) -> int:
     """How many pieces each row's state pass is cut into (1: not split): where few rows x heads leave the
     GPU idle and each row is many chunks deep, the count that minimises `split_depth`."""
-    if n_chunks < MIN_CHUNKS or batch * heads > MAX_ROW_HEADS:
+    if n_chunks < MIN_CHUNKS or batch * heads > MAX_ROW_HEADS or head_dim > MAX_HEAD_DIM:
         return 1
     most = min(MAX_SPLITS, n_chunks // 2)
     best = min(range(1, most + 1), key=lambda s: (split_depth(n_chunks, s), s), default=1)
     return best if split_depth(n_chunks, best) <= MIN_GAIN * n_chunks else 1
 
 
-def requested_splits(batch: int, heads: int, seq_len: int, device: torch.device) -> int:
+def requested_splits(batch: int, heads: int, seq_len: int, device: torch.device, head_dim: int = 64) -> int:
     """The pieces for this call: SURGERY_STATE_SPLITS if it names a number, 1 if "off", else the model's choice."""
     setting = os.environ.get(SWITCH, "auto").strip().lower()
     n_chunks = math.ceil(seq_len / CHUNK)
@@ -71,7 +74,7 @@ def requested_splits(batch: int, heads: int, seq_len: int, device: torch.device)
         return max(1, min(forced, n_chunks))
     if device.type != "cuda":  # fla's kernels off CUDA run only in Triton's interpreter (tests), never split unasked
         return 1
-    return state_splits(batch, heads, n_chunks)
+    return state_splits(batch, heads, n_chunks, head_dim)
 
 
 class PieceLayout(NamedTuple):

@@ -47,6 +47,7 @@ def test_piece_counts_follow_the_cost_model():
     assert split.state_splits(1, 9, 32) == 1  # 2k: the pre-scan and merge cost more than they save (measured)
     assert split.state_splits(2, 9, 512) == 1  # rows x heads past MAX_ROW_HEADS: the unsplit pass is busy enough
     assert split.state_splits(1, 9, 512) == 16  # 32k at batch 1: the measured best
+    assert split.state_splits(1, 4, 512, head_dim=128) == 1  # head sizes the model was not fitted at
     for n_chunks in (256, 512, 4096):
         pieces = split.state_splits(1, 9, n_chunks)
         assert 1 < pieces <= split.MAX_SPLITS
@@ -115,9 +116,9 @@ def gdn_inputs(batch, seq_len, heads=9, dim=64):
 
 
 @cuda_fla
-@pytest.mark.parametrize("batch,seq_len", [(1, 2048), (2, 3000)])
-def test_split_is_as_close_to_float64_as_unsplit(monkeypatch, batch, seq_len):
-    q, k, v, g, beta, state = gdn_inputs(batch, seq_len)
+@pytest.mark.parametrize("batch,seq_len,heads,dim", [(1, 2048, 9, 64), (2, 3000, 9, 64), (1, 2048, 4, 128), (1, 1500, 2, 256)])
+def test_split_is_as_close_to_float64_as_unsplit(monkeypatch, batch, seq_len, heads, dim):
+    q, k, v, g, beta, state = gdn_inputs(batch, seq_len, heads, dim)
     want, want_state = gated_delta_rule(*(x.double() for x in (q, k, v, g, beta)), None, state.double(), True, backend="torch")
     rel = lambda a, b: ((a.double() - b).norm() / b.norm()).item()
     errors = {}

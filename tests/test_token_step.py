@@ -187,12 +187,13 @@ def test_a_freed_copy_of_the_files_leaves_the_package_ops_working(tmp_path):
     import shutil
 
     import tcal.kernels
+    from surgery.io.hf_export import GDN_SOURCES
 
     package = tmp_path / "exported_copy"
     package.mkdir()
     (package / "__init__.py").write_text("")
-    for name in ("kernels.py", "token_step.py"):
-        shutil.copy(os.path.join(os.path.dirname(tcal.kernels.__file__), name), package / name)
+    for name, source in GDN_SOURCES.items():  # the files an export copies, as it copies them
+        shutil.copy(source, package / name)
     sys.path.insert(0, str(tmp_path))
     try:
         copy = importlib.import_module("exported_copy.token_step")
