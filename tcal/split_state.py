@@ -113,6 +113,7 @@ def piece_layout(batch: int, seq_len: int, splits: int, device: torch.device) ->
 
 
 _LAYOUTS: dict[tuple, PieceLayout] = {}
+KEPT_LAYOUTS = 64  # prompt lengths vary; the oldest shapes' few small tensors are dropped past this
 
 
 def _layout(batch: int, seq_len: int, splits: int, device: torch.device) -> PieceLayout:
@@ -123,6 +124,8 @@ def _layout(batch: int, seq_len: int, splits: int, device: torch.device) -> Piec
     layout = piece_layout(batch, seq_len, splits, device)
     if device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
         _LAYOUTS[key] = layout
+        while len(_LAYOUTS) > KEPT_LAYOUTS:
+            _LAYOUTS.pop(next(iter(_LAYOUTS)))
     return layout
 
 
@@ -161,7 +164,7 @@ def split_state_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_
     h = h.view(batch, -1, *h.shape[2:])
     o = chunk_fwd_o(q=q, k=k, v=v_new.view(batch, seq_len, heads, dv), h=h, g=g, scale=scale, chunk_size=CHUNK)
     if output_final_state:
-        final = final.view(batch, pieces, heads, dk, dv)[:, -1]
+        final = final.view(batch, pieces, heads, dk, dv)[:, -1].contiguous()
     return o.to(q.dtype), final
 
 

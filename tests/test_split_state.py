@@ -55,6 +55,14 @@ def test_piece_counts_follow_the_cost_model():
         assert all(split.split_depth(n_chunks, pieces) <= split.split_depth(n_chunks, s) for s in range(1, split.MAX_SPLITS + 1))
 
 
+def test_kept_layouts_are_bounded():
+    split._LAYOUTS.clear()
+    for seq_len in range(64, 64 * (split.KEPT_LAYOUTS + 10), 64):
+        split._layout(1, seq_len, 2, torch.device("cpu"))
+    assert len(split._LAYOUTS) == split.KEPT_LAYOUTS and (1, 64, 2, "cpu") not in split._LAYOUTS
+    split._LAYOUTS.clear()
+
+
 def test_the_switch_forces_or_refuses(monkeypatch):
     cpu = torch.device("cpu")
     monkeypatch.setenv(split.SWITCH, "off")
