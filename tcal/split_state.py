@@ -100,16 +100,19 @@ def piece_layout(batch: int, seq_len: int, splits: int, device: torch.device) ->
     pieces = math.ceil(n_chunks / run)
     options = dict(device=device, dtype=torch.int32)
     rows = torch.arange(batch, **options)
-    starts = rows[:, None] * seq_len + torch.arange(pieces, **options)[None, :] * (run * CHUNK)
-    cu_seqlens = torch.cat([starts.flatten(), torch.full((1,), batch * seq_len, **options)])
-    first_chunks = rows[:, None] * n_chunks + torch.arange(pieces, **options)[None, :] * run
-    chunk_offsets = torch.cat([first_chunks.flatten(), torch.full((1,), batch * n_chunks, **options)])
+
+    def bounds(per_row: int, per_piece: int) -> torch.Tensor:
+        """Each piece's start in a row-major count of per_row units a row, then the total."""
+        starts = rows[:, None] * per_row + torch.arange(pieces, **options)[None, :] * per_piece
+        return torch.cat([starts.flatten(), torch.full((1,), batch * per_row, **options)])
+
+    cu_seqlens, chunk_offsets = bounds(seq_len, run * CHUNK), bounds(n_chunks, run)
     chunk = torch.arange(n_chunks, **options)
     piece = rows[:, None] * pieces + (chunk // run)[None, :]
     within = (chunk % run)[None, :].expand(batch, n_chunks)
-    bounds = torch.arange(batch + 1, **options)
+    row_marks = torch.arange(batch + 1, **options)
     return PieceLayout(pieces, cu_seqlens, chunk_offsets, torch.stack([piece.flatten(), within.flatten()], 1),
-                       bounds * pieces, bounds * (pieces - 1), rows)
+                       row_marks * pieces, row_marks * (pieces - 1), rows)
 
 
 _LAYOUTS: dict[tuple, PieceLayout] = {}

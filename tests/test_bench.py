@@ -165,9 +165,9 @@ def test_speed_refuses_an_unknown_fsdp_mode(capsys):
 
 
 def test_speed_cuda_only_sections_say_so_on_the_cpu(capsys, monkeypatch):
-    """step_attention and floors time CUDA kernels: on the CPU one line says so, no stack trace."""
+    """step_attention, floors and state_splits time CUDA kernels: on the CPU one line says so, no stack trace."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the CPU's answer on any machine
-    for section in ("floors", "step_attention"):
+    for section in ("floors", "step_attention", "state_splits"):
         with pytest.raises(SystemExit):
             speed.main(["--sections", section])
         assert f"section(s) {section} time CUDA kernels; this machine has no CUDA device" in capsys.readouterr().err
