@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 STORIES = ROOT / "tests/assets/stories260k/stories260K.gguf"
 SAMPLE = ROOT / "surgery/data/calibration_sample.txt"
 COLUMNS = ("name", "config", "metric", "value", "unit", "anchor", "ratio")
-LOWER_IS_BETTER = {"ms", "s", "ppl", "GiB", "MiB", "rel sq err", "rel err"}
+LOWER_IS_BETTER = {"ms", "us", "s", "ppl", "GiB", "MiB", "rel sq err", "rel err"}
 
 SMOLLM2_SHAPE = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                      num_attention_heads=9, num_key_value_heads=3, rms_norm_eps=1e-5, rope_theta=100000.0,

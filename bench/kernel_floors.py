@@ -55,3 +55,69 @@ def run(rows) -> None:
             config = f"{m} x {k} @ {k} x {n} ({n * k * 2 / 1e6:.2f} MB)"
             rows.add("F.linear (cuBLAS)", config, "kernel", us, "us")
             rows.add("F.linear (cuBLAS)", config, "weight read", n * k * 2 / us / 1e3, "GB/s")
+    gdn_layer_rows(rows)
+
+
+def gdn_layer_rows(rows) -> None:
+    """A SmolLM2-shaped GDN decoder layer's decoded token (hidden 576, 9 heads of 64, intermediate 1,536):
+    the composed kernels a static step ran (add_rms_norm, the fused input projection, the token step,
+    o_proj, add_rms_norm, gate/up, silu_mul, down) against surgery.decode.gdn_block's one kernel, at each
+    program count; us per layer, CALLS layers in one graph."""
+    from surgery.decode.gdn_block import SYNC_WORDS, block_tiles, gdn_block_torch, gdn_block_triton
+    from surgery.decode.gdn_blocks import block_shape
+    from surgery.decode.fused_linears import FusedWeight
+    from tcal.gdn import GatedDeltaNet, GDNCache
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for m in (1, 16):
+        torch.manual_seed(0)
+        layer = GatedDeltaNet(576, 9, 64).to("cuda", torch.bfloat16).eval()
+        parts = [layer.get_submodule(n) for n in layer.INPUT_PROJECTIONS]
+        w_in, b_in = FusedWeight([p.weight for p in parts], [p.bias for p in parts], align_rows=True).pair()  # as a Decoder's
+        a, b = torch.randn(2, m, 1, 576, device="cuda", dtype=torch.bfloat16)
+        w0, w1 = torch.ones(2, 576, device="cuda", dtype=torch.bfloat16)
+        w_gu = torch.randn(3072, 576, device="cuda", dtype=torch.bfloat16) * 0.04
+        w_d = torch.randn(576, 1536, device="cuda", dtype=torch.bfloat16) * 0.03
+        cache = GDNCache(in_place=True)
+        cache.recurrent = torch.zeros(m, 9, 64, 64, device="cuda")
+
+        def composed():
+            step = lambda n: layer(n, cache=cache, projection=(w_in, b_in))  # noqa: E731
+            return gdn_block_torch(a, b, w0, 1e-5, step, w1, 1e-5, w_gu, None, w_d, None, 1536, True)
+
+        with torch.no_grad():
+            base = per_call_us(composed)
+            rows.add("GDN layer, composed kernels", f"{m} x 576", "layer", base, "us")
+            shape = block_shape(layer, w_in.shape[0], 1536, True)
+            sync = torch.zeros(SYNC_WORDS, dtype=torch.int32, device="cuda")
+            for limit in (sms,):
+                if block_tiles(shape, limit) is None:
+                    continue
+                programs = max(-(-n // bn) for n, bn in block_tiles(shape, limit).values())
+                for last in range(1, 6):  # phases 1..last in one launch: what each phase (and its wait) adds
+                    us = per_call_us(lambda: gdn_block_triton(a, b, w0, 1e-5, layer, cache.recurrent, w_in, b_in, w1, 1e-5,
+                                                              w_gu, None, w_d, None, shape, sync, limit, last=last))
+                    rows.add(f"GDN layer, one kernel, phases 1-{last} ({programs} programs)", f"{m} x 576", "layer", us, "us",
+                             ("composed", base))
+                rows.add(f"grid barrier x4 ({programs} programs, nothing else)", f"{m} x 576", "kernel",
+                         per_call_us(lambda: barriers_only(sync, programs)), "us")
+
+
+def barriers_only(sync, programs: int) -> None:
+    """One launch of `programs` programs that only meet four times (surgery.decode.gdn_block's waits)."""
+    _barriers[(programs,)](sync, programs)
+
+
+try:
+    import triton
+    import triton.language as tl
+
+    from surgery.decode.gdn_block import grid_done, grid_wait
+
+    @triton.jit
+    def _barriers(sync, nprog: tl.constexpr):
+        for k in tl.static_range(4):
+            grid_wait(sync, k, nprog)
+        grid_done(sync, nprog)
+except Exception:  # no Triton (a CPU install): the section is CUDA-only anyway
+    triton = None

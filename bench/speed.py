@@ -78,6 +78,8 @@ from bench.harness import (SMOLLM2_SHAPE, STORIES, SAMPLE, Rows, check_names, co
 from surgery import Decoder, DistillConfig, PassManager, capture, distill, export, fast_logits, generate, load, save  # noqa: E402
 from surgery.core.run import run_graph  # noqa: E402
 from surgery.decode.fast import FastGraph  # noqa: E402
+from surgery.decode.gdn_block import STEP_ROWS  # noqa: E402
+from surgery.decode.gdn_blocks import ENV as BLOCKS_ENV  # noqa: E402
 from surgery.errors import SurgeryError  # noqa: E402
 from surgery.train.placement import local_device  # noqa: E402
 
@@ -451,6 +453,14 @@ def decode(s: Setup, rows: Rows) -> None:
         rows.add(f"{s.label()}: Decoder (surgery.load)", config, "decode step", hybrid, "ms", ("teacher Decoder", teacher))
         rows.add(f"{s.label()}: Decoder (surgery.load)", config, "decode step", hybrid, "ms", ("transformers", hf))
         free(s.device)
+        if batch <= STEP_ROWS and s.device.type == "cuda":  # the one-kernel GDN layers (surgery.decode.gdn_blocks) against none
+            os.environ[BLOCKS_ENV], saved = "off", os.environ.get(BLOCKS_ENV)
+            try:
+                separate = decoder_step_ms(s, s.hybrid, batch, ids)
+            finally:
+                os.environ.pop(BLOCKS_ENV) if saved is None else os.environ.__setitem__(BLOCKS_ENV, saved)
+            rows.add(f"{s.label()}: Decoder, {BLOCKS_ENV}=off", config, "decode step", separate, "ms", ("default", hybrid))
+            free(s.device)
         if a.profile:
             for label, graph in (("teacher graph", s.teacher), (s.label(), s.hybrid)):
                 step_profile(s, graph, batch, ids, f"{label}: {PROFILED_STEPS} static decode steps (not replayed), {config}")

@@ -77,34 +77,34 @@ def per_channel(a: torch.Tensor, state: torch.Tensor) -> bool:
 if triton is not None:
 
     @triton.jit
-    def _token_step_kernel(q, k, v, a, b, gate, A_log, dt_bias, norm_weight, state, out,
-                           stride_q, stride_k, stride_v, stride_a, stride_b, stride_gate, stride_out,
-                           scale, norm_eps, H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
-                           V_SILU: tl.constexpr, CHANNEL_DECAY: tl.constexpr):
-        """Program (row n, head h): its [D, D] state tile in registers, read once, written once."""
-        pid = tl.program_id(0).to(tl.int64)
-        n, h = pid // H, pid % H
+    def token_step_tile(q, k, v, a, b, gate, A_log, dt_bias, norm_weight, state, out, n, h,
+                        stride_q, stride_k, stride_v, stride_a, stride_b, stride_gate, stride_out,
+                        scale, norm_eps, H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
+                        V_SILU: tl.constexpr, CHANNEL_DECAY: tl.constexpr, CACHE: tl.constexpr):
+        """Row n, head h: its [D, D] state tile in registers, read once, written once (this kernel's
+        body, and one phase of surgery.decode.gdn_block's layer kernel, which reads inputs that other
+        programs of the same launch wrote: CACHE ".cg" reads them from L2, past this SM's L1)."""
         d = tl.arange(0, BD)
         inside = d < D
         vec = h * D + d
-        b_q = tl.load(q + n * stride_q + vec, mask=inside, other=0).to(tl.float32)
-        b_k = tl.load(k + n * stride_k + vec, mask=inside, other=0).to(tl.float32)
-        b_v = tl.load(v + n * stride_v + vec, mask=inside, other=0).to(tl.float32)
-        b_gate = tl.load(gate + n * stride_gate + vec, mask=inside, other=0).to(tl.float32)
+        b_q = tl.load(q + n * stride_q + vec, mask=inside, other=0, cache_modifier=CACHE).to(tl.float32)
+        b_k = tl.load(k + n * stride_k + vec, mask=inside, other=0, cache_modifier=CACHE).to(tl.float32)
+        b_v = tl.load(v + n * stride_v + vec, mask=inside, other=0, cache_modifier=CACHE).to(tl.float32)
+        b_gate = tl.load(gate + n * stride_gate + vec, mask=inside, other=0, cache_modifier=CACHE).to(tl.float32)
         b_q = b_q * tl.sigmoid(b_q)
         b_k = b_k * tl.sigmoid(b_k)
         if V_SILU:
             b_v = b_v * tl.sigmoid(b_v)
         b_q = b_q / tl.sqrt(tl.sum(b_q * b_q) + 1e-6) * scale
         b_k = b_k / tl.sqrt(tl.sum(b_k * b_k) + 1e-6)
-        b_beta = tl.sigmoid(tl.load(b + n * stride_b + h).to(tl.float32))
+        b_beta = tl.sigmoid(tl.load(b + n * stride_b + h, cache_modifier=CACHE).to(tl.float32))
         if CHANNEL_DECAY:  # a decay per key channel: a [B, H*D], dt_bias [H*D]
-            x = tl.load(a + n * stride_a + vec, mask=inside, other=0).to(tl.float32) + tl.load(dt_bias + vec, mask=inside, other=0).to(tl.float32)
+            x = tl.load(a + n * stride_a + vec, mask=inside, other=0, cache_modifier=CACHE).to(tl.float32) + tl.load(dt_bias + vec, mask=inside, other=0).to(tl.float32)
         else:
-            x = tl.load(a + n * stride_a + h).to(tl.float32) + tl.load(dt_bias + h).to(tl.float32)
+            x = tl.load(a + n * stride_a + h, cache_modifier=CACHE).to(tl.float32) + tl.load(dt_bias + h).to(tl.float32)
         softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
         decay = tl.exp(-tl.exp(tl.load(A_log + h).to(tl.float32)) * softplus)
-        tile = state + pid * D * D + d[:, None] * D + d[None, :]
+        tile = state + (n * H + h) * D * D + d[:, None] * D + d[None, :]
         both = inside[:, None] & inside[None, :]
         if CHANNEL_DECAY:
             s = tl.load(tile, mask=both, other=0) * decay[:, None]
@@ -118,6 +118,17 @@ if triton is not None:
         weight = tl.load(norm_weight + d, mask=inside, other=0).to(tl.float32)
         normed = o / rms * weight * (b_gate * tl.sigmoid(b_gate))
         tl.store(out + n * stride_out + vec, normed.to(out.dtype.element_ty), mask=inside)
+
+    @triton.jit
+    def _token_step_kernel(q, k, v, a, b, gate, A_log, dt_bias, norm_weight, state, out,
+                           stride_q, stride_k, stride_v, stride_a, stride_b, stride_gate, stride_out,
+                           scale, norm_eps, H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
+                           V_SILU: tl.constexpr, CHANNEL_DECAY: tl.constexpr):
+        """Program (row n, head h): token_step_tile."""
+        pid = tl.program_id(0).to(tl.int64)
+        token_step_tile(q, k, v, a, b, gate, A_log, dt_bias, norm_weight, state, out, pid // H, pid % H,
+                        stride_q, stride_k, stride_v, stride_a, stride_b, stride_gate, stride_out,
+                        scale, norm_eps, H, D, BD, V_SILU, CHANNEL_DECAY, "")
 
 
 def _rows(x: torch.Tensor, batch: int) -> torch.Tensor:

@@ -15,6 +15,7 @@ import torch
 from test_generate import full_greedy, hybrid, incremental_greedy
 
 from surgery.decode import Decoder
+from surgery.decode.gdn_blocks import GDNBlock
 from surgery.decode.fused_norms import fuse_rms_norms
 from surgery.decode.residual_norm import add_rms_norm, fuse_residual_norms
 
@@ -51,7 +52,9 @@ def test_static_steps_of_a_hybrid():
     graph = hybrid(get_tiny("llama").graph.branch())
     prompt = torch.randint(3, graph.config.vocab_size, (1, 8), generator=torch.Generator().manual_seed(1))[0].tolist()
     decoder = Decoder(graph, step_mode="static")
-    assert calls(decoder.step_gm) == 2 * graph.config.num_hidden_layers
+    blocks = sum(isinstance(m, GDNBlock) for m in decoder.step_gm.modules())  # a GDN layer's two are inside its block
+    assert blocks == graph.layer_kinds.count("gdn") > 0
+    assert calls(decoder.step_gm) + 2 * blocks == 2 * graph.config.num_hidden_layers
     assert incremental_greedy(decoder, prompt, 5)[0] == full_greedy(graph, prompt, 5)[0]
 
 

@@ -37,15 +37,23 @@ class GDNState(nn.Module):
     def nbytes(self) -> int:
         return self.cache.nbytes()
 
+    def static_projection(self) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """The fused input projection (weight, bias) while the decoder takes static steps, else None."""
+        state = self._state[0]
+        return self.projection.pair() if self.projection is not None and state is not None and state.static else None
+
+    def step_cache(self):
+        """The cache a call works on: this one's tensors, written in place when the decoder is."""
+        work = self.gdn.new_cache()
+        work.recurrent, work.conv, work.in_place = self.cache.recurrent, dict(self.cache.conv), self.in_place
+        return work
+
     def forward(self, hidden_states):
         """The layer continued from the cache. In place, a new state is copied into the tensors that
         held the old one (when shapes agree), so their memory stays where a captured step reads it;
         a one-token step the layer takes in place (tcal.token_step) needs no copy."""
-        work = self.gdn.new_cache()
-        work.recurrent, work.conv, work.in_place = self.cache.recurrent, dict(self.cache.conv), self.in_place
-        state = self._state[0]
-        static = self.projection is not None and state is not None and state.static
-        out = self.gdn(hidden_states, cache=work, projection=self.projection.pair() if static else None)
+        work = self.step_cache()
+        out = self.gdn(hidden_states, cache=work, projection=self.static_projection())
         if work.recurrent is self.cache.recurrent and not work.conv:  # the layer wrote the state itself
             return out
         if self.in_place and self.cache.recurrent is not None and self.cache.recurrent.shape == work.recurrent.shape:

@@ -27,6 +27,7 @@ from ..errors import DecodeError
 from .caches import DecodeState, KVCacheAttention
 from .fused_linears import fuse_sibling_linears
 from .fusions import fuse_elementwise
+from .gdn_blocks import fuse_gdn_blocks
 from .step_tables import hoist_tables
 from .gdn_state import GDNState
 from .lengths import FIX_FULL
@@ -80,11 +81,13 @@ def build_decode_graph(plan: DecodePlan, state: DecodeState, in_place: bool, dev
 def static_step_graph(gm, gdn: dict, fuse: bool | None, compiled: bool):
     """(the static steps' own fork of gm, its fused projections): sibling linears as one matmul, each GDN
     layer's input projections as one, and (fuse; None: FUSED_BY_DEFAULT; not when compiled,
-    inductor fuses them itself) each RMSNorm and SwiGLU product as one kernel."""
+    inductor fuses them itself) each RMSNorm and SwiGLU product as one kernel, then each GDN decoder layer as
+    one call (surgery.decode.gdn_blocks)."""
     step_gm = fork(gm)
     fused = fuse_sibling_linears(step_gm) + [m.fuse_projection() for m in gdn.values()]
     if (FUSED_BY_DEFAULT if fuse is None else fuse) and not compiled:
         fuse_elementwise(step_gm, in_place=True)
+        fuse_gdn_blocks(step_gm)
         hoist_tables(step_gm)  # the RoPE / position tables once per capacity, not at every step
     return step_gm, fused
 

@@ -1,0 +1,375 @@
+"""One decoded token through a whole GDN decoder layer as ONE kernel on CUDA (the reference beside it).
+
+A decode step is a chain of tiny kernels, each on a ~1.5-3 us latency floor inside a CUDA graph
+(bench/RESULTS.md, thirtieth session: a matmul costs ~3.1 us whatever its size up to ~10 MB). A GDN
+layer of a Llama-family hybrid is eight of them: the residual add and input norm, the fused input
+projection, the token step (tcal.token_step), o_proj, the residual add and post norm, gate/up, the
+SwiGLU product, down. Here they are five phases of one persistent kernel: each program owns tiles of
+each phase's output and the programs meet at a counter in memory between phases (all programs are
+resident: at most one per SM), so the step pays one launch and four waits instead of eight launches
+(on the H200 at one row: 19.8 us a layer against 21.5, the four waits 7.9 of it; bench/RESULTS.md,
+thirty-second session):
+
+    1  h = a + b;  n = rms_norm(h) * w0;  proj = n @ W_in^T (+ bias)
+    2  core = token_step(proj's q, k, v, a, b, g; the state, written in place)
+    3  y = core @ W_o^T (+ bias)
+    4  h2 = h + y;  n2 = rms_norm(h2) * w1;  m = silu(gate) * up, gate/up = n2 @ W_gu^T (+ bias)
+    5  d = m @ W_d^T (+ bias)
+
+and the layer's outputs are (h2, d), which the next layer's residual add reads. Every intermediate is
+rounded to the model's dtype where the composed kernels round it, so the two differ only in the
+order of float32 sums. `gdn_block_torch` is the composition itself (the kernels the graph ran).
+
+The programs' meeting needs every program resident at once; under Triton's CPU interpreter (which
+runs programs one after another) and with `phased=True` each phase is its own launch instead, which is
+how the CPU tests check the phases' arithmetic."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .residual_norm import add_rms_norm
+from .swiglu import silu_mul
+
+try:  # Triton is a CUDA-side extra: CPU installs do not have it
+    import triton
+    import triton.language as tl
+except Exception:  # a broken install raises more than ImportError
+    triton = None
+
+MAX_ROWS = 16        # rows the kernel takes: each row is one more pass over the program's weight tiles
+# Rows a decode step sends through the kernel: on the H200 one row took 19.8 us a layer against 21.5 for the
+# composed kernels, 16 rows 123.2 against 22.4 (row at a time, no tensor cores; bench/RESULTS.md, 32nd session)
+STEP_ROWS = 1
+MAX_TILE = 64        # output columns of one program's tile
+MIN_PIECE = 16       # the narrowest piece of a reduction (tensor cores take K in steps of 16)
+NUM_WARPS = 8
+PREFETCH = True      # load the next phase's weight tile before waiting for the phase before
+MAX_TILE_ELEMENTS = 32768  # weight elements one program holds for a phase (64 KB of bf16: 64 registers a thread)
+MAX_SPIN = 1 << 22   # polls of a phase counter before a program gives up (a non-resident grid): flags an error
+SYNC_WORDS = 8       # per block: four phase counters, the done counter, the error flag
+
+
+@dataclass(frozen=True)
+class BlockShape:
+    """What the kernel is specialised on: widths, the projection's column offsets, heads."""
+
+    hidden: int
+    proj: int             # columns of the fused input projection (its aligned rows included)
+    offsets: tuple        # q, k, v, a (decay input, one per head), b, g column offsets into proj
+    heads: int
+    head_dim: int
+    inter: int            # the MLP's intermediate width
+    gate_first: bool      # SiLU applies to the first half of gate/up's output
+    v_silu: bool
+
+
+def gdn_block_torch(a, b, w0, eps0, gdn_state, w1, eps1, w_gu, b_gu, w_d, b_d, inter: int, gate_first: bool):
+    """The reference: the layer's kernels as the step graph ran them, returning (h2, d)."""
+    h, n = add_rms_norm(a, b, w0, eps0)
+    h2, n2 = add_rms_norm(h, gdn_state(n), w1, eps1)
+    gate, up = F.linear(n2, w_gu, b_gu).split_with_sizes([inter, inter], -1)
+    return h2, F.linear(silu_mul(gate, up) if gate_first else silu_mul(up, gate), w_d, b_d)
+
+
+if triton is not None:
+    from tcal.token_step import token_step_tile
+
+    SPIN_LIMIT = tl.constexpr(MAX_SPIN)
+
+    @triton.jit
+    def grid_wait(sync, k, target):
+        """Arrive at counter k, then wait until `target` programs have (a grid barrier). The count is
+        polled with acquiring loads: polling with volatile loads and acquiring once measured slower on
+        the H200 (four barriers 8.69 us against 7.88; bench/RESULTS.md, thirty-second session)."""
+        tl.debug_barrier()  # every thread's stores of this phase are issued before the arrival
+        tl.atomic_add(sync + k, 1, sem="release")
+        seen = tl.atomic_add(sync + k, 0, sem="acquire")
+        spins = 0
+        while (seen < target) & (spins < SPIN_LIMIT):
+            seen = tl.atomic_add(sync + k, 0, sem="acquire")
+            spins += 1
+        if seen < target:
+            tl.atomic_xchg(sync + 5, 1)
+        tl.debug_barrier()
+        # 0, but only known once the wait is over: added to the next phase's input pointers, it keeps the
+        # compiler from moving their loads above the wait
+        return (seen >= target).to(tl.int32) - 1
+
+    @triton.jit
+    def _w_piece(W, n0, N, k0, P: tl.constexpr, K: tl.constexpr, BN: tl.constexpr):
+        n = n0 + tl.arange(0, BN)
+        c = k0 + tl.arange(0, P)
+        return tl.load(W + n[:, None] * K + c[None, :], mask=(n[:, None] < N) & (c[None, :] < K), other=0)
+
+    @triton.jit
+    def _fetch(W, n0, N, K: tl.constexpr, BN: tl.constexpr, P0: tl.constexpr, P1: tl.constexpr, P2: tl.constexpr):
+        """Rows [n0, n0 + BN) of W [N, K] in up to three pieces along K, every load issued at once (a
+        piece that is not there repeats the first)."""
+        w0 = _w_piece(W, n0, N, 0, P0, K, BN)
+        w1 = w0
+        w2 = w0
+        if P1 > 0:
+            w1 = _w_piece(W, n0, N, P0, P1, K, BN)
+        if P2 > 0:
+            w2 = _w_piece(W, n0, N, P0 + P1, P2, K, BN)
+        return w0, w1, w2
+
+    @triton.jit
+    def _row_piece(x, r, k0, P: tl.constexpr, K: tl.constexpr):
+        """x[r, k0:k0 + P] of a [rows, K] tensor another program may have written, float32, zeros outside."""
+        c = k0 + tl.arange(0, P)
+        return tl.load(x + r * K + c, mask=c < K, other=0, cache_modifier=".cg").to(tl.float32)
+
+    @triton.jit
+    def _row3(x, r, K: tl.constexpr, P0: tl.constexpr, P1: tl.constexpr, P2: tl.constexpr):
+        x0 = _row_piece(x, r, 0, P0, K)
+        x1 = x0
+        x2 = x0
+        if P1 > 0:
+            x1 = _row_piece(x, r, P0, P1, K)
+        if P2 > 0:
+            x2 = _row_piece(x, r, P0 + P1, P2, K)
+        return x0, x1, x2
+
+    @triton.jit
+    def _mv3(x0, x1, x2, w0, w1, w2, P1: tl.constexpr, P2: tl.constexpr):
+        """W x over the pieces, float32 [BN] (a row at a time: no tensor-core layouts, so the weight
+        tile stays in the registers it was loaded into and serves every row)."""
+        acc = tl.sum(w0.to(tl.float32) * x0[None, :], 1)
+        if P1 > 0:
+            acc += tl.sum(w1.to(tl.float32) * x1[None, :], 1)
+        if P2 > 0:
+            acc += tl.sum(w2.to(tl.float32) * x2[None, :], 1)
+        return acc
+
+    @triton.jit
+    def _sum_piece(a, b, out, store, r, k0, P: tl.constexpr, K: tl.constexpr):
+        """round(a + b) on row r, columns [k0, k0 + P), float32; written to out where `store`."""
+        c = k0 + tl.arange(0, P)
+        s = (_row_piece(a, r, k0, P, K) + _row_piece(b, r, k0, P, K)).to(out.dtype.element_ty)
+        tl.store(out + r * K + c, s, mask=(c < K) & store)
+        return s.to(tl.float32)
+
+    @triton.jit
+    def _scaled(s, rstd, w, k0, P: tl.constexpr, K: tl.constexpr, HAS_W: tl.constexpr, dtype: tl.constexpr):
+        x = s * rstd
+        if HAS_W:
+            c = k0 + tl.arange(0, P)
+            x = x * tl.load(w + c, mask=c < K, other=0).to(tl.float32)
+        return x.to(dtype).to(tl.float32)
+
+    @triton.jit
+    def _normed_row3(a, b, w, out, store, r, eps, K: tl.constexpr, P0: tl.constexpr, P1: tl.constexpr,
+                     P2: tl.constexpr, HAS_W: tl.constexpr):
+        """Row r of rms_norm(h) * w in pieces (rounded to the model's dtype), h = round(a + b) written to
+        out where `store`: the residual add and the norm as the add_rms_norm kernel computes them."""
+        s0 = _sum_piece(a, b, out, store, r, 0, P0, K)
+        s1 = s0
+        s2 = s0
+        total = tl.sum(s0 * s0, 0)
+        if P1 > 0:
+            s1 = _sum_piece(a, b, out, store, r, P0, P1, K)
+            total += tl.sum(s1 * s1, 0)
+        if P2 > 0:
+            s2 = _sum_piece(a, b, out, store, r, P0 + P1, P2, K)
+            total += tl.sum(s2 * s2, 0)
+        rstd = tl.rsqrt(total / K + eps)
+        dtype = out.dtype.element_ty
+        x0 = _scaled(s0, rstd, w, 0, P0, K, HAS_W, dtype)
+        x1 = x0
+        x2 = x0
+        if P1 > 0:
+            x1 = _scaled(s1, rstd, w, P0, P1, K, HAS_W, dtype)
+        if P2 > 0:
+            x2 = _scaled(s2, rstd, w, P0 + P1, P2, K, HAS_W, dtype)
+        return x0, x1, x2
+
+    @triton.jit
+    def _store_row(out, acc, bias, r, n0, N, BN: tl.constexpr, HAS_BIAS: tl.constexpr):
+        """out[r, n0:n0 + BN] = round(acc + bias) (out [rows, N])."""
+        n = n0 + tl.arange(0, BN)
+        if HAS_BIAS:
+            acc += tl.load(bias + n, mask=n < N, other=0).to(tl.float32)
+        tl.store(out + r * N + n, acc.to(out.dtype.element_ty), mask=n < N)
+
+    @triton.jit
+    def _swiglu(gate, up, gate_bias, up_bias, n0, N, dtype: tl.constexpr, BN: tl.constexpr, HAS_BIAS: tl.constexpr):
+        """silu(gate) * up from the two matmuls' float32 rows, each rounded first as the linear's output is."""
+        n = n0 + tl.arange(0, BN)
+        if HAS_BIAS:
+            gate += tl.load(gate_bias + n, mask=n < N, other=0).to(tl.float32)
+            up += tl.load(up_bias + n, mask=n < N, other=0).to(tl.float32)
+        gate = gate.to(dtype).to(tl.float32)
+        up = up.to(dtype).to(tl.float32)
+        return gate * tl.sigmoid(gate) * up
+
+    @triton.jit
+    def _gdn_block_kernel(a, b, w0, w_in, bias_in, proj, h,
+                          A_log, dt_bias, o_norm_w, state, core,
+                          w_o, bias_o, y,
+                          w1, w_gu, bias_gu, h2, m,
+                          w_d, bias_d, d_out, sync,
+                          eps0, eps1, scale, norm_eps,
+                          HID: tl.constexpr, N_IN: tl.constexpr, Q: tl.constexpr, K_: tl.constexpr, V: tl.constexpr,
+                          A: tl.constexpr, B: tl.constexpr, G: tl.constexpr, H: tl.constexpr, D: tl.constexpr,
+                          BD: tl.constexpr, V_SILU: tl.constexpr, INTER: tl.constexpr, GATE_FIRST: tl.constexpr,
+                          BN_IN: tl.constexpr, BN_O: tl.constexpr, BN_GU: tl.constexpr, BN_D: tl.constexpr,
+                          HP0: tl.constexpr, HP1: tl.constexpr, HP2: tl.constexpr,
+                          IP0: tl.constexpr, IP1: tl.constexpr, IP2: tl.constexpr,
+                          XP0: tl.constexpr, XP1: tl.constexpr, XP2: tl.constexpr,
+                          HAS_W0: tl.constexpr, HAS_W1: tl.constexpr, HAS_BIAS_IN: tl.constexpr,
+                          HAS_BIAS_O: tl.constexpr, HAS_BIAS_GU: tl.constexpr, HAS_BIAS_D: tl.constexpr,
+                          FIRST: tl.constexpr, LAST: tl.constexpr, ROWS: tl.constexpr,
+                          nprog: tl.constexpr, IT_TS: tl.constexpr, PREFETCH: tl.constexpr):
+        """Phases FIRST..LAST of the layer (module docstring), the programs meeting between phases.
+        Program pid owns output tile pid of each matmul phase (the launcher sizes tiles so that every
+        tile has a program), loads its weight tile once and applies it to every row; with PREFETCH it
+        loads the next phase's tile before it waits (the weights do not depend on the phase before)."""
+        pid = tl.program_id(0)
+        dt = proj.dtype.element_ty
+        if FIRST <= 1 and LAST >= 1:  # the residual add, the input norm and the fused input projection
+            wi0, wi1, wi2 = _fetch(w_in, pid * BN_IN, N_IN, HID, BN_IN, HP0, HP1, HP2)
+            for r in tl.static_range(ROWS):
+                x0, x1, x2 = _normed_row3(a, b, w0, h, pid == 0, r, eps0, HID, HP0, HP1, HP2, HAS_W0)
+                _store_row(proj, _mv3(x0, x1, x2, wi0, wi1, wi2, HP1, HP2), bias_in, r, pid * BN_IN, N_IN, BN_IN,
+                           HAS_BIAS_IN)
+            if LAST > 1:
+                proj += grid_wait(sync, 0, nprog)
+        if FIRST <= 2 and LAST >= 2:  # the token step, one (row, head) at a time
+            for i in tl.static_range(IT_TS):
+                item = pid + i * nprog
+                if item < ROWS * H:
+                    token_step_tile(proj + Q, proj + K_, proj + V, proj + A, proj + B, proj + G, A_log, dt_bias,
+                                    o_norm_w, state, core, item // H, item % H, N_IN, N_IN, N_IN, N_IN, N_IN, N_IN,
+                                    H * D, scale, norm_eps, H, D, BD, V_SILU, False, ".cg")
+            if LAST > 2:
+                if PREFETCH:
+                    wo0, wo1, wo2 = _fetch(w_o, pid * BN_O, HID, H * D, BN_O, IP0, IP1, IP2)
+                core += grid_wait(sync, 1, nprog)
+        if FIRST <= 3 and LAST >= 3:  # o_proj
+            if FIRST == 3 or not PREFETCH:
+                wo0, wo1, wo2 = _fetch(w_o, pid * BN_O, HID, H * D, BN_O, IP0, IP1, IP2)
+            for r in tl.static_range(ROWS):
+                x0, x1, x2 = _row3(core, r, H * D, IP0, IP1, IP2)
+                _store_row(y, _mv3(x0, x1, x2, wo0, wo1, wo2, IP1, IP2), bias_o, r, pid * BN_O, HID, BN_O, HAS_BIAS_O)
+            if LAST > 3:
+                if PREFETCH:
+                    g0, g1, g2 = _fetch(w_gu, pid * BN_GU, INTER, HID, BN_GU, HP0, HP1, HP2)
+                    u0, u1, u2 = _fetch(w_gu + INTER * HID, pid * BN_GU, INTER, HID, BN_GU, HP0, HP1, HP2)
+                after = grid_wait(sync, 2, nprog)
+                h += after
+                y += after
+        if FIRST <= 4 and LAST >= 4:  # the residual add, the post norm, gate/up and the SwiGLU product
+            if FIRST == 4 or not PREFETCH:
+                g0, g1, g2 = _fetch(w_gu, pid * BN_GU, INTER, HID, BN_GU, HP0, HP1, HP2)
+                u0, u1, u2 = _fetch(w_gu + INTER * HID, pid * BN_GU, INTER, HID, BN_GU, HP0, HP1, HP2)
+            for r in tl.static_range(ROWS):
+                x0, x1, x2 = _normed_row3(h, y, w1, h2, pid == 0, r, eps1, HID, HP0, HP1, HP2, HAS_W1)
+                first = _mv3(x0, x1, x2, g0, g1, g2, HP1, HP2)
+                second = _mv3(x0, x1, x2, u0, u1, u2, HP1, HP2)
+                if GATE_FIRST:
+                    prod = _swiglu(first, second, bias_gu, bias_gu + INTER, pid * BN_GU, INTER, dt, BN_GU, HAS_BIAS_GU)
+                else:
+                    prod = _swiglu(second, first, bias_gu + INTER, bias_gu, pid * BN_GU, INTER, dt, BN_GU, HAS_BIAS_GU)
+                _store_row(m, prod, bias_gu, r, pid * BN_GU, INTER, BN_GU, False)
+            if LAST > 4:
+                if PREFETCH:
+                    d0, d1, d2 = _fetch(w_d, pid * BN_D, HID, INTER, BN_D, XP0, XP1, XP2)
+                m += grid_wait(sync, 3, nprog)
+        if FIRST <= 5 and LAST >= 5:  # down
+            if FIRST == 5 or not PREFETCH:
+                d0, d1, d2 = _fetch(w_d, pid * BN_D, HID, INTER, BN_D, XP0, XP1, XP2)
+            for r in tl.static_range(ROWS):
+                x0, x1, x2 = _row3(m, r, INTER, XP0, XP1, XP2)
+                _store_row(d_out, _mv3(x0, x1, x2, d0, d1, d2, XP1, XP2), bias_d, r, pid * BN_D, HID, BN_D, HAS_BIAS_D)
+        if FIRST < LAST:
+            grid_done(sync, nprog)
+
+    @triton.jit
+    def grid_done(sync, nprog):
+        """The last program out resets the counters for the next launch."""
+        tl.debug_barrier()
+        if tl.atomic_add(sync + 4, 1, sem="acq_rel") == nprog - 1:
+            for k in tl.static_range(0, 5):
+                tl.atomic_xchg(sync + k, 0)
+
+
+def pieces(width: int) -> tuple[int, int, int]:
+    """A reduction of `width` as up to three power-of-two pieces (0: none), the last one padded: 576 ->
+    (512, 64, 0), 1,536 -> (1024, 512, 0); Triton's blocks are powers of two, and one padded block
+    would spend registers on up to twice the width."""
+    out, left = [], width
+    while left >= MIN_PIECE and len(out) < 2:
+        out.append(1 << (left.bit_length() - 1))
+        left -= out[-1]
+    if left > 0:
+        out.append(max(MIN_PIECE, 1 << (left - 1).bit_length()))
+    return tuple(out + [0] * (3 - len(out)))
+
+
+def tile_width(columns: int, limit: int) -> int | None:
+    """Output columns per tile: the fewest (16 up) that give at most `limit` tiles, or None past MAX_TILE."""
+    width = 16
+    while -(-columns // width) > limit:
+        width *= 2
+        if width > MAX_TILE:
+            return None
+    return width
+
+
+def block_tiles(shape: BlockShape, limit: int) -> dict | None:
+    """Each matmul phase's (columns, tile width), every phase within `limit` tiles and each tile within
+    MAX_TILE_ELEMENTS of weights; None where a layer is too wide for that."""
+    inner = shape.heads * shape.head_dim
+    phases = dict(IN=(shape.proj, shape.hidden, 1), O=(shape.hidden, inner, 1), GU=(shape.inter, shape.hidden, 2),
+                  D=(shape.hidden, shape.inter, 1))
+    tiles = {}
+    for key, (n, k, count) in phases.items():
+        bn = tile_width(n, limit)
+        if bn is None or bn * sum(pieces(k)) * count > MAX_TILE_ELEMENTS:
+            return None
+        tiles[key] = (n, bn)
+    return tiles
+
+
+def gdn_block_triton(a, b, w0, eps0, layer, state, w_in, bias_in, w1, eps1, w_gu, b_gu, w_d, b_d,
+                     shape: BlockShape, sync: torch.Tensor, limit: int, phased: bool = False, last: int = 5):
+    """The kernel: (h2, d) of rows [B, 1, hidden] (or [B, hidden]); `state` written in place. At most
+    `limit` programs, all resident at once unless `phased` (block_tiles(shape, limit) must not be None).
+    `last` < 5 runs phases 1..last only (bench/kernel_floors.py times the phases that way)."""
+    if triton is None:
+        raise RuntimeError("gdn_block_triton needs Triton; use gdn_block_torch.")
+    rows = a.shape[0]
+    a2, b2 = (x.reshape(rows, shape.hidden).contiguous() for x in (a, b))
+    dev, dt = a.device, a.dtype
+
+    def scratch(width):
+        return torch.empty(rows, width, dtype=dt, device=dev)
+
+    proj, h, core, y, h2, m, d = (scratch(w) for w in (shape.proj, shape.hidden, shape.heads * shape.head_dim,
+                                                        shape.hidden, shape.hidden, shape.inter, shape.hidden))
+    o = layer.o_proj
+    tiles = block_tiles(shape, limit)
+    programs = max(-(-n // bn) for n, bn in tiles.values())
+    args = (a2, b2, w0 if w0 is not None else a2, w_in, bias_in if bias_in is not None else w_in, proj, h,
+            layer.A_log, layer.dt_bias, layer.o_norm.weight, state, core,
+            o.weight, o.bias if o.bias is not None else o.weight, y,
+            w1 if w1 is not None else a2, w_gu, b_gu if b_gu is not None else w_gu, h2, m,
+            w_d, b_d if b_d is not None else w_d, d, sync,
+            float(eps0), float(eps1), float(layer.head_dim ** -0.5), float(layer.o_norm.eps))
+    q, k, v, a_off, b_off, g = shape.offsets
+    consts = dict(HID=shape.hidden, N_IN=shape.proj, Q=q, K_=k, V=v, A=a_off, B=b_off, G=g, H=shape.heads,
+                  D=shape.head_dim, BD=triton.next_power_of_2(shape.head_dim), V_SILU=shape.v_silu, INTER=shape.inter,
+                  GATE_FIRST=shape.gate_first, **{f"BN_{key}": bn for key, (_, bn) in tiles.items()},
+                  **dict(zip(("HP0", "HP1", "HP2"), pieces(shape.hidden))),
+                  **dict(zip(("IP0", "IP1", "IP2"), pieces(shape.heads * shape.head_dim))),
+                  **dict(zip(("XP0", "XP1", "XP2"), pieces(shape.inter))),
+                  HAS_W0=w0 is not None, HAS_W1=w1 is not None, HAS_BIAS_IN=bias_in is not None,
+                  HAS_BIAS_O=o.bias is not None, HAS_BIAS_GU=b_gu is not None, HAS_BIAS_D=b_d is not None,
+                  ROWS=rows, nprog=programs, IT_TS=-(-rows * shape.heads // programs), PREFETCH=PREFETCH, num_warps=NUM_WARPS)
+    for first, upto in ([(p, p) for p in range(1, last + 1)] if phased else [(1, last)]):
+        _gdn_block_kernel[(programs,)](*args, FIRST=first, LAST=upto, **consts)
+    return h2.reshape(a.shape), d.reshape(a.shape)

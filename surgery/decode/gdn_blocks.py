@@ -1,0 +1,232 @@
+"""A static decode step's GDN decoder layers, each as one call (surgery.decode.gdn_block's kernel on CUDA).
+
+`fuse_gdn_blocks` finds, in a step graph whose elementwise work is already fused (surgery.decode.
+fusions) and whose sibling linears are one matmul (surgery.decode.fused_linears), every region
+
+    h, n = add_rms_norm(a, b, w0);  y = GDNState(n);  h2, n2 = add_rms_norm(h, y, w1)
+    gate, up = split(linear(n2, W_gu));  d = linear(silu_mul(gate, up), W_d)
+
+with nothing else reading its inside, and makes it one GDNBlock call returning (h2, d). The pattern is
+read from the graph (any architecture whose layer is pre-norm RMSNorm, a GDN mixer and a SwiGLU MLP);
+a layer of another form keeps its kernels. GDNBlock runs the kernel where it applies (CUDA, bf16 or
+fp16, gdn_block.STEP_ROWS rows, a layer the token step takes, widths the kernel holds) and the region's
+own calls everywhere else, so a CPU step computes what it computed before the rewrite; `declined` says
+why the last call did not take the kernel.
+
+SURGERY_GDN_BLOCKS: "auto" (the default: at most one program per SM), "off" (the region's own calls),
+or the most programs the kernel may use (at most the SM count)."""
+from __future__ import annotations
+
+import operator
+import os
+
+import torch
+import torch.nn as nn
+from torch.fx import GraphModule, Node
+
+from tcal.gdn import TOKEN_STEP_V_SILU, takes_token_step
+
+from ..core.rewrite import prune, set_submodule
+from ..errors import DecodeError
+from .fused_linears import LINEAR
+from .gdn_block import STEP_ROWS, SYNC_WORDS, BlockShape, block_tiles, gdn_block_torch, gdn_block_triton, triton
+from .gdn_state import GDNState
+from .residual_norm import add_rms_norm
+from .swiglu import silu_mul
+
+ENV = "SURGERY_GDN_BLOCKS"
+ROLES = ("q_proj", "k_proj", "v_proj", "a_proj", "b_proj", "g_proj")
+
+
+def block_programs(device: torch.device) -> int | None:
+    """Programs for the kernel on `device` from SURGERY_GDN_BLOCKS, or None: the region's own calls."""
+    setting = os.environ.get(ENV, "auto").strip().lower()
+    if setting == "off":
+        return None
+    if setting != "auto" and not setting.isdigit():
+        raise ValueError(f"{ENV}={setting!r}: use auto, off, or a number of programs (at most the GPU's SMs).")
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    if setting != "auto" and not 1 <= int(setting) <= sms:
+        raise ValueError(f"{ENV}={setting!r}: the kernel's programs must all be resident at once; this GPU has {sms} SMs.")
+    return sms if setting == "auto" else int(setting)
+
+
+def block_shape(layer: nn.Module, proj_rows: int, inter: int, gate_first: bool) -> BlockShape | None:
+    """The kernel's shape for a GDN layer whose input projections are q, k, v, a (one decay input per
+    head, read as the token step reads it), b and g, else None."""
+    names = tuple(getattr(layer, "INPUT_PROJECTIONS", ()))
+    if sorted(names) != sorted(ROLES):
+        return None
+    sentinel = object()
+    try:
+        if layer.token_decay_input({"a_proj": sentinel}) is not sentinel:
+            return None
+    except Exception:  # a layer whose decay input is computed (KDA's low-rank gate)
+        return None
+    sizes = [layer.get_submodule(n).out_features for n in names]
+    starts = dict(zip(names, [sum(sizes[:i]) for i in range(len(sizes))]))
+    heads, dim = layer.num_heads, layer.head_dim
+    widths = dict(zip(names, sizes))
+    if any(widths[n] != heads * dim for n in ("q_proj", "k_proj", "v_proj", "g_proj")) or widths["a_proj"] != heads \
+            or widths["b_proj"] != heads or layer.o_proj.in_features != heads * dim:
+        return None
+    return BlockShape(layer.hidden_size, proj_rows, tuple(starts[n] for n in ROLES), heads, dim, inter, gate_first,
+                      TOKEN_STEP_V_SILU.get(layer.v_activation, False))
+
+
+class GDNBlock(nn.Module):
+    """One GDN decoder layer of a static decode step: (a, b, w0, w1, W_gu, b_gu, W_d, b_d) -> (h2, d)."""
+
+    def __init__(self, gdn_state: GDNState, eps0: float, eps1: float, inter: int, gate_first: bool):
+        super().__init__()
+        self.gdn_state = gdn_state
+        self.eps0, self.eps1, self.inter, self.gate_first = eps0, eps1, inter, gate_first
+        self.sync: torch.Tensor | None = None  # the phase counters (zero between launches)
+        self.declined: str | None = None        # why the last call composed the kernels instead, if it did
+        self.failed = False                     # the kernel's first launch timed out waiting (see forward)
+
+    def forward(self, a, b, w0, w1, w_gu, b_gu, w_d, b_d):
+        st = self.gdn_state
+        found = self.kernel_inputs(a, w_gu, w_d)
+        if isinstance(found, str):
+            self.declined = found
+            return gdn_block_torch(a, b, w0, self.eps0, st, w1, self.eps1, w_gu, b_gu, w_d, b_d, self.inter, self.gate_first)
+        self.declined = None
+        shape, programs, (w_in, bias_in) = found
+        first = self.sync is None or self.sync.device != a.device
+        if first:
+            self.sync = torch.zeros(SYNC_WORDS, dtype=torch.int32, device=a.device)
+        out = gdn_block_triton(a, b, w0, self.eps0, st.gdn, st.cache.recurrent, w_in, bias_in, w1, self.eps1, w_gu, b_gu,
+                               w_d, b_d, shape, self.sync, programs)
+        if first and not torch.cuda.is_current_stream_capturing() and self.sync[5].item():
+            self.failed = True  # a wait timed out: the programs were not all resident (a GPU shared with other work?)
+            raise DecodeError("The one-kernel GDN decoder layer's programs could not all run at once on this GPU; this "
+                              "step's output and GDN state are not to be trusted, and later steps use the layer's "
+                              "separate kernels.", f"Reset the decoder and decode again, or set {ENV}=off.")
+        return out
+
+    def kernel_inputs(self, a: torch.Tensor, w_gu: torch.Tensor, w_d: torch.Tensor):
+        """(shape, program limit, the fused input projection) where the kernel takes this call, else why not."""
+        st, layer = self.gdn_state, self.gdn_state.gdn
+        if triton is None or not a.is_cuda:
+            return "not CUDA with Triton"
+        if self.failed:
+            return "the kernel's programs could not all run at once on this GPU"
+        if a.dtype not in (torch.float16, torch.bfloat16) or a.dim() != 3 or a.shape[0] > STEP_ROWS:
+            return f"rows {tuple(a.shape)} {a.dtype}: the step takes the kernel for {STEP_ROWS} bf16/fp16 row(s) of one token"
+        projection = st.static_projection()
+        if projection is None:
+            return "not a static step"
+        cache = st.step_cache()
+        if not takes_token_step(layer, a, cache) or cache.recurrent.dtype != torch.float32:
+            return "the layer does not take the token step (tcal.gdn.takes_token_step) with a float32 state"
+        if any(t.dtype != a.dtype or not t.is_contiguous() for t in (projection[0], w_gu, w_d, layer.o_proj.weight)):
+            return "a weight of another dtype, or not contiguous"
+        shape = block_shape(layer, projection[0].shape[0], self.inter, self.gate_first)
+        if shape is None:
+            return "the layer's projections are not GDN's q, k, v, a (one decay per head), b, g"
+        limit = block_programs(a.device)
+        if limit is None:
+            return f"{ENV}=off"
+        if block_tiles(shape, limit) is None:
+            return "too wide for one program's registers"
+        return shape, limit, projection
+
+
+def _getitems(node: Node) -> dict[int, Node] | None:
+    """index -> the getitem user of `node`, when getitems are all its users, one per index."""
+    out = {}
+    for user in node.users:
+        if user.op != "call_function" or user.target is not operator.getitem or user.args[1] in out:
+            return None
+        out[user.args[1]] = user
+    return out
+
+
+def _only_user(node: Node) -> Node | None:
+    return next(iter(node.users)) if len(node.users) == 1 else None
+
+
+def _same_value(node) -> Node:
+    """node, or what it casts when it is a cast to the dtype its input already has (a float32 trace's no-op)."""
+    if isinstance(node, Node) and node.op == "call_function" and node.target is torch.ops.aten.to.dtype and len(node.users) == 1:
+        src, dtype = node.args[0], node.args[1]
+        val = src.meta.get("val") if isinstance(src, Node) else None
+        if isinstance(val, torch.Tensor) and val.dtype == dtype:
+            return src
+    return node
+
+
+def _is_call(node, target) -> bool:
+    return isinstance(node, Node) and node.op == "call_function" and node.target is target
+
+
+def match_block(gm: GraphModule, y: Node) -> dict | None:
+    """The region around GDNState call `y` (module docstring), or None."""
+    if y.op != "call_module" or not isinstance(gm.get_submodule(y.target), GDNState) or len(y.args) != 1 or y.kwargs:
+        return None
+    n = y.args[0]
+    if not _is_call(n, operator.getitem) or n.args[1] != 1 or len(n.users) != 1 or not _is_call(n.args[0], add_rms_norm):
+        return None
+    pair0 = n.args[0]
+    items0 = _getitems(pair0)
+    pair1 = _only_user(y)
+    if items0 is None or set(items0) != {0, 1} or not _is_call(pair1, add_rms_norm):
+        return None
+    h = items0[0]
+    residual = [x for x in pair1.args[:2] if x is not y]
+    if len(residual) != 1 or _same_value(residual[0]) is not h or len(h.users) != 1:
+        return None
+    items1 = _getitems(pair1)
+    if items1 is None or set(items1) != {0, 1}:
+        return None
+    gate_up = _only_user(items1[1])
+    if not _is_call(gate_up, LINEAR) or gate_up.args[0] is not items1[1] or gate_up.kwargs:
+        return None
+    split = _only_user(gate_up)
+    if not _is_call(split, torch.ops.aten.split_with_sizes.default) or len(split.args) != 3 or split.args[2] not in (-1, 2):
+        return None
+    sizes = list(split.args[1])
+    parts = _getitems(split)
+    if len(sizes) != 2 or sizes[0] != sizes[1] or parts is None or set(parts) != {0, 1}:
+        return None
+    product = _only_user(parts[0])
+    if not _is_call(product, silu_mul) or _only_user(parts[1]) is not product or set(product.args) != {parts[0], parts[1]}:
+        return None
+    down = _only_user(product)
+    if not _is_call(down, LINEAR) or down.args[0] is not product or down.kwargs:
+        return None
+    a, b, w0, eps0 = pair0.args
+    w1, eps1 = pair1.args[2], pair1.args[3]
+    if any(w is not None and w.op != "get_attr" for w in (w0, w1, gate_up.args[1], down.args[1])):
+        return None
+    bias = [node.args[2] if len(node.args) > 2 else None for node in (gate_up, down)]
+    return dict(inputs=(a, b, w0, w1, gate_up.args[1], bias[0], down.args[1], bias[1]), eps=(eps0, eps1),
+                inter=sizes[0], gate_first=product.args[0] is parts[0], h2=items1[0], d=down, layer=y.target, at=pair1)
+
+
+def fuse_gdn_blocks(gm: GraphModule) -> int:
+    """Rewrite gm in place: every region `match_block` finds becomes one GDNBlock call. Returns how many."""
+    count = 0
+    for node in list(gm.graph.nodes):  # matched one at a time: a block's inputs may be the previous block's outputs
+        m = match_block(gm, node)
+        if m is None:
+            continue
+        count += 1
+        target = f"_decode_block.{m['layer'].replace('.', '_')}"
+        set_submodule(gm, target, GDNBlock(gm.get_submodule(m["layer"]), *m["eps"], m["inter"], m["gate_first"]))
+        order = {node: i for i, node in enumerate(gm.graph.nodes)}
+        with gm.graph.inserting_before(m["at"]):  # where h2 was made: every reader of h2 comes after it
+            call = gm.graph.call_module(target, m["inputs"])
+            h2, d = gm.graph.call_function(operator.getitem, (call, 0)), gm.graph.call_function(operator.getitem, (call, 1))
+        for node in m["inputs"]:  # the MLP's weights, read later in the region, are read here now
+            if isinstance(node, Node) and order[node] > order[m["at"]]:
+                call.prepend(node)
+        h2.meta, d.meta = dict(m["h2"].meta), dict(m["d"].meta)
+        m["h2"].replace_all_uses_with(h2)
+        m["d"].replace_all_uses_with(d)
+    if count:
+        prune(gm)
+        gm.graph.lint()
+        gm.recompile()
+    return count

@@ -1,0 +1,213 @@
+"""A static decode step's GDN decoder layers as one call each (surgery.decode.gdn_blocks) and the kernel
+behind it (surgery.decode.gdn_block): the rewrite against full recomputation on tiny architectures, what
+it leaves alone, the setting, the kernel's phases under Triton's CPU interpreter against the composed
+kernels, and on CUDA the one-launch kernel (its programs meeting between phases) against them."""
+
+import importlib.util
+import operator
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from test_generate import full_greedy, hybrid, incremental_greedy
+
+import surgery.decode.runtime
+from surgery.decode import Decoder
+from surgery.decode.gdn_block import gdn_block_torch
+from surgery.decode.gdn_blocks import GDNBlock, block_programs, match_block
+from surgery.decode.gdn_state import GDNState
+from tcal.gdn import GatedDeltaNet, GDNCache, fused_weight
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+
+
+def blocks(decoder) -> list:
+    return [m for m in decoder.step_gm.modules() if isinstance(m, GDNBlock)]
+
+
+def prompt(graph, seed=3) -> list:
+    return torch.randint(3, graph.config.vocab_size, (6,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+def test_each_gdn_layer_becomes_one_block_and_decodes_as_full_recomputation(arch):
+    from conftest import get_tiny
+
+    graph = hybrid(get_tiny(arch).graph.branch())
+    decoder = Decoder(graph, step_mode="static")
+    assert len(blocks(decoder)) == graph.layer_kinds.count("gdn") > 0
+    tokens, logits = incremental_greedy(decoder, prompt(graph), 5)
+    want_tokens, want_logits = full_greedy(graph, prompt(graph), 5)
+    assert tokens == want_tokens
+    torch.testing.assert_close(logits, want_logits, rtol=1e-4, atol=1e-4)
+
+
+def test_a_layer_of_another_form_keeps_its_kernels():
+    """GPT-2's LayerNorm and GELU MLP are not the pattern: no block, decoding unchanged."""
+    from conftest import get_tiny
+
+    graph = hybrid(get_tiny("gpt2").graph.branch())
+    decoder = Decoder(graph, step_mode="static")
+    assert not blocks(decoder)
+    assert incremental_greedy(decoder, prompt(graph), 4)[0] == full_greedy(graph, prompt(graph), 4)[0]
+
+
+def test_a_region_read_elsewhere_is_not_fused(monkeypatch):
+    """An intermediate with a reader outside the region (here the GDN output) keeps the layer's kernels."""
+    from conftest import get_tiny
+
+    monkeypatch.setattr(surgery.decode.runtime, "fuse_gdn_blocks", lambda gm: 0)
+    graph = hybrid(get_tiny("llama").graph.branch())
+    gm = Decoder(graph, step_mode="static").step_gm
+    calls = [n for n in gm.graph.nodes if n.op == "call_module" and isinstance(gm.get_submodule(n.target), GDNState)]
+    assert calls and all(match_block(gm, n) is not None for n in calls)
+    with gm.graph.inserting_after(calls[0]):
+        gm.graph.call_function(operator.neg, (calls[0],))
+    assert match_block(gm, calls[0]) is None
+
+
+def test_the_setting_is_checked(monkeypatch):
+    monkeypatch.setenv("SURGERY_GDN_BLOCKS", "off")
+    assert block_programs(torch.device("cpu")) is None
+    monkeypatch.setenv("SURGERY_GDN_BLOCKS", "some")
+    with pytest.raises(ValueError, match="auto, off, or a number"):
+        block_programs(torch.device("cpu"))
+
+
+class TokenStep(torch.nn.Module):
+    """GDNState's call in a static step: the layer's token step on an in-place cache."""
+
+    def __init__(self, layer, state, projection):
+        super().__init__()
+        self.layer, self.state, self.projection = layer, state, projection
+
+    def forward(self, n):
+        cache = GDNCache(in_place=True)
+        cache.recurrent = self.state
+        return self.layer(n, cache=cache, projection=self.projection)
+
+
+def block_inputs(dtype, rows, bias, hidden=40, heads=3, dim=24, inter=56, seed=0, device="cpu"):
+    """A GDN layer with every parameter away from its init, and the block's other inputs."""
+    g = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    layer = GatedDeltaNet(hidden, heads, dim, q_bias=bias, o_bias=bias, v_activation="silu").to(dtype).eval()
+    with torch.no_grad():
+        layer.A_log.uniform_(-2, 1)
+        layer.dt_bias.normal_()
+        layer.o_norm.weight.uniform_(0.5, 1.5)
+    layer.to(device)
+    w_in, b_in = fused_weight(layer, [layer.get_submodule(n) for n in layer.INPUT_PROJECTIONS])
+
+    def r(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g) * scale).to(dtype).to(device)
+
+    a, b = r(rows, 1, hidden), r(rows, 1, hidden)
+    w0, w1 = ((torch.rand(hidden, generator=g) + 0.5).to(dtype).to(device) for _ in range(2))
+    w_gu, w_d = r(2 * inter, hidden, scale=0.2), r(hidden, inter, scale=0.2)
+    b_gu, b_d = (r(2 * inter, scale=0.1), r(hidden, scale=0.1)) if bias else (None, None)
+    state = (torch.randn(rows, heads, dim, dim, generator=g) * 0.3).to(device)
+    return layer, (w_in, b_in), a, b, w0, w1, w_gu, b_gu, w_d, b_d, state
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed (a CUDA-side extra)")
+def test_kernel_phases_match_the_composed_kernels_in_the_interpreter():
+    """Each phase as its own launch under Triton's CPU interpreter (which runs programs one after another,
+    so they cannot meet): float32 and float16 (the interpreter's bf16 matmul is wrong), 1, 3 and 16 rows,
+    with and without biases, SiLU on either half of gate/up, the state written in place."""
+    script = textwrap.dedent("""
+        import torch
+        from surgery.decode.gdn_block import gdn_block_torch, gdn_block_triton
+        from surgery.decode.gdn_blocks import block_shape
+        import tests.test_gdn_blocks as t
+        for dtype, tol in ((torch.float32, 1e-4), (torch.float16, 1e-2)):
+            for rows, bias, gate_first in ((1, False, True), (3, True, False), (16, True, True)):
+                layer, proj, a, b, w0, w1, w_gu, b_gu, w_d, b_d, state = t.block_inputs(dtype, rows, bias, seed=rows)
+                mine = state.clone()
+                shape = block_shape(layer, proj[0].shape[0], 56, gate_first)
+                with torch.no_grad():
+                    want = gdn_block_torch(a, b, w0, 1e-6, t.TokenStep(layer, state, proj), w1, 1e-5, w_gu, b_gu, w_d,
+                                           b_d, 56, gate_first)
+                    got = gdn_block_triton(a, b, w0, 1e-6, layer, mine, *proj, w1, 1e-5, w_gu, b_gu, w_d, b_d, shape,
+                                           torch.zeros(8, dtype=torch.int32), 16, phased=True)
+                for x, y in zip(got, want):
+                    torch.testing.assert_close(x.float(), y.float(), rtol=tol, atol=tol)
+                torch.testing.assert_close(mine, state, rtol=tol, atol=tol)
+        print("ok")
+    """)
+    here = os.path.dirname(os.path.abspath(__file__))
+    path = os.pathsep.join([os.path.dirname(here), here, os.environ.get("PYTHONPATH", "")])
+    done = subprocess.run([sys.executable, "-c", script], env=dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=path),
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-3000:]
+
+
+def assert_near(got, want, state, want_state):
+    """bf16 outputs of sums over 576-1,536 terms: the kernel and cuBLAS add in different orders, so they
+    differ by about one bf16 step at each output's own scale (|d| reaches ~600 here: a step of 4), and
+    a race or a wrong phase would be off by far more."""
+    for x, y in zip(got, want):
+        torch.testing.assert_close(x.float(), y.float(), rtol=0, atol=2**-7 * y.float().abs().max().item())
+    torch.testing.assert_close(state, want_state, rtol=1e-3, atol=2e-3)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not HAS_TRITON, reason="needs CUDA and Triton")
+@pytest.mark.parametrize("rows", [1, 16])
+def test_one_launch_matches_the_composed_kernels_on_cuda(rows):
+    """The programs meeting between phases, at SmolLM2's widths in bf16: three steps in a row (the counters
+    reset for the next launch), then the same steps replayed from a CUDA graph."""
+    from surgery.decode.gdn_block import SYNC_WORDS, gdn_block_triton
+    from surgery.decode.gdn_blocks import block_shape
+
+    layer, proj, a, b, w0, w1, w_gu, b_gu, w_d, b_d, state = block_inputs(
+        torch.bfloat16, rows, False, hidden=576, heads=9, dim=64, inter=1536, device="cuda")
+    shape = block_shape(layer, proj[0].shape[0], 1536, True)
+    sync = torch.zeros(SYNC_WORDS, dtype=torch.int32, device="cuda")
+    programs = torch.cuda.get_device_properties(0).multi_processor_count
+    mine = state.clone()
+    with torch.no_grad():
+        for _ in range(3):
+            want = gdn_block_torch(a, b, w0, 1e-6, TokenStep(layer, state, proj), w1, 1e-5, w_gu, b_gu, w_d, b_d, 1536, True)
+            got = gdn_block_triton(a, b, w0, 1e-6, layer, mine, *proj, w1, 1e-5, w_gu, b_gu, w_d, b_d, shape, sync, programs)
+            assert_near(got, want, mine, state)
+            assert not sync.any(), sync
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = gdn_block_triton(a, b, w0, 1e-6, layer, mine, *proj, w1, 1e-5, w_gu, b_gu, w_d, b_d, shape, sync, programs)
+        mine.copy_(state)
+        for _ in range(3):
+            want = gdn_block_torch(a, b, w0, 1e-6, TokenStep(layer, state, proj), w1, 1e-5, w_gu, b_gu, w_d, b_d, 1536, True)
+            graph.replay()
+            assert_near(out, want, mine, state)
+        assert not sync.any(), sync
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not HAS_TRITON, reason="needs CUDA and Triton")
+def test_a_cuda_decoder_with_blocks_decodes_as_without(monkeypatch):
+    """A tiny Llama hybrid captured in bf16 on CUDA, CUDA-graph steps: the kernel runs, and the greedy tokens
+    are those of SURGERY_GDN_BLOCKS=off."""
+    import surgery
+    import surgery.decode.gdn_blocks as gdn_blocks
+    from archs import build
+    from surgery.sites import find_sites
+
+    torch.manual_seed(0)
+    captured = surgery.capture(build("llama").to("cuda", torch.bfloat16), find=False)
+    captured.sites = find_sites(captured)
+    graph = hybrid(captured)
+    launches = []
+    kernel = gdn_blocks.gdn_block_triton
+    monkeypatch.setattr(gdn_blocks, "gdn_block_triton", lambda *a, **k: launches.append(1) or kernel(*a, **k))
+    runs = {}
+    for setting in ("auto", "off"):
+        monkeypatch.setenv("SURGERY_GDN_BLOCKS", setting)
+        decoder = Decoder(graph, verify=False)
+        assert blocks(decoder)
+        runs[setting] = incremental_greedy(decoder, prompt(graph), 8)
+        assert bool(launches) == (setting == "auto"), [m.declined for m in blocks(decoder)]
+        launches.clear()
+    assert runs["auto"][0] == runs["off"][0]
+    torch.testing.assert_close(runs["auto"][1].float(), runs["off"][1].float(), rtol=5e-2, atol=5e-2)
