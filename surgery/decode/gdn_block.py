@@ -39,12 +39,12 @@ try:  # Triton is a CUDA-side extra: CPU installs do not have it
 except Exception:  # a broken install raises more than ImportError
     triton = None
 
-MAX_ROWS = 16        # rows the kernel takes: each row is one more pass over the program's weight tiles
-# Rows a decode step sends through the kernel: on the H200 one row took 19.8 us a layer against 21.5 for the
-# composed kernels, 16 rows 123.2 against 22.4 (row at a time, no tensor cores; bench/RESULTS.md, 32nd session)
+# Rows a decode step sends through the kernel (each row is one more pass over a program's weight tiles): on the
+# H200 one row took 19.8 us a layer against 21.5 for the composed kernels, 16 rows 123.2 against 22.4 (a row at a
+# time, no tensor cores; bench/RESULTS.md, thirty-second session)
 STEP_ROWS = 1
 MAX_TILE = 64        # output columns of one program's tile
-MIN_PIECE = 16       # the narrowest piece of a reduction (tensor cores take K in steps of 16)
+MIN_PIECE = 16       # the narrowest piece of a reduction
 NUM_WARPS = 8
 PREFETCH = True      # load the next phase's weight tile before waiting for the phase before
 MAX_TILE_ELEMENTS = 32768  # weight elements one program holds for a phase (64 KB of bf16: 64 registers a thread)
