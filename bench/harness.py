@@ -26,6 +26,7 @@ import statistics
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -98,6 +99,20 @@ class Rows:
         ratio = "-" if row["ratio"] is None else f"{row['ratio']:.2f}x"
         cells = (row["name"], row["config"], row["metric"], number(row["value"]), row["unit"], anchor, ratio)
         print("| " + " | ".join(str(c) for c in cells) + " |", flush=True)
+
+
+@contextmanager
+def env_setting(name: str, value: str):
+    """os.environ[name] = value inside the block (a library switch read at call time), as before after it."""
+    before = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before
 
 
 def number(v) -> str:

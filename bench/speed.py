@@ -73,7 +73,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from bench.casts import copies, print_copies  # noqa: E402
-from bench.harness import (SMOLLM2_SHAPE, STORIES, SAMPLE, Rows, check_names, common_args, median_ms, parse,  # noqa: E402
+from bench.harness import (SMOLLM2_SHAPE, STORIES, SAMPLE, Rows, check_names, common_args, env_setting, median_ms, parse,  # noqa: E402
                            placement, random_smollm2, surgery_cli, sync, transformers_teacher)
 from surgery import Decoder, DistillConfig, PassManager, capture, distill, export, fast_logits, generate, load, save  # noqa: E402
 from surgery.core.run import run_graph  # noqa: E402
@@ -454,11 +454,8 @@ def decode(s: Setup, rows: Rows) -> None:
         rows.add(f"{s.label()}: Decoder (surgery.load)", config, "decode step", hybrid, "ms", ("transformers", hf))
         free(s.device)
         if batch <= STEP_ROWS and s.device.type == "cuda":  # the one-kernel GDN layers (surgery.decode.gdn_blocks) against none
-            os.environ[BLOCKS_ENV], saved = "off", os.environ.get(BLOCKS_ENV)
-            try:
+            with env_setting(BLOCKS_ENV, "off"):
                 separate = decoder_step_ms(s, s.hybrid, batch, ids)
-            finally:
-                os.environ.pop(BLOCKS_ENV) if saved is None else os.environ.__setitem__(BLOCKS_ENV, saved)
             rows.add(f"{s.label()}: Decoder, {BLOCKS_ENV}=off", config, "decode step", separate, "ms", ("default", hybrid))
             free(s.device)
         if a.profile:

@@ -8,11 +8,10 @@ are what its cost model's constants were set from (bench/RESULTS.md, thirty-firs
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 
+from bench.harness import env_setting
 from bench.step_attention_bench import graph_ms
 from tcal.kernels import gated_delta_rule
 from tcal.split_state import SWITCH, requested_splits
@@ -41,31 +40,23 @@ def run(rows, shapes: str) -> None:
     """Rows: ms per forward (with the final state) in a CUDA graph for each piece count, the relative
     error of its output and final state against float64 (bf16 rounding dominates it), and its output's
     relative difference from the unsplit kernel's."""
-    before = os.environ.get(SWITCH)
-    try:
-        for shape in shapes.split(","):
-            seq_len, batch = (int(x) for x in shape.split("x"))
-            q, k, v, g, beta, state = inputs(batch, seq_len)
-            want, want_state = gated_delta_rule(*(x.double() for x in (q, k, v, g, beta)), DIM**-0.5, state.double(),
-                                                True, backend="torch")
-            unsplit, unsplit_o = None, None
-            for count in COUNTS:
-                os.environ[SWITCH] = count
+    for shape in shapes.split(","):
+        seq_len, batch = (int(x) for x in shape.split("x"))
+        q, k, v, g, beta, state = inputs(batch, seq_len)
+        want, want_state = gated_delta_rule(*(x.double() for x in (q, k, v, g, beta)), DIM**-0.5, state.double(),
+                                            True, backend="torch")
+        unsplit, unsplit_o = None, None
+        for count in COUNTS:
+            call = lambda: gated_delta_rule(q, k, v, g, beta, DIM**-0.5, state, True, backend="fla")
+            with env_setting(SWITCH, count), torch.no_grad():
                 pieces = requested_splits(batch, HEADS, seq_len, q.device)
-                call = lambda: gated_delta_rule(q, k, v, g, beta, DIM**-0.5, state, True, backend="fla")
-                with torch.no_grad():
-                    o, s = call()
-                    ms = graph_ms(call, replays=50)
-                if count == "off":
-                    unsplit, unsplit_o = ms, o.double()
-                config = f"{seq_len} x {batch}, {HEADS} heads of {DIM}, {count} -> {pieces} piece(s)"
-                rows.add("gated_delta_rule forward (fla, split state)", config, "forward", ms, "ms",
-                         anchor=("unsplit", unsplit), pieces=pieces)
-                rows.add("gated_delta_rule forward (fla, split state)", config, "output error vs float64", relative(o, want), "")
-                rows.add("gated_delta_rule forward (fla, split state)", config, "state error vs float64", relative(s, want_state), "")
-                rows.add("gated_delta_rule forward (fla, split state)", config, "output difference from unsplit", relative(o, unsplit_o), "")
-    finally:
-        if before is None:
-            os.environ.pop(SWITCH, None)
-        else:
-            os.environ[SWITCH] = before
+                o, s = call()
+                ms = graph_ms(call, replays=50)
+            if count == "off":
+                unsplit, unsplit_o = ms, o.double()
+            config = f"{seq_len} x {batch}, {HEADS} heads of {DIM}, {count} -> {pieces} piece(s)"
+            rows.add("gated_delta_rule forward (fla, split state)", config, "forward", ms, "ms",
+                     anchor=("unsplit", unsplit), pieces=pieces)
+            rows.add("gated_delta_rule forward (fla, split state)", config, "output error vs float64", relative(o, want), "")
+            rows.add("gated_delta_rule forward (fla, split state)", config, "state error vs float64", relative(s, want_state), "")
+            rows.add("gated_delta_rule forward (fla, split state)", config, "output difference from unsplit", relative(o, unsplit_o), "")

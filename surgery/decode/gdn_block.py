@@ -46,7 +46,6 @@ STEP_ROWS = 1
 MAX_TILE = 64        # output columns of one program's tile
 MIN_PIECE = 16       # the narrowest piece of a reduction
 NUM_WARPS = 8
-PREFETCH = True      # load the next phase's weight tile before waiting for the phase before
 MAX_TILE_ELEMENTS = 32768  # weight elements one program holds for a phase (64 KB of bf16: 64 registers a thread)
 MAX_SPIN = 1 << 22   # polls of a phase counter before a program gives up (a non-resident grid): flags an error
 SYNC_WORDS = 8       # per block: four phase counters, the done counter, the error flag
@@ -223,11 +222,11 @@ if triton is not None:
                           HAS_W0: tl.constexpr, HAS_W1: tl.constexpr, HAS_BIAS_IN: tl.constexpr,
                           HAS_BIAS_O: tl.constexpr, HAS_BIAS_GU: tl.constexpr, HAS_BIAS_D: tl.constexpr,
                           FIRST: tl.constexpr, LAST: tl.constexpr, ROWS: tl.constexpr,
-                          nprog: tl.constexpr, IT_TS: tl.constexpr, PREFETCH: tl.constexpr):
+                          nprog: tl.constexpr, IT_TS: tl.constexpr):
         """Phases FIRST..LAST of the layer (module docstring), the programs meeting between phases.
         Program pid owns output tile pid of each matmul phase (the launcher sizes tiles so that every
-        tile has a program), loads its weight tile once and applies it to every row; with PREFETCH it
-        loads the next phase's tile before it waits (the weights do not depend on the phase before)."""
+        tile has a program), loads its weight tile once and applies it to every row, and loads the next
+        phase's tile before it waits (the weights do not depend on the phase before)."""
         pid = tl.program_id(0)
         dt = proj.dtype.element_ty
         if FIRST <= 1 and LAST >= 1:  # the residual add, the input norm and the fused input projection
@@ -246,24 +245,22 @@ if triton is not None:
                                     o_norm_w, state, core, item // H, item % H, N_IN, N_IN, N_IN, N_IN, N_IN, N_IN,
                                     H * D, scale, norm_eps, H, D, BD, V_SILU, False, ".cg")
             if LAST > 2:
-                if PREFETCH:
-                    wo0, wo1, wo2 = _fetch(w_o, pid * BN_O, HID, H * D, BN_O, IP0, IP1, IP2)
+                wo0, wo1, wo2 = _fetch(w_o, pid * BN_O, HID, H * D, BN_O, IP0, IP1, IP2)
                 core += grid_wait(sync, 1, nprog)
         if FIRST <= 3 and LAST >= 3:  # o_proj
-            if FIRST == 3 or not PREFETCH:
+            if FIRST == 3:
                 wo0, wo1, wo2 = _fetch(w_o, pid * BN_O, HID, H * D, BN_O, IP0, IP1, IP2)
             for r in tl.static_range(ROWS):
                 x0, x1, x2 = _row3(core, r, H * D, IP0, IP1, IP2)
                 _store_row(y, _mv3(x0, x1, x2, wo0, wo1, wo2, IP1, IP2), bias_o, r, pid * BN_O, HID, BN_O, HAS_BIAS_O)
             if LAST > 3:
-                if PREFETCH:
-                    g0, g1, g2 = _fetch(w_gu, pid * BN_GU, INTER, HID, BN_GU, HP0, HP1, HP2)
-                    u0, u1, u2 = _fetch(w_gu + INTER * HID, pid * BN_GU, INTER, HID, BN_GU, HP0, HP1, HP2)
+                g0, g1, g2 = _fetch(w_gu, pid * BN_GU, INTER, HID, BN_GU, HP0, HP1, HP2)
+                u0, u1, u2 = _fetch(w_gu + INTER * HID, pid * BN_GU, INTER, HID, BN_GU, HP0, HP1, HP2)
                 after = grid_wait(sync, 2, nprog)
                 h += after
                 y += after
         if FIRST <= 4 and LAST >= 4:  # the residual add, the post norm, gate/up and the SwiGLU product
-            if FIRST == 4 or not PREFETCH:
+            if FIRST == 4:
                 g0, g1, g2 = _fetch(w_gu, pid * BN_GU, INTER, HID, BN_GU, HP0, HP1, HP2)
                 u0, u1, u2 = _fetch(w_gu + INTER * HID, pid * BN_GU, INTER, HID, BN_GU, HP0, HP1, HP2)
             for r in tl.static_range(ROWS):
@@ -276,11 +273,10 @@ if triton is not None:
                     prod = _swiglu(second, first, bias_gu + INTER, bias_gu, pid * BN_GU, INTER, dt, BN_GU, HAS_BIAS_GU)
                 _store_row(m, prod, bias_gu, r, pid * BN_GU, INTER, BN_GU, False)
             if LAST > 4:
-                if PREFETCH:
-                    d0, d1, d2 = _fetch(w_d, pid * BN_D, HID, INTER, BN_D, XP0, XP1, XP2)
+                d0, d1, d2 = _fetch(w_d, pid * BN_D, HID, INTER, BN_D, XP0, XP1, XP2)
                 m += grid_wait(sync, 3, nprog)
         if FIRST <= 5 and LAST >= 5:  # down
-            if FIRST == 5 or not PREFETCH:
+            if FIRST == 5:
                 d0, d1, d2 = _fetch(w_d, pid * BN_D, HID, INTER, BN_D, XP0, XP1, XP2)
             for r in tl.static_range(ROWS):
                 x0, x1, x2 = _row3(m, r, INTER, XP0, XP1, XP2)
@@ -369,7 +365,7 @@ def gdn_block_triton(a, b, w0, eps0, layer, state, w_in, bias_in, w1, eps1, w_gu
                   **dict(zip(("XP0", "XP1", "XP2"), pieces(shape.inter))),
                   HAS_W0=w0 is not None, HAS_W1=w1 is not None, HAS_BIAS_IN=bias_in is not None,
                   HAS_BIAS_O=o.bias is not None, HAS_BIAS_GU=b_gu is not None, HAS_BIAS_D=b_d is not None,
-                  ROWS=rows, nprog=programs, IT_TS=-(-rows * shape.heads // programs), PREFETCH=PREFETCH, num_warps=NUM_WARPS)
+                  ROWS=rows, nprog=programs, IT_TS=-(-rows * shape.heads // programs), num_warps=NUM_WARPS)
     for first, upto in ([(p, p) for p in range(1, last + 1)] if phased else [(1, last)]):
         _gdn_block_kernel[(programs,)](*args, FIRST=first, LAST=upto, **consts)
     return h2.reshape(a.shape), d.reshape(a.shape)

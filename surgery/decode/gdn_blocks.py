@@ -29,6 +29,7 @@ from tcal.gdn import TOKEN_STEP_V_SILU, takes_token_step
 from ..core.rewrite import prune, set_submodule
 from ..errors import DecodeError
 from .fused_linears import LINEAR
+from .fused_norms import is_call, single_user
 from .gdn_block import STEP_ROWS, SYNC_WORDS, BlockShape, block_tiles, gdn_block_torch, gdn_block_triton, triton
 from .gdn_state import GDNState
 from .residual_norm import add_rms_norm
@@ -84,6 +85,7 @@ class GDNBlock(nn.Module):
         self.sync: torch.Tensor | None = None  # the phase counters (zero between launches)
         self.declined: str | None = None        # why the last call composed the kernels instead, if it did
         self.failed = False                     # the kernel's first launch timed out waiting (see forward)
+        self.shape: BlockShape | bool | None = None  # the kernel's shape once known (False: the layer has none)
 
     def forward(self, a, b, w0, w1, w_gu, b_gu, w_d, b_d):
         st = self.gdn_state
@@ -122,8 +124,10 @@ class GDNBlock(nn.Module):
             return "the layer does not take the token step (tcal.gdn.takes_token_step) with a float32 state"
         if any(t.dtype != a.dtype or not t.is_contiguous() for t in (projection[0], w_gu, w_d, layer.o_proj.weight)):
             return "a weight of another dtype, or not contiguous"
-        shape = block_shape(layer, projection[0].shape[0], self.inter, self.gate_first)
-        if shape is None:
+        if self.shape is None:  # fixed once the projection is fused: its rows are refreshed in place
+            self.shape = block_shape(layer, projection[0].shape[0], self.inter, self.gate_first) or False
+        shape = self.shape
+        if not shape:
             return "the layer's projections are not GDN's q, k, v, a (one decay per head), b, g"
         limit = block_programs(a.device)
         if limit is None:
@@ -143,8 +147,10 @@ def _getitems(node: Node) -> dict[int, Node] | None:
     return out
 
 
-def _only_user(node: Node) -> Node | None:
-    return next(iter(node.users)) if len(node.users) == 1 else None
+def last_dim(node: Node, dim) -> bool:
+    """Whether `dim` is the last dimension of node's traced value (-1, or its index)."""
+    val = node.meta.get("val")
+    return dim == -1 or (isinstance(val, torch.Tensor) and dim == val.dim() - 1)
 
 
 def _same_value(node) -> Node:
@@ -157,21 +163,17 @@ def _same_value(node) -> Node:
     return node
 
 
-def _is_call(node, target) -> bool:
-    return isinstance(node, Node) and node.op == "call_function" and node.target is target
-
-
 def match_block(gm: GraphModule, y: Node) -> dict | None:
     """The region around GDNState call `y` (module docstring), or None."""
     if y.op != "call_module" or not isinstance(gm.get_submodule(y.target), GDNState) or len(y.args) != 1 or y.kwargs:
         return None
     n = y.args[0]
-    if not _is_call(n, operator.getitem) or n.args[1] != 1 or len(n.users) != 1 or not _is_call(n.args[0], add_rms_norm):
+    if not is_call(n, operator.getitem) or n.args[1] != 1 or len(n.users) != 1 or not is_call(n.args[0], add_rms_norm):
         return None
     pair0 = n.args[0]
     items0 = _getitems(pair0)
-    pair1 = _only_user(y)
-    if items0 is None or set(items0) != {0, 1} or not _is_call(pair1, add_rms_norm):
+    pair1 = single_user(y)
+    if items0 is None or set(items0) != {0, 1} or not is_call(pair1, add_rms_norm):
         return None
     h = items0[0]
     residual = [x for x in pair1.args[:2] if x is not y]
@@ -180,21 +182,21 @@ def match_block(gm: GraphModule, y: Node) -> dict | None:
     items1 = _getitems(pair1)
     if items1 is None or set(items1) != {0, 1}:
         return None
-    gate_up = _only_user(items1[1])
-    if not _is_call(gate_up, LINEAR) or gate_up.args[0] is not items1[1] or gate_up.kwargs:
+    gate_up = single_user(items1[1])
+    if not is_call(gate_up, LINEAR) or gate_up.args[0] is not items1[1] or gate_up.kwargs:
         return None
-    split = _only_user(gate_up)
-    if not _is_call(split, torch.ops.aten.split_with_sizes.default) or len(split.args) != 3 or split.args[2] not in (-1, 2):
+    split = single_user(gate_up)
+    if not is_call(split, torch.ops.aten.split_with_sizes.default) or len(split.args) != 3 or not last_dim(gate_up, split.args[2]):
         return None
     sizes = list(split.args[1])
     parts = _getitems(split)
     if len(sizes) != 2 or sizes[0] != sizes[1] or parts is None or set(parts) != {0, 1}:
         return None
-    product = _only_user(parts[0])
-    if not _is_call(product, silu_mul) or _only_user(parts[1]) is not product or set(product.args) != {parts[0], parts[1]}:
+    product = single_user(parts[0])
+    if not is_call(product, silu_mul) or single_user(parts[1]) is not product or set(product.args) != {parts[0], parts[1]}:
         return None
-    down = _only_user(product)
-    if not _is_call(down, LINEAR) or down.args[0] is not product or down.kwargs:
+    down = single_user(product)
+    if not is_call(down, LINEAR) or down.args[0] is not product or down.kwargs:
         return None
     a, b, w0, eps0 = pair0.args
     w1, eps1 = pair1.args[2], pair1.args[3]
