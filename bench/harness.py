@@ -4,8 +4,9 @@ file), the models a bench loads, and the `surgery` command run as a user runs it
 
 The entry points (each answers --help; bench/RESULTS.md records each figure with its command):
   bench/speed.py         prefill, generate, decode, export, distill, apply, fsdp, offload: each against its anchor in one run;
-                         step_attention, floors and state_splits (CUDA only): one kernel (decode shapes, or the GDN
-                         forward with its state pass cut along the sequence), replayed as a CUDA graph
+                         step_attention, floors, state_splits and gdn_forward (CUDA only): one kernel (decode shapes,
+                         the GDN forward with its state pass cut along the sequence, or fla's GDN forward stage by stage
+                         per launch config), replayed as a CUDA graph
   bench/quality.py       perplexity tables (phases, policies, --mixers: per mixer with block error and state bytes),
                          in memory and through save / `surgery apply`; --kernel-check: fla's gla/kda kernels on CUDA
   bench/recovery.py      recovery curves: distillation of the copy-only and Taylor-Calibrate inits (one per stay: --init),

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.step_attention_bench import graph_ms
+from surgery.decode.gdn_block import new_sync
 from surgery.decode.residual_norm import add_rms_norm_triton
 
 CALLS = 50
@@ -63,7 +64,7 @@ def gdn_layer_rows(rows) -> None:
     the composed kernels a static step ran (add_rms_norm, the fused input projection, the token step,
     o_proj, add_rms_norm, gate/up, silu_mul, down) against surgery.decode.gdn_block's one kernel, at each
     program count; us per layer, CALLS layers in one graph."""
-    from surgery.decode.gdn_block import SYNC_WORDS, block_tiles, gdn_block_torch, gdn_block_triton
+    from surgery.decode.gdn_block import block_programs, block_tiles, gdn_block_torch, gdn_block_triton
     from surgery.decode.gdn_blocks import block_shape
     from surgery.decode.fused_linears import FusedWeight
     from tcal.gdn import GatedDeltaNet, GDNCache
@@ -89,11 +90,11 @@ def gdn_layer_rows(rows) -> None:
             base = per_call_us(composed)
             rows.add("GDN layer, composed kernels", f"{m} x 576", "layer", base, "us")
             shape = block_shape(layer, w_in.shape[0], 1536, True)
-            sync = torch.zeros(SYNC_WORDS, dtype=torch.int32, device="cuda")
+            sync = new_sync("cuda")
             for limit in (sms,):
                 if block_tiles(shape, limit) is None:
                     continue
-                programs = max(-(-n // bn) for n, bn in block_tiles(shape, limit).values())
+                programs = block_programs(shape, limit)
                 for last in range(1, 6):  # phases 1..last in one launch: what each phase (and its wait) adds
                     us = per_call_us(lambda: gdn_block_triton(a, b, w0, 1e-5, layer, cache.recurrent, w_in, b_in, w1, 1e-5,
                                                               w_gu, None, w_d, None, shape, sync, limit, last=last))
@@ -101,6 +102,46 @@ def gdn_layer_rows(rows) -> None:
                              ("composed", base))
                 rows.add(f"grid barrier x4 ({programs} programs, nothing else)", f"{m} x 576", "kernel",
                          per_call_us(lambda: barriers_only(sync, programs)), "us")
+            if m == 1:
+                hbm_rows(rows, layer, w_in, b_in, a, b, w0, w1, w_gu, w_d, cache, shape, sync, sms)
+    barrier_rows(rows, sms)
+
+
+def hbm_rows(rows, layer, w_in, b_in, a, b, w0, w1, w_gu, w_d, cache, shape, sync, sms) -> None:
+    """The layer again with a different copy of every weight for each of the CALLS layers (as a step's
+    layers: read from HBM, where the rows above read one L2-resident set), composed against the kernel."""
+    import copy
+
+    from surgery.decode.gdn_block import gdn_block_torch, gdn_block_triton
+
+    sets = []
+    for i in range(CALLS):
+        twin = copy.deepcopy(layer)
+        sets.append((twin, w_in.clone(), w_gu.clone(), w_d.clone()))
+
+    def composed():
+        for twin, wi, wgu, wd in sets:
+            step = lambda n: twin(n, cache=cache, projection=(wi, b_in))  # noqa: E731
+            gdn_block_torch(a, b, w0, 1e-5, step, w1, 1e-5, wgu, None, wd, None, 1536, True)
+
+    def kernel():
+        for twin, wi, wgu, wd in sets:
+            gdn_block_triton(a, b, w0, 1e-5, twin, cache.recurrent, wi, b_in, w1, 1e-5, wgu, None, wd, None, shape, sync, sms)
+
+    base = graph_ms(composed, replays=40) * 1000 / CALLS
+    rows.add("GDN layer, composed kernels, weights from HBM (a copy per layer)", "1 x 576", "layer", base, "us")
+    rows.add("GDN layer, one kernel, weights from HBM (a copy per layer)", "1 x 576", "layer",
+             graph_ms(kernel, replays=40) * 1000 / CALLS, "us", ("composed", base))
+
+
+def barrier_rows(rows, sms: int) -> None:
+    """Grid barriers and nothing else, per program count: the shipped waits (counters that only grow),
+    one of them alone, and the thirty-second session's (counters reset by the last program out)."""
+    for programs in sorted({16, 32, 96, sms}):
+        for name, kernel in BARRIER_KINDS.items():
+            sync = new_sync("cuda")  # a buffer per program count (the growing counters' launches are multiples of it)
+            rows.add(f"grid barrier, {name}", f"{programs} programs", "kernel",
+                     per_call_us(lambda: kernel[(programs,)](sync, programs)), "us")
 
 
 def barriers_only(sync, programs: int) -> None:
@@ -112,12 +153,42 @@ try:
     import triton
     import triton.language as tl
 
-    from surgery.decode.gdn_block import grid_done, grid_wait
+    from surgery.decode.gdn_block import grid_wait
 
     @triton.jit
     def _barriers(sync, nprog: tl.constexpr):
         for k in tl.static_range(4):
             grid_wait(sync, k, nprog)
-        grid_done(sync, nprog)
+
+    @triton.jit
+    def _barrier_once(sync, nprog: tl.constexpr):
+        grid_wait(sync, 0, nprog)
+
+    @triton.jit
+    def _wait_then_reset(sync, k, target):
+        """The thirty-second session's wait: counters zero between launches (see _reset_on_exit)."""
+        tl.debug_barrier()
+        tl.atomic_add(sync + k, 1, sem="release")
+        seen = tl.atomic_add(sync + k, 0, sem="acquire")
+        while seen < target:
+            seen = tl.atomic_add(sync + k, 0, sem="acquire")
+        tl.debug_barrier()
+
+    @triton.jit
+    def _reset_on_exit(sync, nprog):
+        tl.debug_barrier()
+        if tl.atomic_add(sync + 4, 1, sem="acq_rel") == nprog - 1:
+            for k in tl.static_range(0, 5):
+                tl.atomic_xchg(sync + k, 0)
+
+    @triton.jit
+    def _barriers_reset(sync, nprog: tl.constexpr):
+        for k in tl.static_range(4):
+            _wait_then_reset(sync, k, nprog)
+        _reset_on_exit(sync, nprog)
+
+    BARRIER_KINDS = {"x4, growing counters (shipped)": _barriers,
+                     "x1, growing counters": _barrier_once,
+                     "x4, counters reset on exit (thirty-second session)": _barriers_reset}
 except Exception:  # no Triton (a CPU install): the section is CUDA-only anyway
     triton = None

@@ -22,10 +22,10 @@
             of --offload-layers layers of a Llama-70B-shaped random teacher whose layers are streamed to
             the device (surgery.core.meta_capture); peak memory per device against the full 80-layer
             teacher's bytes, seconds per layer (offloaded_conversion)
-  step_attention, floors, state_splits   CUDA only, one kernel at a time: the decode step's split-KV
-            attention against SDPA; one kernel's cost in a CUDA graph (bench/kernel_floors.py); the GDN
+  step_attention, floors, state_splits, gdn_forward   CUDA only, one kernel at a time: the decode step's
+            split-KV attention against SDPA; one kernel's cost in a CUDA graph (bench/kernel_floors.py); the GDN
             chunk forward with its state pass cut along the sequence against the unsplit one
-            (bench/state_splits_bench.py)
+            (bench/state_splits_bench.py); fla's GDN forward stage by stage per launch config (bench/gdn_forward_bench.py)
 
 Only public API (surgery.capture/save/load/export/generate/distill, Decoder, graph.logits, the CLI),
 so it measures whatever the library's default paths are. Rows: bench.harness.Rows.
@@ -35,6 +35,7 @@ so it measures whatever the library's default paths are. Rows: bench.harness.Row
     python bench/speed.py --random --sections prefill --profile                # + the top CUDA kernels of one hybrid eager forward
     python bench/speed.py --sections step_attention --decode-context 65536 --decode-batches 1,16   # split-KV against SDPA
     python bench/speed.py --sections state_splits --split-shapes 2048x1,32768x1   # the GDN state pass cut in pieces
+    python bench/speed.py --sections gdn_forward --split-shapes 2048x1,2048x8     # fla's GDN forward per stage, per launch config
     python bench/speed.py --random --sections prefill --casts                  # + its copies and dtype conversions (bench/casts.py)
     python bench/speed.py --sections fsdp --fsdp-modes fsdp_offload,plain --fsdp-batches 4,8,16,32 --fsdp-micro 4 --json fsdp.jsonl
     python bench/speed.py --sections fsdp --fsdp-shape smollm2 --keep-ratio 0.5 --fsdp-batches 16 --fsdp-lr-rest 7e-6
@@ -84,8 +85,8 @@ from surgery.errors import SurgeryError  # noqa: E402
 from surgery.train.placement import local_device  # noqa: E402
 
 SECTIONS = ("prefill", "generate", "decode", "export", "distill", "apply", "fsdp", "offload", "step_attention", "floors",
-            "state_splits")
-CUDA_ONLY = {"step_attention", "floors", "state_splits"}  # one kernel timed on the GPU: no teacher, no CPU fallback
+            "state_splits", "gdn_forward")
+CUDA_ONLY = {"step_attention", "floors", "state_splits", "gdn_forward"}  # one kernel timed on the GPU: no teacher, no CPU fallback
 OWN_TEACHERS = {"offload", "fsdp", *CUDA_ONLY}  # sections that build their own teachers (or need none)
 FSDP_SHAPES = {  # transformers LlamaConfig fields of the random pairs the fsdp section trains ("stories": the real tiny teacher)
     "smollm2": SMOLLM2_SHAPE,
@@ -118,7 +119,8 @@ def arguments(argv=None) -> argparse.Namespace:
                     "with their cache bytes")
     ap.add_argument("--decode-compile", default="on", choices=("on", "off", "default"), help="the Decoders' compile flag")
     ap.add_argument("--split-shapes", default="2048x1,8192x1,32768x1,2048x8,8192x2",
-                    help="state_splits: LENGTHxBATCH,... of the split-state sweep")
+                    help="state_splits, gdn_forward: LENGTHxBATCH,... of the sweep")
+    ap.add_argument("--gdn-forward-stages", default="cumsum,intra,state,output", help="gdn_forward: the stages timed and swept")
     ap.add_argument("--export-contexts", default="4096,32768")
     ap.add_argument("--new-tokens", type=int, default=32, help="export: tokens generated after the prompt")
     ap.add_argument("--distill-shape", default="128x512", help="BATCHxSEQ_LEN")
@@ -811,6 +813,9 @@ def main(argv=None) -> Rows:
             elif section == "state_splits":  # the GDN chunk forward's state pass cut along the sequence: torch, Triton, fla
                 from bench.state_splits_bench import run as state_splits
                 state_splits(rows, args.split_shapes)
+            elif section == "gdn_forward":  # fla's GDN forward stage by stage under each launch config of a sweep
+                from bench.gdn_forward_bench import run as gdn_forward
+                gdn_forward(rows, args.split_shapes, args.gdn_forward_stages)
             else:
                 runs[section](setup, rows)
             print(f"# {section}: {time.perf_counter() - start:.1f} s", flush=True)

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from .split_state import requested_splits, split_state_gated_delta_rule
+from .state_pass import state_pass_config
 
 # At or below this length the token loop is cheaper than building chunk matrices.
 RECURRENT_MAX_T = 16
@@ -237,6 +238,9 @@ def _fla_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_s
         splits = requested_splits(q.shape[0], v.shape[2], q.shape[1], q.device, max(k.shape[-1], v.shape[-1]))
         if splits > 1:  # few rows, many chunks: the state pass cut along the sequence
             return split_state_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state, splits)
+        config = state_pass_config(q.shape[0] * v.shape[2], k.shape[-1], v.shape[-1], q.device)
+        if config is not None:  # few rows x heads: the state pass with value blocks narrow enough to fill the GPU
+            return split_state_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state, 1, config)
     return chunk_gated_delta_rule(q, k, v, g, beta, **options)
 
 

@@ -24,6 +24,8 @@ from typing import NamedTuple
 
 import torch
 
+from .state_pass import state_pass
+
 SWITCH = "SURGERY_STATE_SPLITS"
 CHUNK = 64  # fla's chunk size, which its fused intra-chunk kernel requires
 MAX_SPLITS = 32  # fla's own cap on a merge chain, for its precision
@@ -132,8 +134,9 @@ def _layout(batch: int, seq_len: int, splits: int, device: torch.device) -> Piec
     return layout
 
 
-def split_state_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state, splits):
-    """fla's chunk forward (cumsum, intra-chunk WY, state pass, output) with the state pass split in pieces.
+def split_state_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state, splits, config=None):
+    """fla's chunk forward (cumsum, intra-chunk WY, state pass, output) with the state pass split in pieces;
+    with splits == 1, the whole rows' state pass launched with `config` (tcal.state_pass) instead.
 
     Arguments as tcal.kernels.gated_delta_rule's fla path: q, k [B, T, H, K]; v [B, T, HV, V]; g, beta
     [B, T, HV]; states [B, HV, K, V]. Returns (o [B, T, HV, V] in q's dtype, final state float32 or None)."""
@@ -147,11 +150,14 @@ def split_state_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     batch, seq_len, _, dk = k.shape
     heads, dv = v.shape[2], v.shape[3]
-    layout = _layout(batch, seq_len, splits, q.device)
-    pieces = layout.pieces
-
     g = chunk_local_cumsum(g, chunk_size=CHUNK, scale=RCP_LN2)  # log2 space, as fla's forward
     w, u, _ = chunk_gated_delta_rule_fwd_intra(k=k, v=v, g=g, beta=beta, chunk_size=CHUNK)
+    if splits == 1:
+        h, v_new, final = state_pass(k, w, u, g, initial_state, output_final_state, config)
+        return chunk_fwd_o(q=q, k=k, v=v_new, h=h, g=g, scale=scale, chunk_size=CHUNK).to(q.dtype), final
+
+    layout = _layout(batch, seq_len, splits, q.device)
+    pieces = layout.pieces
     flat = [x.view(1, batch * seq_len, *x.shape[2:]) for x in (k, w, u, g)]
 
     summaries = k.new_empty(batch * pieces, heads, dk, dv + dk, dtype=torch.float32)

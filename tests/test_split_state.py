@@ -8,9 +8,6 @@ from __future__ import annotations
 
 import importlib.util
 import math
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -18,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import tcal.split_state as split
+from interpreted import run_interpreted
 from tcal.kernels import fla_available, gated_delta_rule
 
 
@@ -79,8 +77,9 @@ def test_the_switch_forces_or_refuses(monkeypatch):
                     reason="Triton is not installed (a CUDA-side extra)")
 def test_fla_kernels_split_in_the_interpreter():
     """fla's kernels run by Triton's CPU interpreter (float32) through gated_delta_rule's fla path with the
-    state pass forced into pieces: rows of 300 and 260 tokens (a partial last chunk), with and without an
-    initial state, against the float64 token recurrence."""
+    state pass forced into pieces, and whole at each value block tcal.state_pass can launch (with and
+    without a final state): rows of 300 and 260 tokens (a partial last chunk), with and without an initial
+    state, against the float64 token recurrence."""
     script = textwrap.dedent("""
         import os, torch
         from tests.fla_interpreter import install
@@ -88,6 +87,8 @@ def test_fla_kernels_split_in_the_interpreter():
         import fla.ops.cp.chunk_fwd
         fla.ops.cp.chunk_fwd._check_cp_device = lambda device: None  # the interpreter's tensors live on the CPU
         from tcal.kernels import gated_delta_rule
+        from tcal.split_state import split_state_gated_delta_rule
+        from tcal.state_pass import LAUNCH
 
         rel = lambda a, b: ((a.double() - b).norm() / b.norm()).item()
         for batch, seq_len, pieces, with_state in ((1, 300, 3, False), (2, 260, 2, True)):
@@ -104,10 +105,15 @@ def test_fla_kernels_split_in_the_interpreter():
                 o, s = gated_delta_rule(q, k, v, g, beta, None, state, True, backend="fla")
             errors = rel(o, want), rel(s, want_state)
             assert max(errors) < 1e-5, (batch, seq_len, pieces, errors)
+            for block, (warps, stages) in LAUNCH.items():  # one piece, the state pass at each tcal.state_pass width
+                with torch.no_grad():
+                    o, s = split_state_gated_delta_rule(q, k, v, g, beta, 64 ** -0.5, state, True, 1, (block, warps, stages))
+                    o2, none = split_state_gated_delta_rule(q, k, v, g, beta, 64 ** -0.5, state, False, 1, (block, warps, stages))
+                errors = rel(o, want), rel(s, want_state)
+                assert max(errors) < 1e-5 and none is None and torch.equal(o, o2), (batch, seq_len, block, errors)
         print("ok")
     """)
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
-    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    done = run_interpreted(script)
     assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-3000:]
 
 
@@ -126,17 +132,23 @@ def gdn_inputs(batch, seq_len, heads=9, dim=64):
 @cuda_fla
 @pytest.mark.parametrize("batch,seq_len,heads,dim", [(1, 2048, 9, 64), (2, 3000, 9, 64), (1, 2048, 4, 128), (1, 1500, 2, 256)])
 def test_split_is_as_close_to_float64_as_unsplit(monkeypatch, batch, seq_len, heads, dim):
-    q, k, v, g, beta, state = gdn_inputs(batch, seq_len, heads, dim)
+    errors = errors_by_setting(monkeypatch, split.SWITCH, ("off", "8"), gdn_inputs(batch, seq_len, heads, dim))
+    assert errors["8"][0] <= 1.5 * errors["off"][0] + 1e-4, errors
+    assert errors["8"][1] <= 1.5 * errors["off"][1] + 1e-4, errors
+
+
+def errors_by_setting(monkeypatch, switch: str, settings, inputs) -> dict:
+    """setting of `switch` -> the fla path's (output, final state) relative errors against float64 on `inputs`."""
+    q, k, v, g, beta, state = inputs
     want, want_state = gated_delta_rule(*(x.double() for x in (q, k, v, g, beta)), None, state.double(), True, backend="torch")
-    rel = lambda a, b: ((a.double() - b).norm() / b.norm()).item()
+    rel = lambda a, b: ((a.double() - b).norm() / b.norm()).item()  # noqa: E731
     errors = {}
-    for setting in ("off", "8"):
-        monkeypatch.setenv(split.SWITCH, setting)
+    for setting in settings:
+        monkeypatch.setenv(switch, setting)
         with torch.no_grad():
             o, s = gated_delta_rule(q, k, v, g, beta, None, state, True, backend="fla")
         errors[setting] = rel(o, want), rel(s, want_state)
-    assert errors["8"][0] <= 1.5 * errors["off"][0] + 1e-4, errors
-    assert errors["8"][1] <= 1.5 * errors["off"][1] + 1e-4, errors
+    return errors
 
 
 @cuda_fla

@@ -7,8 +7,8 @@ projection, the token step (tcal.token_step), o_proj, the residual add and post 
 SwiGLU product, down. Here they are five phases of one persistent kernel: each program owns tiles of
 each phase's output and the programs meet at a counter in memory between phases (all programs are
 resident: at most one per SM), so the step pays one launch and four waits instead of eight launches
-(on the H200 at one row: 19.8 us a layer against 21.5, the four waits 7.9 of it; bench/RESULTS.md,
-thirty-second session):
+(on the H200 at one row: 16.5 us a layer against 21.5, the four waits 4.6 of it; bench/RESULTS.md,
+thirty-third session):
 
     1  h = a + b;  n = rms_norm(h) * w0;  proj = n @ W_in^T (+ bias)
     2  core = token_step(proj's q, k, v, a, b, g; the state, written in place)
@@ -40,15 +40,16 @@ except Exception:  # a broken install raises more than ImportError
     triton = None
 
 # Rows a decode step sends through the kernel (each row is one more pass over a program's weight tiles): on the
-# H200 one row took 19.8 us a layer against 21.5 for the composed kernels, 16 rows 123.2 against 22.4 (a row at a
-# time, no tensor cores; bench/RESULTS.md, thirty-second session)
+# H200 one row took 16.5 us a layer against 21.5 for the composed kernels, 16 rows 120.2 against 22.3 (a row at a
+# time, no tensor cores; bench/RESULTS.md, thirty-third session)
 STEP_ROWS = 1
 MAX_TILE = 64        # output columns of one program's tile
 MIN_PIECE = 16       # the narrowest piece of a reduction
 NUM_WARPS = 8
 MAX_TILE_ELEMENTS = 32768  # weight elements one program holds for a phase (64 KB of bf16: 64 registers a thread)
 MAX_SPIN = 1 << 22   # polls of a phase counter before a program gives up (a non-resident grid): flags an error
-SYNC_WORDS = 8       # per block: four phase counters, the done counter, the error flag
+SYNC_WORDS = 8       # per block, int64: four phase counters (words 0-3), the error flag (ERROR_WORD)
+ERROR_WORD = 5
 
 
 @dataclass(frozen=True)
@@ -77,25 +78,30 @@ if triton is not None:
     from tcal.token_step import token_step_tile
 
     SPIN_LIMIT = tl.constexpr(MAX_SPIN)
+    ERROR_WORD_ = tl.constexpr(ERROR_WORD)
 
     @triton.jit
-    def grid_wait(sync, k, target):
-        """Arrive at counter k, then wait until `target` programs have (a grid barrier). The count is
-        polled with acquiring loads: polling with volatile loads and acquiring once measured slower on
-        the H200 (four barriers 8.69 us against 7.88; bench/RESULTS.md, thirty-second session)."""
+    def grid_wait(sync, k, nprog):
+        """Arrive at counter k, then wait until all `nprog` programs of this launch have (a grid barrier).
+        The counters only grow: a launch adds nprog to each counter it meets at, so the arrival's own count
+        names the launch, the last to arrive never polls, and nothing is reset on the way out (the reset it
+        replaced, a chain of atomics on the last program's way out, cost about 3.2 us a launch on the H200:
+        four waits alone took 7.8 us, now 4.6; bench/RESULTS.md, thirty-third session). The count is polled
+        with acquiring atomics (volatile loads, or acquiring loads after a reduction, measured no faster)."""
         tl.debug_barrier()  # every thread's stores of this phase are issued before the arrival
-        tl.atomic_add(sync + k, 1, sem="release")
-        seen = tl.atomic_add(sync + k, 0, sem="acquire")
+        old = tl.atomic_add(sync + k, 1, sem="acq_rel")
+        goal = (old // nprog + 1) * nprog
+        seen = old + 1
         spins = 0
-        while (seen < target) & (spins < SPIN_LIMIT):
+        while (seen < goal) & (spins < SPIN_LIMIT):
             seen = tl.atomic_add(sync + k, 0, sem="acquire")
             spins += 1
-        if seen < target:
-            tl.atomic_xchg(sync + 5, 1)
+        if seen < goal:
+            tl.atomic_xchg(sync + ERROR_WORD_, 1)
         tl.debug_barrier()
         # 0, but only known once the wait is over: added to the next phase's input pointers, it keeps the
         # compiler from moving their loads above the wait
-        return (seen >= target).to(tl.int32) - 1
+        return (seen >= goal).to(tl.int32) - 1
 
     @triton.jit
     def _w_piece(W, n0, N, k0, P: tl.constexpr, K: tl.constexpr, BN: tl.constexpr):
@@ -281,16 +287,17 @@ if triton is not None:
             for r in tl.static_range(ROWS):
                 x0, x1, x2 = _row3(m, r, INTER, XP0, XP1, XP2)
                 _store_row(d_out, _mv3(x0, x1, x2, d0, d1, d2, XP1, XP2), bias_d, r, pid * BN_D, HID, BN_D, HAS_BIAS_D)
-        if FIRST < LAST:
-            grid_done(sync, nprog)
 
-    @triton.jit
-    def grid_done(sync, nprog):
-        """The last program out resets the counters for the next launch."""
-        tl.debug_barrier()
-        if tl.atomic_add(sync + 4, 1, sem="acq_rel") == nprog - 1:
-            for k in tl.static_range(0, 5):
-                tl.atomic_xchg(sync + k, 0)
+
+def new_sync(device) -> torch.Tensor:
+    """A block's meeting counters (zeros): one buffer per program count, since a launch's arrival counts
+    name it by multiples of nprog."""
+    return torch.zeros(SYNC_WORDS, dtype=torch.int64, device=device)
+
+
+def sync_failed(sync: torch.Tensor) -> bool:
+    """Whether a wait of some launch on `sync` timed out (its programs were not all resident)."""
+    return bool(sync[ERROR_WORD].item())
 
 
 def pieces(width: int) -> tuple[int, int, int]:
@@ -331,6 +338,11 @@ def block_tiles(shape: BlockShape, limit: int) -> dict | None:
     return tiles
 
 
+def block_programs(shape: BlockShape, limit: int) -> int:
+    """Programs of a launch: one per tile of the widest phase (block_tiles(shape, limit) must not be None)."""
+    return max(-(-n // bn) for n, bn in block_tiles(shape, limit).values())
+
+
 def gdn_block_triton(a, b, w0, eps0, layer, state, w_in, bias_in, w1, eps1, w_gu, b_gu, w_d, b_d,
                      shape: BlockShape, sync: torch.Tensor, limit: int, phased: bool = False, last: int = 5):
     """The kernel: (h2, d) of rows [B, 1, hidden] (or [B, hidden]); `state` written in place. At most
@@ -349,7 +361,7 @@ def gdn_block_triton(a, b, w0, eps0, layer, state, w_in, bias_in, w1, eps1, w_gu
                                                         shape.hidden, shape.hidden, shape.inter, shape.hidden))
     o = layer.o_proj
     tiles = block_tiles(shape, limit)
-    programs = max(-(-n // bn) for n, bn in tiles.values())
+    programs = block_programs(shape, limit)
     args = (a2, b2, w0 if w0 is not None else a2, w_in, bias_in if bias_in is not None else w_in, proj, h,
             layer.A_log, layer.dt_bias, layer.o_norm.weight, state, core,
             o.weight, o.bias if o.bias is not None else o.weight, y,

@@ -30,7 +30,8 @@ from ..core.rewrite import prune, set_submodule
 from ..errors import DecodeError
 from .fused_linears import LINEAR
 from .fused_norms import is_call, single_user
-from .gdn_block import STEP_ROWS, SYNC_WORDS, BlockShape, block_tiles, gdn_block_torch, gdn_block_triton, triton
+from .gdn_block import (STEP_ROWS, BlockShape, block_tiles, gdn_block_torch, gdn_block_triton, new_sync, sync_failed,
+                        triton)
 from .gdn_state import GDNState
 from .residual_norm import add_rms_norm
 from .swiglu import silu_mul
@@ -82,7 +83,7 @@ class GDNBlock(nn.Module):
         super().__init__()
         self.gdn_state = gdn_state
         self.eps0, self.eps1, self.inter, self.gate_first = eps0, eps1, inter, gate_first
-        self.sync: torch.Tensor | None = None  # the phase counters (zero between launches)
+        self.sync: torch.Tensor | None = None  # the phase counters (gdn_block.new_sync)
         self.declined: str | None = None        # why the last call composed the kernels instead, if it did
         self.failed = False                     # the kernel's first launch timed out waiting (see forward)
         self.shape: BlockShape | bool | None = None  # the kernel's shape once known (False: the layer has none)
@@ -97,10 +98,10 @@ class GDNBlock(nn.Module):
         shape, programs, (w_in, bias_in) = found
         first = self.sync is None or self.sync.device != a.device
         if first:
-            self.sync = torch.zeros(SYNC_WORDS, dtype=torch.int32, device=a.device)
+            self.sync = new_sync(a.device)
         out = gdn_block_triton(a, b, w0, self.eps0, st.gdn, st.cache.recurrent, w_in, bias_in, w1, self.eps1, w_gu, b_gu,
                                w_d, b_d, shape, self.sync, programs)
-        if first and not torch.cuda.is_current_stream_capturing() and self.sync[5].item():
+        if first and not torch.cuda.is_current_stream_capturing() and sync_failed(self.sync):
             self.failed = True  # a wait timed out: the programs were not all resident (a GPU shared with other work?)
             raise DecodeError("The one-kernel GDN decoder layer's programs could not all run at once on this GPU; this "
                               "step's output and GDN state are not to be trusted, and later steps use the layer's "
