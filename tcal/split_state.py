@@ -152,8 +152,9 @@ def split_state_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_
     heads, dv = v.shape[2], v.shape[3]
     g = chunk_local_cumsum(g, chunk_size=CHUNK, scale=RCP_LN2)  # log2 space, as fla's forward
     w, u, _ = chunk_gated_delta_rule_fwd_intra(k=k, v=v, g=g, beta=beta, chunk_size=CHUNK)
-    if splits == 1:
-        h, v_new, final = state_pass(k, w, u, g, initial_state, output_final_state, config)
+    if splits == 1:  # fla's kernel reads the initial state as a contiguous [B, HV, K, V] block
+        start = None if initial_state is None else initial_state.contiguous()
+        h, v_new, final = state_pass(k, w, u, g, start, output_final_state, config)
         return chunk_fwd_o(q=q, k=k, v=v_new, h=h, g=g, scale=scale, chunk_size=CHUNK).to(q.dtype), final
 
     layout = _layout(batch, seq_len, splits, q.device)

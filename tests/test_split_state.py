@@ -111,6 +111,11 @@ def test_fla_kernels_split_in_the_interpreter():
                     o2, none = split_state_gated_delta_rule(q, k, v, g, beta, 64 ** -0.5, state, False, 1, (block, warps, stages))
                 errors = rel(o, want), rel(s, want_state)
                 assert max(errors) < 1e-5 and none is None and torch.equal(o, o2), (batch, seq_len, block, errors)
+                if state is not None:  # the same state as a strided view
+                    strided = state.transpose(-1, -2).contiguous().transpose(-1, -2)
+                    with torch.no_grad():
+                        o3, s3 = split_state_gated_delta_rule(q, k, v, g, beta, 64 ** -0.5, strided, True, 1, (block, warps, stages))
+                    assert torch.equal(o3, o) and torch.equal(s3, s), block
         print("ok")
     """)
     done = run_interpreted(script)
