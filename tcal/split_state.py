@@ -140,6 +140,8 @@ def split_state_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_
 
     Arguments as tcal.kernels.gated_delta_rule's fla path: q, k [B, T, H, K]; v [B, T, HV, V]; g, beta
     [B, T, HV]; states [B, HV, K, V]. Returns (o [B, T, HV, V] in q's dtype, final state float32 or None)."""
+    if splits == 1 and config is None:
+        raise ValueError("one piece runs the state pass with a tcal.state_pass launch config; pass config=")
     from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
     from fla.ops.common.chunk_o import chunk_fwd_o
     from fla.ops.cp.chunk_fwd import chunk_cp_fwd_h

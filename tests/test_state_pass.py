@@ -11,6 +11,7 @@ import torch
 import tcal.state_pass as sp
 from test_split_state import cuda_fla, errors_by_setting, gdn_inputs
 from tcal.kernels import gated_delta_rule
+from tcal.split_state import split_state_gated_delta_rule
 
 CUDA = torch.device("cuda")  # only its type is read: the choice is made before any tensor goes there
 
@@ -26,6 +27,12 @@ def test_the_block_keeps_the_gpu_busy_within_the_measured_range(monkeypatch):
     assert sp.state_pass_config(9, 64, 64, torch.device("cpu")) is None
     monkeypatch.setenv(sp.SWITCH, "off")
     assert sp.state_pass_config(9, 64, 64, CUDA) is None
+
+
+def test_one_piece_needs_a_launch_config():
+    x = torch.zeros(1, 64, 1, 64)
+    with pytest.raises(ValueError, match="launch config"):
+        split_state_gated_delta_rule(x, x, x, x[..., 0], x[..., 0], 0.125, None, True, 1)
 
 
 @cuda_fla

@@ -40,7 +40,7 @@ except Exception:  # a broken install raises more than ImportError
     triton = None
 
 # Rows a decode step sends through the kernel (each row is one more pass over a program's weight tiles): on the
-# H200 one row took 16.5 us a layer against 21.5 for the composed kernels, 16 rows 120.2 against 22.3 (a row at a
+# H200 one row took 16.5 us a layer against 21.5 for the composed kernels, 16 rows 120.7 against 22.4 (a row at a
 # time, no tensor cores; bench/RESULTS.md, thirty-third session)
 STEP_ROWS = 1
 MAX_TILE = 64        # output columns of one program's tile
