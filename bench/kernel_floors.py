@@ -64,7 +64,7 @@ def gdn_layer_rows(rows) -> None:
     the composed kernels a static step ran (add_rms_norm, the fused input projection, the token step,
     o_proj, add_rms_norm, gate/up, silu_mul, down) against surgery.decode.gdn_block's one kernel, at each
     program count; us per layer, CALLS layers in one graph."""
-    from surgery.decode.gdn_block import block_programs, block_tiles, gdn_block_torch, gdn_block_triton
+    from surgery.decode.gdn_block import block_programs, gdn_block_torch, gdn_block_triton
     from surgery.decode.gdn_blocks import block_shape
     from surgery.decode.fused_linears import FusedWeight
     from tcal.gdn import GatedDeltaNet, GDNCache
@@ -91,20 +91,15 @@ def gdn_layer_rows(rows) -> None:
             rows.add("GDN layer, composed kernels", f"{m} x 576", "layer", base, "us")
             shape = block_shape(layer, w_in.shape[0], 1536, True)
             sync = new_sync("cuda")
-            for limit in (sms,):
-                if block_tiles(shape, limit) is None:
-                    continue
-                programs = block_programs(shape, limit)
-                for last in range(1, 6):  # phases 1..last in one launch: what each phase (and its wait) adds
-                    us = per_call_us(lambda: gdn_block_triton(a, b, w0, 1e-5, layer, cache.recurrent, w_in, b_in, w1, 1e-5,
-                                                              w_gu, None, w_d, None, shape, sync, limit, last=last))
-                    rows.add(f"GDN layer, one kernel, phases 1-{last} ({programs} programs)", f"{m} x 576", "layer", us, "us",
-                             ("composed", base))
-                rows.add(f"grid barrier x4 ({programs} programs, nothing else)", f"{m} x 576", "kernel",
-                         per_call_us(lambda: barriers_only(sync, programs)), "us")
+            programs = block_programs(shape, sms)
+            for last in range(1, 6):  # phases 1..last in one launch: what each phase (and its wait) adds
+                us = per_call_us(lambda: gdn_block_triton(a, b, w0, 1e-5, layer, cache.recurrent, w_in, b_in, w1, 1e-5,
+                                                          w_gu, None, w_d, None, shape, sync, sms, last=last))
+                rows.add(f"GDN layer, one kernel, phases 1-{last} ({programs} programs)", f"{m} x 576", "layer", us, "us",
+                         ("composed", base))
             if m == 1:
                 hbm_rows(rows, layer, w_in, b_in, a, b, w0, w1, w_gu, w_d, cache, shape, sync, sms)
-    barrier_rows(rows, sms)
+    barrier_rows(rows, sorted({16, 32, programs, sms}))
 
 
 def hbm_rows(rows, layer, w_in, b_in, a, b, w0, w1, w_gu, w_d, cache, shape, sync, sms) -> None:
@@ -134,19 +129,15 @@ def hbm_rows(rows, layer, w_in, b_in, a, b, w0, w1, w_gu, w_d, cache, shape, syn
              graph_ms(kernel, replays=40) * 1000 / CALLS, "us", ("composed", base))
 
 
-def barrier_rows(rows, sms: int) -> None:
-    """Grid barriers and nothing else, per program count: the shipped waits (counters that only grow),
-    one of them alone, and the thirty-second session's (counters reset by the last program out)."""
-    for programs in sorted({16, 32, 96, sms}):
+def barrier_rows(rows, counts) -> None:
+    """Grid barriers and nothing else, per program count (the layer kernel's among them): the shipped waits
+    (counters that only grow), one of them alone, and the thirty-second session's (counters reset by the
+    last program out)."""
+    for programs in counts:
         for name, kernel in BARRIER_KINDS.items():
             sync = new_sync("cuda")  # a buffer per program count (the growing counters' launches are multiples of it)
             rows.add(f"grid barrier, {name}", f"{programs} programs", "kernel",
                      per_call_us(lambda: kernel[(programs,)](sync, programs)), "us")
-
-
-def barriers_only(sync, programs: int) -> None:
-    """One launch of `programs` programs that only meet four times (surgery.decode.gdn_block's waits)."""
-    _barriers[(programs,)](sync, programs)
 
 
 try:
