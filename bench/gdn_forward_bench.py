@@ -3,9 +3,11 @@ sweep: at batch-1 prefill its autotuner's key (head counts and sizes, not rows o
 config with training's batches, and the candidates it tries leave out narrow value blocks and one warp.
 Each stage of the forward (the gate's cumsum; the intra-chunk kkt + solve and the w/u recompute; the
 chunk-to-chunk state pass; the output) is timed alone, CALLS calls in one CUDA graph, with the shipped config, then
-with each candidate put into its autotuner's cache, at SmolLM2-135M's GDN shapes (9 heads of 64, bf16), and the
-state pass as tcal.state_pass launches it for those rows x heads. What it found (bench/RESULTS.md, thirty-third
-session) set tcal/state_pass.py's value blocks; the other kernels' candidates gained nothing at 2k x 1.
+with each candidate put into its autotuner's cache, at SmolLM2-135M's GDN shapes (9 heads of 64, bf16), the
+state pass as tcal.state_pass launches it for those rows x heads, and the cumsum and intra stages as
+tcal.chunk_intra's one kernel at each of its launch candidates. What it found (bench/RESULTS.md, thirty-third
+and thirty-fourth sessions) set tcal/state_pass.py's value blocks and tcal/chunk_intra.py's launch; fla's other
+kernels' candidates gained nothing at 2k x 1.
 
     python bench/speed.py --sections gdn_forward --split-shapes 2048x1,2048x8 [--gdn-forward-stages state]
 """
@@ -46,6 +48,7 @@ def stages(batch: int, seq_len: int) -> dict:
     from fla.ops.utils import chunk_local_cumsum
     from fla.ops.utils.constant import RCP_LN2
 
+    from tcal.chunk_intra import chunk_intra_triton
     from tcal.state_pass import state_pass, state_pass_config
 
     q, k, v, g, beta, _ = inputs(batch, seq_len)
@@ -58,6 +61,9 @@ def stages(batch: int, seq_len: int) -> dict:
         "cumsum": (lambda: chunk_local_cumsum(g, chunk_size=CHUNK, scale=RCP_LN2), []),
         "intra": (lambda: chunk_gated_delta_rule_fwd_intra(k=k, v=v, g=gc, beta=beta,
                                                                                      chunk_size=CHUNK), names[1:3]),
+        **{f"cumsum + intra, tcal.chunk_intra {warps} warps, block {block}": (
+            lambda block=block, warps=warps: chunk_intra_triton(k, v, g, beta, warps, block), [])
+           for warps, block in INTRA_CANDIDATES},
         "state": (lambda: chunk_gated_delta_rule_fwd_h(k=k, w=w, u=u, g=gc, output_final_state=True,
                                                             chunk_size=CHUNK), names[:1]),
         "state, tcal.state_pass's launch": (
@@ -66,6 +72,8 @@ def stages(batch: int, seq_len: int) -> dict:
     }
 
 
+# tcal.chunk_intra's one kernel (the cumsum and intra stages in one launch), per warp count and column block
+INTRA_CANDIDATES = [(warps, block) for warps in (1, 2, 4) for block in (64, 32)]
 # intra: zeros, fused kkt + solve, the w/u recompute; state: the chunk-to-chunk pass (fla's tuned launch, then the
 # launch tcal.state_pass chooses for these rows x heads, where it chooses one)
 STAGES = ("cumsum", "intra", "state", "output")
@@ -86,7 +94,7 @@ def run(rows, shapes: str, only: str = ",".join(STAGES)) -> None:
             built = stages(batch, seq_len)
             tuners = dict(autotuners())  # fla's modules are imported by now
             for stage, (once, kernels) in built.items():
-                if stage.split(",")[0] not in only.split(",") or once is None:
+                if not set(stage.split(",")[0].split(" + ")) <= set(only.split(",")) or once is None:
                     continue
                 call = lambda once=once: [once() for _ in range(CALLS)]  # noqa: E731
                 shipped = graph_ms(call, replays=20) * 1000 / CALLS

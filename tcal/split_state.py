@@ -24,6 +24,7 @@ from typing import NamedTuple
 
 import torch
 
+from .chunk_intra import chunk_intra_takes, chunk_intra_triton
 from .state_pass import state_pass
 
 SWITCH = "SURGERY_STATE_SPLITS"
@@ -136,7 +137,8 @@ def _layout(batch: int, seq_len: int, splits: int, device: torch.device) -> Piec
 
 def split_state_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state, splits, config=None):
     """fla's chunk forward (cumsum, intra-chunk WY, state pass, output) with the state pass split in pieces;
-    with splits == 1, the whole rows' state pass launched with `config` (tcal.state_pass) instead.
+    with splits == 1, the whole rows' state pass launched with `config` (tcal.state_pass) instead. The
+    cumsum and intra-chunk WY are tcal.chunk_intra's one kernel where it takes the inputs (fla's otherwise).
 
     Arguments as tcal.kernels.gated_delta_rule's fla path: q, k [B, T, H, K]; v [B, T, HV, V]; g, beta
     [B, T, HV]; states [B, HV, K, V]. Returns (o [B, T, HV, V] in q's dtype, final state float32 or None)."""
@@ -152,8 +154,11 @@ def split_state_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     batch, seq_len, _, dk = k.shape
     heads, dv = v.shape[2], v.shape[3]
-    g = chunk_local_cumsum(g, chunk_size=CHUNK, scale=RCP_LN2)  # log2 space, as fla's forward
-    w, u, _ = chunk_gated_delta_rule_fwd_intra(k=k, v=v, g=g, beta=beta, chunk_size=CHUNK)
+    if chunk_intra_takes(k, v, g, beta):
+        g, w, u = chunk_intra_triton(k, v, g, beta)
+    else:
+        g = chunk_local_cumsum(g, chunk_size=CHUNK, scale=RCP_LN2)  # log2 space, as fla's forward
+        w, u, _ = chunk_gated_delta_rule_fwd_intra(k=k, v=v, g=g, beta=beta, chunk_size=CHUNK)
     if splits == 1:  # fla's kernel reads the initial state as a contiguous [B, HV, K, V] block
         start = None if initial_state is None else initial_state.contiguous()
         h, v_new, final = state_pass(k, w, u, g, start, output_final_state, config)
