@@ -37,6 +37,7 @@ so it measures whatever the library's default paths are. Rows: bench.harness.Row
     python bench/speed.py --sections state_splits --split-shapes 2048x1,32768x1   # the GDN state pass cut in pieces
     python bench/speed.py --sections gdn_forward --split-shapes 2048x1,2048x8     # fla's GDN forward per stage, per launch config
     python bench/speed.py --random --sections prefill --casts                  # + its copies and dtype conversions (bench/casts.py)
+    python bench/speed.py --random --sections prefill --shapes 2048x1 --prefill-off SURGERY_CHUNK_INTRA   # + the default without a kernel, same process
     python bench/speed.py --sections fsdp --fsdp-modes fsdp_offload,plain --fsdp-batches 4,8,16,32 --fsdp-micro 4 --json fsdp.jsonl
     python bench/speed.py --sections fsdp --fsdp-shape smollm2 --keep-ratio 0.5 --fsdp-batches 16 --fsdp-lr-rest 7e-6
     python bench/speed.py --sections fsdp --fsdp-modes fsdp,fsdp_teacher --fsdp-procs 1,2 --fsdp-batches 8,16 --json fsdp2.jsonl   # 2 GPUs
@@ -129,6 +130,8 @@ def arguments(argv=None) -> argparse.Namespace:
     ap.add_argument("--apply-args", default="", help="more `surgery apply` options, e.g. '--set align.steps=60'")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--no-compiled", action="store_true", help="prefill: leave out the compiled rows (a compile per shape and model)")
+    ap.add_argument("--prefill-off", default="", help="prefill: switches (e.g. SURGERY_CHUNK_INTRA,SURGERY_STATE_PASS) each set "
+                    "to off for one more hybrid default-route row in the same process (its own replay graph), beside the default")
     ap.add_argument("--profile", action="store_true", help="prefill: torch.profiler on one hybrid eager forward per shape; "
                     "decode: on a few static steps of teacher and hybrid, not replayed; "
                     "the top 15 CUDA kernels (CPU ops on the CPU) by total time; export: cProfile on one generate "
@@ -281,6 +284,12 @@ def prefill(s: Setup, rows: Rows) -> None:
                 rows.add(f"{s.label()}: fast_logits, compiled", config, "prefill", hybrid_c, "ms", anchor)
                 rows.add(f"{s.label()}: fast_logits, compiled", config, "prefill", hybrid_c, "ms", ("compiled teacher", teacher_c))
             applied_default(s, rows, ids, config, default)
+            for switch in filter(None, a.prefill_off.split(",")):
+                runner = switched_off_runner(s.hybrid, switch.strip())
+                off = time_of(lambda: runner(ids))
+                rows.add(f"{s.label()}: fast_logits (default), {switch.strip()}=off", config, "prefill", off, "ms",
+                         ("compiled teacher", teacher_c) if not a.no_compiled else anchor)
+                rows.add(f"{s.label()}: fast_logits (default)", config, "prefill", default, "ms", (f"{switch.strip()}=off", off))
             if a.profile:
                 for label, graph in (("teacher", s.teacher), (s.label(), s.hybrid)):
                     eager = default_eager_runner(graph)
@@ -300,6 +309,17 @@ def default_eager_runner(graph):
     fast.route = dataclasses.replace(fast.route, replay=False)
     fast.replays = None
     return lambda ids: run_graph(graph, ids, fast)
+
+
+def switched_off_runner(graph, switch: str):
+    """ids -> logits on the default route (its own replay graph) with the environment switch `switch` set to
+    "off" around each call: the route without that kernel choice, timed in the same process as the default."""
+    fast = FastGraph(graph.gm, graph.device, "eval", None, limit=graph.max_length, label=f"graph, {switch}=off")
+
+    def run(ids):
+        with env_setting(switch, "off"):
+            return run_graph(graph, ids, fast)
+    return run
 
 
 def unfused_runner(graph):

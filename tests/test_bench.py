@@ -105,12 +105,15 @@ def test_speed_smoke(tmp_path, capsys, monkeypatch):
     out = tmp_path / "speed.jsonl"
     rows = speed.main(["--smoke", "--sections", "prefill,generate,decode", "--shapes", "24x1", "--decode-batches", "1",
                        "--decode-compile", "off", "--decode-context", "16", "--generate-lengths", "16", "--repeats", "1",
-                       "--decode-mixers", "mamba2", "--profile", "--casts", "--json", str(out)])
+                       "--decode-mixers", "mamba2", "--profile", "--casts", "--prefill-off", "SURGERY_STATE_SPLITS",
+                       "--json", str(out)])
     check_rows(rows, out)
     names = {(r["name"], r["metric"]) for r in rows.rows}
     assert ("transformers forward (teacher)", "prefill") in names
     assert ("hybrid 75% GDN: fast_logits (default)", "prefill") in names and ("teacher fast_logits, compiled", "prefill") in names
     assert ("hybrid 75% GDN: fast_logits, compiled", "prefill") in names and ("teacher fast_logits (default)", "prefill") in names
+    off = next(r for r in rows.rows if r["name"] == "hybrid 75% GDN: fast_logits (default), SURGERY_STATE_SPLITS=off")
+    assert off["anchor"] == "compiled teacher" and "SURGERY_STATE_SPLITS" not in os.environ  # --prefill-off, restored after
     applied = next(r for r in rows.rows if r["name"] == "hybrid 75% GDN: surgery apply -> surgery.load, fast_logits (default)")
     assert applied["anchor"] == "surgery.save -> load"
     assert ("hybrid 75% GDN: surgery.generate (surgery.load)", "time to first token") in names
