@@ -79,9 +79,9 @@ INTRA_CANDIDATES = [(warps, block) for warps in (1, 2, 4) for block in (64, 32)]
 STAGES = ("cumsum", "intra", "state", "output")
 
 
-def run(rows, shapes: str, only: str = ",".join(STAGES)) -> None:
-    """Rows: us per stage with the shipped configs, then per candidate of each kernel the stage reads (the
-    other kernels at their shipped configs), and the best candidate per kernel."""
+def run(rows, shapes: str, only: str = ",".join(STAGES), sweep: bool = True) -> None:
+    """Rows: us per stage with the shipped configs, then (with `sweep`) per candidate of each kernel the stage
+    reads (the other kernels at their shipped configs), and the best candidate per kernel."""
     from triton.runtime.errors import OutOfResources
 
     from tcal.kernel_configs import autotuners
@@ -99,7 +99,7 @@ def run(rows, shapes: str, only: str = ",".join(STAGES)) -> None:
                 call = lambda once=once: [once() for _ in range(CALLS)]  # noqa: E731
                 shipped = graph_ms(call, replays=20) * 1000 / CALLS
                 rows.add(f"GDN forward: {stage}", config, "shipped configs", shipped, "us")
-                for name in kernels:
+                for name in kernels if sweep else []:
                     tuner = tuners[name]
                     keys = list(tuner.cache)
                     kept = {key: tuner.cache[key] for key in keys}

@@ -122,6 +122,8 @@ def arguments(argv=None) -> argparse.Namespace:
     ap.add_argument("--split-shapes", default="2048x1,8192x1,32768x1,2048x8,8192x2",
                     help="state_splits, gdn_forward: LENGTHxBATCH,... of the sweep")
     ap.add_argument("--gdn-forward-stages", default="cumsum,intra,state,output", help="gdn_forward: the stages timed and swept")
+    ap.add_argument("--gdn-forward-shipped", action="store_true", help="gdn_forward: time each stage's shipped configs only "
+                    "(no sweep of fla's autotuned kernels)")
     ap.add_argument("--export-contexts", default="4096,32768")
     ap.add_argument("--new-tokens", type=int, default=32, help="export: tokens generated after the prompt")
     ap.add_argument("--distill-shape", default="128x512", help="BATCHxSEQ_LEN")
@@ -835,7 +837,7 @@ def main(argv=None) -> Rows:
                 state_splits(rows, args.split_shapes)
             elif section == "gdn_forward":  # fla's GDN forward stage by stage under each launch config of a sweep
                 from bench.gdn_forward_bench import run as gdn_forward
-                gdn_forward(rows, args.split_shapes, args.gdn_forward_stages)
+                gdn_forward(rows, args.split_shapes, args.gdn_forward_stages, sweep=not args.gdn_forward_shipped)
             else:
                 runs[section](setup, rows)
             print(f"# {section}: {time.perf_counter() - start:.1f} s", flush=True)
