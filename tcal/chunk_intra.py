@@ -40,7 +40,8 @@ except Exception:  # a broken install raises more than ImportError
     triton = None
 
 SWITCH = "SURGERY_CHUNK_INTRA"  # "off": fla's four launches
-CHUNK = 64
+CHUNK = 64  # fla's chunk size: its state pass and output kernels read chunks of it (tcal.split_state, tcal.state_pass)
+BLOCKS = (16, 32, 64)  # key / value columns a step may hold (16: the narrowest tensor-core product)
 # Launch: the best of 1, 2 and 4 warps x 16, 32 and 64 key / value columns a step at 2k x 1, 9 heads of 64 on the
 # H200 (13.8 us against fla's 24.7 for its cumsum and intra launches; bench/RESULTS.md, thirty-fourth session)
 NUM_WARPS = 2
@@ -255,6 +256,8 @@ def chunk_intra_triton(k, v, g, beta, num_warps: int | None = None, block: int |
     num_warps, block = num_warps or NUM_WARPS, block or BLOCK
     if triton is None:
         raise RuntimeError("chunk_intra_triton needs Triton; use chunk_intra_torch.")
+    if block not in BLOCKS:
+        raise ValueError(f"chunk_intra_triton's column block is one of {BLOCKS}, got {block}")
     batch, length, heads, k_dim = k.shape
     v_dim = v.shape[-1]
     g_cum, w, u = torch.empty_like(g), torch.empty_like(k), torch.empty_like(v)

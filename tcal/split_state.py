@@ -24,11 +24,10 @@ from typing import NamedTuple
 
 import torch
 
-from .chunk_intra import chunk_intra_takes, chunk_intra_triton
+from .chunk_intra import CHUNK, chunk_intra_takes, chunk_intra_triton
 from .state_pass import state_pass
 
 SWITCH = "SURGERY_STATE_SPLITS"
-CHUNK = 64  # fla's chunk size, which its fused intra-chunk kernel requires
 MAX_SPLITS = 32  # fla's own cap on a merge chain, for its precision
 MIN_CHUNKS = 8  # below this the pre-scan and merge cannot pay for themselves
 # The cost model, in units of one chunk step of the unsplit state pass (~0.65 us on an H200 at 9 heads

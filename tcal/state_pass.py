@@ -25,8 +25,9 @@ import os
 
 import torch
 
+from .chunk_intra import CHUNK
+
 SWITCH = "SURGERY_STATE_PASS"
-CHUNK = 64
 HEAD_DIM = 64        # the only head size timed
 BUSY = 72            # programs the widest block must still give (the measured optimum at 36 and 72 rows x heads)
 MAX_ROW_HEADS = 72   # measured up to here

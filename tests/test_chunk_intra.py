@@ -1,7 +1,7 @@
 """tcal/chunk_intra.py: the gated delta rule's intra-chunk forward (cumsum, (I + A)^-1, w, u) as one kernel.
 
 Which inputs it takes, on any machine; the kernel under Triton's CPU interpreter (float32) against the
-float64 reference at every diagonal block size, with partial chunks and unequal head sizes, and beside
+float64 reference at every column block it takes, with partial chunks and unequal head sizes, and beside
 fla's own four launches (skipped where Triton is not installed); on CUDA, bf16 no farther from float64 than
 fla's, through gated_delta_rule too, and in a CUDA graph."""
 from __future__ import annotations
@@ -65,7 +65,7 @@ def test_kernel_in_the_interpreter():
         from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra
         from fla.ops.utils import chunk_local_cumsum
         from fla.ops.utils.constant import RCP_LN2
-        from tcal.chunk_intra import chunk_intra_torch, chunk_intra_triton
+        from tcal.chunk_intra import BLOCKS, chunk_intra_torch, chunk_intra_triton
 
         def intra_inputs(batch, length, heads, k_dim, v_dim):
             gen = torch.Generator().manual_seed(0)
@@ -77,13 +77,19 @@ def test_kernel_in_the_interpreter():
         for shape in ((1, 300, 2, 64, 64), (2, 130, 3, 64, 128), (1, 64, 1, 32, 48)):
             k, v, g, beta = intra_inputs(*shape)
             want = chunk_intra_torch(k, v, g, beta)
-            for block in (1, 4, 8, 16, 64):
+            for block in BLOCKS:
                 got = chunk_intra_triton(k, v, g, beta, block=block)
                 errors = [rel(a, b) for a, b in zip(got, want)]
                 assert max(errors) < 1e-6 and all(x.dtype == y.dtype for x, y in zip(got[1:], (k, v))), (shape, block, errors)
             gc = chunk_local_cumsum(g, chunk_size=64, scale=RCP_LN2)
             w, u, _ = chunk_gated_delta_rule_fwd_intra(k=k, v=v, g=gc, beta=beta, chunk_size=64)
             assert max(rel(gc, want[0]), rel(w, want[1]), rel(u, want[2])) < 1e-5, shape  # fla's launches agree
+        try:
+            chunk_intra_triton(k, v, g, beta, block=8)
+        except ValueError as e:
+            assert "column block" in str(e)
+        else:
+            raise AssertionError("a column block below 16 was taken")
         print("ok")
     """)
     done = run_interpreted(script)
