@@ -286,12 +286,12 @@ def prefill(s: Setup, rows: Rows) -> None:
                 rows.add(f"{s.label()}: fast_logits, compiled", config, "prefill", hybrid_c, "ms", anchor)
                 rows.add(f"{s.label()}: fast_logits, compiled", config, "prefill", hybrid_c, "ms", ("compiled teacher", teacher_c))
             applied_default(s, rows, ids, config, default)
-            for switch in filter(None, a.prefill_off.split(",")):
-                runner = switched_off_runner(s.hybrid, switch.strip())
+            for switch in filter(None, (x.strip() for x in a.prefill_off.split(","))):
+                runner = switched_off_runner(s.hybrid, switch)
                 off = time_of(lambda: runner(ids))
-                rows.add(f"{s.label()}: fast_logits (default), {switch.strip()}=off", config, "prefill", off, "ms",
+                rows.add(f"{s.label()}: fast_logits (default), {switch}=off", config, "prefill", off, "ms",
                          ("compiled teacher", teacher_c) if not a.no_compiled else anchor)
-                rows.add(f"{s.label()}: fast_logits (default)", config, "prefill", default, "ms", (f"{switch.strip()}=off", off))
+                rows.add(f"{s.label()}: fast_logits (default)", config, "prefill", default, "ms", (f"{switch}=off", off))
             if a.profile:
                 for label, graph in (("teacher", s.teacher), (s.label(), s.hybrid)):
                     eager = default_eager_runner(graph)
@@ -305,10 +305,16 @@ def prefill(s: Setup, rows: Rows) -> None:
         free(s.device)
 
 
+def own_route(graph, label: str, **changes):
+    """A FastGraph of graph's default route of its own (its own replay graph), with `changes` to the route."""
+    fast = FastGraph(graph.gm, graph.device, "eval", None, limit=graph.max_length, label=label)
+    fast.route = dataclasses.replace(fast.route, **changes)
+    return fast
+
+
 def default_eager_runner(graph):
     """ids -> logits on the default route with replay off: the kernels a replay would run, one by one."""
-    fast = FastGraph(graph.gm, graph.device, "eval", None, limit=graph.max_length, label="graph, not replayed")
-    fast.route = dataclasses.replace(fast.route, replay=False)
+    fast = own_route(graph, "graph, not replayed", replay=False)
     fast.replays = None
     return lambda ids: run_graph(graph, ids, fast)
 
@@ -316,7 +322,7 @@ def default_eager_runner(graph):
 def switched_off_runner(graph, switch: str):
     """ids -> logits on the default route (its own replay graph) with the environment switch `switch` set to
     "off" around each call: the route without that kernel choice, timed in the same process as the default."""
-    fast = FastGraph(graph.gm, graph.device, "eval", None, limit=graph.max_length, label=f"graph, {switch}=off")
+    fast = own_route(graph, f"graph, {switch}=off")
 
     def run(ids):
         with env_setting(switch, "off"):
@@ -327,8 +333,7 @@ def switched_off_runner(graph, switch: str):
 def unfused_runner(graph):
     """ids -> logits on the default route without its elementwise fusions (surgery.decode.fusions; on
     by default, compiled.FUSED_BY_DEFAULT): what the fusions save."""
-    fast = FastGraph(graph.gm, graph.device, "eval", None, limit=graph.max_length, label="graph without fusions")
-    fast.route = dataclasses.replace(fast.route, fused=False)
+    fast = own_route(graph, "graph without fusions", fused=False)
     return lambda ids: run_graph(graph, ids, fast)
 
 
