@@ -3,7 +3,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,6 +15,7 @@ from safetensors.torch import load_file, save_file
 import surgery
 from surgery import PassManager
 from surgery.errors import CheckpointError, ModelLoadError
+from surgery.io.checkpoint import computed_buffers
 
 pytestmark = pytest.mark.versions  # round trips through transformers' config and tokenizer: repeated at the floor in CI
 
@@ -274,6 +278,51 @@ def test_missing_tensor_is_refused(damaged):
     with pytest.raises(CheckpointError) as info:
         surgery.load(damaged)
     assert "1 missing" in str(info.value) and "model.layers.3.self_attn.dt_bias" in str(info.value)
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma3", "phi3"])  # phi3: longrope's two factor buffers beside inv_freq
+def test_a_converted_graph_keeps_computed_buffers_out_of_its_weights(name, tiny):
+    """The buffers the teacher keeps out of its state_dict (a rotary embedding's inv_freq, computed from the
+    config) stay out of the hybrid's on every torch: 2.11-2.13 copied them into a forked graph as persistent
+    (surgery.core.rewrite.graph_module), so a hybrid saved there held inv_freq and did not load on 2.14+."""
+    t = tiny(name)
+    t.require_sites()
+    computed = computed_buffers(t.graph.gm)
+    assert any("inv_freq" in n for n in computed), computed
+    hybrid = convert(t.graph.branch(), [1])
+    assert not computed & set(hybrid.gm.state_dict())
+
+
+def test_a_checkpoint_holding_a_computed_buffer_loads_with_the_rebuilt_value(stories_hybrid, damaged):
+    """A hybrid saved under torch 2.11-2.13 before the fix above holds model.rotary_emb.inv_freq: it loads on
+    every torch, the value computed from the config kept (here the stored one is wrong on purpose)."""
+    state = load_file(damaged / "model.safetensors")
+    assert not computed_buffers(stories_hybrid.gm) & set(state)
+    rebuilt = dict(stories_hybrid.gm.named_buffers())["model.rotary_emb.inv_freq"]
+    state["model.rotary_emb.inv_freq"] = torch.full_like(rebuilt, 7.0)
+    _rewrite_weights(damaged, state)
+    loaded = surgery.load(damaged)
+    assert torch.equal(dict(loaded.gm.named_buffers())["model.rotary_emb.inv_freq"], rebuilt)
+    assert_same_logits(stories_hybrid, loaded, 512)
+
+
+@pytest.mark.skipif(not os.environ.get("SURGERY_OTHER_TORCH_PYTHON"),
+                    reason="SURGERY_OTHER_TORCH_PYTHON (a python with another torch and surgery; .ci/run sets it) not set")
+def test_a_hybrid_moves_between_torch_versions(stories_hybrid, saved, stories_path, tmp_path):
+    """A hybrid saved here loads under another torch (CI: the ceiling of the range) and one saved there loads
+    here, each computing what it computed where it was written (float32 on the CPU: the same kernels)."""
+    other = os.environ["SURGERY_OTHER_TORCH_PYTHON"]
+    here = Path(__file__).resolve().parent
+    done = subprocess.run([other, str(here / "other_torch.py"), str(saved), str(stories_path), "1,3", str(tmp_path / "other")],
+                          capture_output=True, text=True, timeout=300, cwd=here.parent)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (tmp_path / "other" / "torch.txt").read_text() != torch.__version__  # another torch indeed
+    from other_torch import IDS
+
+    got = load_file(tmp_path / "other" / "logits.safetensors")
+    with torch.no_grad():
+        torch.testing.assert_close(got["theirs"], stories_hybrid(IDS).float(), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(surgery.load(tmp_path / "other" / "hybrid")(IDS).float(), got["mine"], rtol=1e-5, atol=1e-5)
 
 
 def test_recipe_decisions_that_disagree_with_the_weights_are_refused(damaged):

@@ -30,6 +30,7 @@ from surgery.train.sharding import exclusive
 trainer_module = importlib.import_module("surgery.train.trainer")
 
 from cli_checks import assert_clean_failure, invoke
+from forks import skip_unless_forked_ranks_train
 
 TRAIN = " ".join([
     "Once upon a time, there was a little cat named Tom. Tom liked to play with a red ball in the garden.",
@@ -235,6 +236,7 @@ def test_two_sharded_processes_and_resume_across_world_sizes(reference, loaded, 
     optimizer state saved from 2 shards goes into 1, then stage kl; killed after step 3) -> 2
     processes again (steps 4-5: the kl state of one process split in two): the plain run, within
     float32 tolerance."""
+    skip_unless_forked_ranks_train()
     out = tmp_path / "fsdp2"
     on_ranks(2, lambda: distill(fresh(loaded), [train_file], out, config(**scored(train_file), fsdp=True, time_limit=1e-9), teacher=stories_teacher, progress=False, device="cpu"))
     assert len(losses(out)) == 1 and json.loads((out / "distill.json").read_text())["world"] == 2
@@ -255,6 +257,7 @@ def test_a_sharded_teacher_repeats_the_run(reference, loaded, train_file, storie
     """fsdp_teacher: stage kl's teacher sharded too (frozen, a unit per decoder layer). One process and
     two repeat the plain run; a caller's teacher Graph is left whole and running, a teacher the run
     captured itself (from a path) drops its full weights, keeping only the shards."""
+    skip_unless_forked_ranks_train()
     seen, real_shard = [], trainer_module.shard_teacher
 
     def shard(teacher, place, release):

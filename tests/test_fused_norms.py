@@ -103,7 +103,7 @@ def test_static_decode_steps_fuse_their_norms(tiny):
 
 
 def test_a_torch_without_the_op_keeps_the_graph(stories, monkeypatch):
-    """Every torch of the declared range (2.11 to 2.13) has aten._fused_rms_norm; one without it would
+    """Every torch of the declared range (2.11 to 2.15) has aten._fused_rms_norm; one without it would
     get the graph back unchanged, never an error."""
     graph = stories()
     monkeypatch.setattr(fused_norms_module, "fused_op", lambda: None)

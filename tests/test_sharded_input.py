@@ -17,6 +17,8 @@ from surgery.errors import DistillError
 from surgery.train import DistillConfig, distill
 from surgery.train.placement import placement
 
+from forks import skip_unless_forked_ranks_train
+
 L, G = 16, 4
 TEXT = "Once upon a time, there was a little cat named Tom. Tom liked to play with a red ball in the garden. " * 12
 
@@ -104,6 +106,7 @@ def test_a_rank_that_never_joins_is_named(monkeypatch):
 def test_a_rank_killed_mid_save_leaves_the_last_complete_checkpoint(student, stories_teacher, train_file, tmp_path):
     """Two processes, a checkpoint every step; rank 0 (the writer) dies like kill -9 halfway through
     checkpoint 2's trainer state. The run directory still opens at checkpoint 1, which resumes."""
+    skip_unless_forked_ranks_train()
     import surgery.train.run_dir as run_dir
 
     out = tmp_path / "run"

@@ -27,6 +27,23 @@ def token_dependent(gm: GraphModule, ids: Node) -> set:
     return value
 
 
+def graph_module(root: torch.nn.Module, graph: torch.fx.Graph) -> GraphModule:
+    """GraphModule(root, graph) in which the buffers root keeps out of its state_dict (non-persistent: a
+    rotary embedding's inv_freq, computed from the config) stay out, as torch >= 2.14 copies them. torch
+    2.11-2.13 registered every copied buffer as persistent, so inv_freq entered the checkpoints written
+    there and no others, and a hybrid saved under one of the two did not load under the other."""
+    made = GraphModule(root, graph)
+    for path, module in root.named_modules():
+        if not module._non_persistent_buffers_set:
+            continue
+        try:
+            owner = made.get_submodule(path)
+        except AttributeError:  # nothing of it is read by the graph, so nothing was copied
+            continue
+        owner._non_persistent_buffers_set.update(f for f in module._non_persistent_buffers_set if f in owner._buffers)
+    return made
+
+
 def fork(gm: GraphModule) -> GraphModule:
     """A new GraphModule with a copy of gm's graph that shares gm's parameter tensors.
 
@@ -35,7 +52,7 @@ def fork(gm: GraphModule) -> GraphModule:
     out = graph.graph_copy(gm.graph, {})
     graph.output(out)
     graph._codegen = copy.deepcopy(gm.graph._codegen)
-    forked = GraphModule(gm, graph)
+    forked = graph_module(gm, graph)
     forked.meta = dict(getattr(gm, "meta", {}))
     return forked
 

@@ -152,10 +152,12 @@ if triton is not None:
 
     @triton.jit
     def _sum_piece(a, b, out, store, r, k0, P: tl.constexpr, K: tl.constexpr):
-        """round(a + b) on row r, columns [k0, k0 + P), float32; written to out where `store`."""
+        """round(a + b) on row r, columns [k0, k0 + P), float32; written to out where `store` (a scalar
+        condition, compared as a block: Triton 3.9's interpreter makes a program-id comparison int32, which a
+        store's mask refuses)."""
         c = k0 + tl.arange(0, P)
         s = (_row_piece(a, r, k0, P, K) + _row_piece(b, r, k0, P, K)).to(out.dtype.element_ty)
-        tl.store(out + r * K + c, s, mask=(c < K) & store)
+        tl.store(out + r * K + c, s, mask=(c < K) & ((c * 0 + store) != 0))
         return s.to(tl.float32)
 
     @triton.jit

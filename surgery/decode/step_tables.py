@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 from torch.fx import GraphModule, Node
 
-from ..core.rewrite import SHAPE_QUERIES, ancestors, set_submodule
+from ..core.rewrite import SHAPE_QUERIES, ancestors, graph_module, set_submodule
 from ..core.run import attribute
 
 TARGET = "_step_tables"
@@ -132,7 +132,7 @@ def hoist_tables(gm: GraphModule, state_target: str = "_decode") -> int:
         env[n] = graph.node_copy(n, lambda a: env[a])
     tables = [s.args[0] for s in slices]
     graph.output(tuple(env[t] for t in tables))
-    set_submodule(gm, TARGET, StepTables(GraphModule(gm, graph), gm.get_submodule(state_target)))
+    set_submodule(gm, TARGET, StepTables(graph_module(gm, graph), gm.get_submodule(state_target)))
     with gm.graph.inserting_before(first):
         call = gm.graph.call_module(TARGET, tuple(sizes))
         for i, (s, t) in enumerate(zip(slices, tables)):

@@ -251,6 +251,8 @@ def rebuild(path: Path, recipe: dict, state: dict, tokenizer, device, dtype) -> 
     replay_passes(graph, recipe, path)
     graph.history = list(recipe["passes"])
     graph.meta.update(recipe.get("results", {}))
+    computed = computed_buffers(graph.gm)  # torch 2.11-2.13 wrote them (surgery.core.rewrite.graph_module)
+    state = {k: v for k, v in state.items() if k not in computed}
     missing, unexpected = _compare_keys(graph.gm, state)
     if missing or unexpected:
         raise CheckpointError(
@@ -305,6 +307,13 @@ def read_files(path: Path, folder: Path, verify: bool) -> tuple:
         tokenizer = AutoTokenizer.from_pretrained(Path(folder) / "tokenizer")
         tokenizer.name_or_path = str(path / "tokenizer")
     return recipe, state, tokenizer
+
+
+def computed_buffers(gm: torch.nn.Module) -> set[str]:
+    """The buffers gm keeps out of its state_dict (non-persistent: computed from the config, as a rotary
+    embedding's inv_freq): a checkpoint that holds one is read with the rebuilt value kept."""
+    saved = set(gm.state_dict())
+    return {name for name, _ in gm.named_buffers(remove_duplicate=False) if name not in saved}
 
 
 def _compare_keys(gm, state: dict) -> tuple[list, list]:

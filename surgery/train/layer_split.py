@@ -17,6 +17,7 @@ import operator
 import torch
 from torch import fx
 
+from ..core.rewrite import graph_module
 from ..errors import DistillError
 
 PRE, POST = "pre", "post"
@@ -74,7 +75,7 @@ def build_unit(gm: fx.GraphModule, nodes: list[fx.Node], inputs: list[fx.Node], 
                 env[a] = graph.get_attr(a.target)
         env[node] = graph.node_copy(node, lambda x: env[x])
     graph.output(tuple(env[o] for o in outputs))
-    return fx.GraphModule(gm, graph)
+    return graph_module(gm, graph)
 
 
 def split_by_layer(gm: fx.GraphModule, sites) -> fx.GraphModule:
@@ -110,7 +111,7 @@ def split_by_layer(gm: fx.GraphModule, sites) -> fx.GraphModule:
             env[value] = root.call_function(operator.getitem, (call, i))
     root.output(fx.map_arg(out_node.args[0], lambda x: env[x]))
     root.set_codegen(copy.deepcopy(gm.graph._codegen))  # the graph's calling convention (kwargs in, ModelOutput out)
-    split = fx.GraphModule(holder, root)
+    split = graph_module(holder, root)
     split.meta = dict(getattr(gm, "meta", {}))
     return split
 

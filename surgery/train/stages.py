@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from ..core.compiled import maybe_compiled
 from ..core.graph import Graph
-from ..core.rewrite import prune
+from ..core.rewrite import graph_module, prune
 from ..core.run import graph_logits, placeholder_values
 from ..errors import DistillError
 from .losses import chunk_terms, kl_divergence
@@ -73,7 +73,7 @@ def tap_module(gm: torch.fx.GraphModule, names: list[str]) -> torch.fx.GraphModu
     if missing:
         raise DistillError(f"The teacher graph has no node(s) {missing}.", "The teacher and its attention sites disagree; capture the teacher again.")
     graph.output(tuple(by_name[n] for n in names))
-    tapped = torch.fx.GraphModule(gm, graph)
+    tapped = graph_module(gm, graph)
     tapped.meta = dict(getattr(gm, "meta", {}))
     prune(tapped)
     tapped.recompile()
