@@ -257,7 +257,6 @@ def test_a_sharded_teacher_repeats_the_run(reference, loaded, train_file, storie
     """fsdp_teacher: stage kl's teacher sharded too (frozen, a unit per decoder layer). One process and
     two repeat the plain run; a caller's teacher Graph is left whole and running, a teacher the run
     captured itself (from a path) drops its full weights, keeping only the shards."""
-    skip_unless_forked_ranks_train()
     seen, real_shard = [], trainer_module.shard_teacher
 
     def shard(teacher, place, release):
@@ -276,6 +275,7 @@ def test_a_sharded_teacher_repeats_the_run(reference, loaded, train_file, storie
     assert seen[1:] == [(6, True, True, {"meta"})]  # captured by the run: only the shards stay
     assert_same_run(tmp_path / "path", reference, rel=1e-6, rtol=1e-5)
     monkeypatch.undo()
+    skip_unless_forked_ranks_train()  # the one-process checks above ran
     on_ranks(2, lambda: distill(fresh(loaded), [train_file], tmp_path / "two", c, teacher=stories_teacher, progress=False, device="cpu"))
     assert json.loads((tmp_path / "two" / "distill.json").read_text())["world"] == 2
     assert_same_run(tmp_path / "two", reference, rel=1e-5, rtol=1e-4)

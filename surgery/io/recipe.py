@@ -22,13 +22,12 @@ VERSION = 1
 def library_versions() -> dict:
     """The versions a run used; torch's with its build (torch.__version__: "2.14.1+cu130", where PyPI's
     CUDA wheels' metadata says only "2.14.1"), since the build decides which kernels ran."""
-    out = {"python": platform.python_version()}
-    for name in ("surgery", "torch", "transformers", "safetensors", "flash-linear-attention", "gguf"):
+    out = {"python": platform.python_version(), "torch": torch.__version__}
+    for name in ("surgery", "transformers", "safetensors", "flash-linear-attention", "gguf"):
         try:
             out[name] = importlib.metadata.version(name)
         except importlib.metadata.PackageNotFoundError:
             out[name] = None
-    out["torch"] = torch.__version__
     return out
 
 
