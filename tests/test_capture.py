@@ -256,6 +256,31 @@ def test_capture_from_a_model_directory(tmp_path, tiny):
         assert (g(ids) - model(input_ids=ids).logits).abs().max().item() <= 1e-5
 
 
+@pytest.mark.parametrize("offload", [False, True])
+def test_a_bf16_capture_keeps_computed_buffers_as_transformers_loads_them(tmp_path, tiny, offload):
+    """from_pretrained(dtype=bf16) leaves RoPE's inv_freq float32; capture in bf16 (in memory, or traced on
+    meta with the weights in their files) casts the weights and keeps it, so the graph's logits are
+    transformers' own bf16 model's, not those of one whose frequencies were rounded to bf16."""
+    from transformers import AutoModelForCausalLM
+
+    tiny("llama").model.save_pretrained(tmp_path / "llama")
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path / "llama", dtype=torch.bfloat16).eval()
+    computed = dict(reference.named_non_persistent_buffers())
+    assert computed and all(b.dtype == torch.float32 for b in computed.values())
+    g = surgery.capture(tmp_path / "llama", dtype=torch.bfloat16, offload=offload)
+    held = dict(g.gm.named_buffers())
+    kept = [k for k in held if k.endswith("inv_freq")]
+    assert kept and all(held[k].dtype == torch.float32 for k in kept)
+    assert all(p.dtype == torch.bfloat16 for p in g.gm.parameters() if not p.is_meta)
+    ids = ids_for((1, 120), 128)
+    with torch.no_grad():
+        want = reference(input_ids=ids).logits.float()
+        rounded = AutoModelForCausalLM.from_pretrained(tmp_path / "llama", dtype=torch.bfloat16).eval().to(torch.bfloat16)
+        assert all(b.dtype == torch.bfloat16 for _, b in rounded.named_non_persistent_buffers())
+        assert (rounded(input_ids=ids).logits.float() - want).abs().max().item() > 0  # the rounding shows
+        assert (g(ids).float() - want).abs().max().item() == 0
+
+
 # ------------------------------------------------------------------------------------------------
 # inputs the toolkit must refuse with one clear paragraph
 
@@ -511,6 +536,25 @@ class _GuardedLength(_ToyLM):
     def forward(self, input_ids):
         x = self.embed(input_ids)
         return x * 2 if input_ids.shape[1] > 4 else x
+
+
+def test_only_the_guards_that_refuse_one_token_alone_are_dropped():
+    """torch 2.11 wrote export's 0/1 assumption into XGLM's input guards (one-token calls failed, torch
+    2.13's same graph has no such guard and runs them): a guard on the length alone that fails at 1 and
+    holds from 2 to the graph's longest length goes; the length limit, guards that hold everywhere, narrow
+    the lengths more or read anything but the length stay."""
+    from types import SimpleNamespace
+
+    from surgery.core.capture import drop_length_one_guards
+
+    n = "L['input_ids'].size()[1]"
+    limit, everywhere, one = f"2 + {n} <= 130", f"min(16*{n}, 64*{n}) == (16*{n})", f"{n} < min({n}*{n}, 4*{n}*{n})"
+    narrower, batch, other = f"{n} >= 3", "L['input_ids'].size()[0] <= 4096", "L['use_cache'] == False"
+    program = SimpleNamespace(_guards_code=[limit, everywhere, one, narrower, batch, other])
+    assert drop_length_one_guards(program, 128) == 1
+    assert program._guards_code == [limit, everywhere, narrower, batch, other]
+    assert drop_length_one_guards(SimpleNamespace(_guards_code=[f"{n} > 1 and {n} <= 64"]), 128) == 0  # fails at 65 too
+    assert drop_length_one_guards(SimpleNamespace(), 128) == 0  # a torch without _guards_code
 
 
 def test_a_narrowing_shape_guard_is_announced():

@@ -133,6 +133,26 @@ def test_compile_that_disagrees_warns_once_and_stays_eager(stories, monkeypatch)
     assert "disagree" in fast_graph(graph).failed
 
 
+def test_decoder_prefill_on_the_fused_route(tiny, monkeypatch):
+    """CUDA's default route (the flags, the fusions, sibling projections as one matmul; eager here, the CPU
+    has no CUDA graphs): the prefill's taps still fill the caches, so greedy steps equal full recomputation."""
+    graph = hybrid(tiny("llama").graph.branch(), use_short_conv=True)
+    prompt = ids_of(graph, 1, 11)[0].tolist()
+    reference, _ = full_greedy(graph, prompt, 6)
+    route = Route(causal_flags=True, fused=True)
+    monkeypatch.setattr(compiled_module, "ROUTES", {("cpu", "eval"): route, ("cpu", "prefill"): route})
+    fast = Decoder(graph)
+    assert fast.fast_prefill.on
+    tokens, _ = incremental_greedy(fast, prompt, 6)
+    assert tokens == reference
+    ids = torch.tensor([prompt])
+    with torch.no_grad():  # the runs of all positions' logits and of the last one's
+        assert_close(fast.reset(1, 20).prefill(ids), graph.logits(ids), "all logits")
+        assert_close(fast.reset(1, 20).prefill(ids, last_only=True), graph.logits(ids)[:, -1:], "the last position's")
+    copies = [w for run in fast.fast_prefill.runs.values() for weights in run.fused.values() for w in weights]
+    assert copies and len({id(w) for w in copies}) == len(fast.fast_prefill.runs[False].copies) < len(copies)  # one copy, both runs
+
+
 @pytest.mark.parametrize("name, use_short_conv", [("llama", True), ("gemma2", False), ("qwen2", None)])
 def test_decoder_prefill_through_the_fast_route(tiny, aot_eager, monkeypatch, name, use_short_conv):
     """The prefill graph's taps fill the caches as the eager prefill does: the prefill's logits and
@@ -392,3 +412,45 @@ def test_long_inputs_run_eagerly(stories, monkeypatch):
         for _ in range(2):
             fast(input_ids=ids_of(graph, 2, 20))
         assert len(captured) == 1 and fast.borrowed
+
+
+def linear_count(gm) -> int:
+    return sum(n.op == "call_function" and n.target is torch.ops.aten.linear.default for n in gm.graph.nodes)
+
+
+def test_sibling_projections_are_one_matmul_on_the_fused_route(stories, monkeypatch):
+    """The fused route (CUDA's) runs q/k/v and gate/up as one matmul each over copies of their weights: the
+    logits are the captured graph's, an in-place edit of a weight reaches the next call (the copies are
+    refreshed), and neither the switch's off nor a device too small for the copies fuses them."""
+    import surgery.decode.fused_linears as fused_linears
+
+    monkeypatch.setattr(compiled_module, "ROUTES", {("cpu", "eval"): Route(causal_flags=True, fused=True)})
+    graph = fresh(stories)
+    ids = ids_of(graph, 2, 40)
+    key = bucket(40, graph.max_length)
+    layers = graph.config.num_hidden_layers
+    up = next(p for name, p in graph.gm.named_parameters() if "up_proj" in name)
+    with torch.no_grad():
+        assert_close(fast_logits(graph, ids), graph.logits(ids), "fused")
+        fast = fast_graph(graph)
+        assert linear_count(fast.graphs[key]) == linear_count(graph.gm) - 3 * layers  # q/k/v 3 -> 1, gate/up 2 -> 1
+        assert len(fast.fused[key]) == 2 * layers
+        before, kept = fast_logits(graph, ids).clone(), up.clone()  # the session's graphs share these weights
+        up.mul_(1.5)
+        try:
+            edited = fast_logits(graph, ids)
+            assert_close(edited, graph.logits(ids), "after an in-place edit")
+            assert (edited - before).abs().max().item() > 1e-3
+        finally:
+            up.copy_(kept)
+    for off in ("switch", "memory"):
+        with monkeypatch.context() as m:
+            if off == "switch":
+                m.setenv(fused_linears.SWITCH, "off")
+            else:
+                m.setattr(fused_linears, "MEMORY_SHARE", 0.0)
+            graph = fresh(stories)
+            with torch.no_grad():
+                assert_close(fast_logits(graph, ids), graph.logits(ids), f"{off} off")
+            fast = fast_graph(graph)
+            assert linear_count(fast.graphs[key]) == linear_count(graph.gm) and not fast.fused[key]

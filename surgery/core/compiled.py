@@ -78,8 +78,9 @@ class Route:
     replay         until then, an input shape's second and later calls replay the eager graph as a
                    CUDA graph (surgery.decode.replay): the same kernels, bit-identical logits, a
                    capture of ~0.1 s instead of a compile.
-    fused          each RMSNorm's traced arithmetic, and each SwiGLU product, as one kernel (surgery.decode.fusions):
-                   for the uncompiled routes, since inductor fuses them itself."""
+    fused          each RMSNorm's traced arithmetic, and each SwiGLU product, as one kernel (surgery.decode.fusions),
+                   and sibling projections as one matmul (surgery.decode.fused_linears.fused_siblings): for
+                   the uncompiled routes, since inductor fuses the elementwise work itself."""
 
     causal_flags: bool = False
     compile_after: float | None = None

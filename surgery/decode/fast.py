@@ -6,7 +6,8 @@ length, so the runner keeps one rewritten graph per length bucket (a power of tw
 MIN_BUCKET tokens, capped at the graph's limit): a longer input moves to a larger bucket, never past
 what its rewrite checked. Fused elementwise work (surgery.decode.fusions): each RMSNorm's
 traced arithmetic, and each SwiGLU product, as one kernel. Replay (surgery.decode.replay, on CUDA): from an input shape's second call
-the eager graph runs as a captured CUDA graph, the same kernels at a fraction of the host's cost.
+the eager graph runs as a captured CUDA graph, the same kernels at a fraction of the host's cost. Sibling projections (q/k/v, gate/up) as one matmul each
+on the fused route (surgery.decode.fused_linears.fused_siblings, over copies refreshed before each call).
 Compiling (surgery.core.compiled.CompiledGraph, replayed as CUDA graphs on CUDA) starts once the eager
 calls have cost what a compile costs (Route.compile_after).
 
@@ -27,6 +28,7 @@ from ..core.compiled import REPLAY_MODE, CompiledGraph, failure_reason, inferenc
 from ..core.run import run_graph
 from .agreement import compiled_agrees
 from .causal_flags import CausalFlags
+from .fused_linears import fused_siblings
 from .fusions import fuse_elementwise
 from .replay import Replays
 
@@ -51,11 +53,13 @@ class FastGraph:
     reason the runner fell back to eager for good, if it did."""
 
     def __init__(self, gm, device, use: str, flag: bool | None, *, limit: int, label: str = "graph", rewrite=None,
-                 report=sys.stderr):
+                 report=sys.stderr, shared_copies: dict | None = None):
         self.gm, self.device, self.limit, self.label, self.report = gm, torch.device(device), limit, label, report
         self.route = inference_route(flag, self.device, use)
         self.rewrite = rewrite
         self.graphs: dict = {}      # bucket (None without the flags) -> the graph eager calls run
+        self.fused: dict = {}       # bucket -> the FusedWeights its graph reads (copies of sibling projections)
+        self.copies = {} if shared_copies is None else shared_copies  # the buckets' one copy of each (fused_siblings)
         self.compiled: dict = {}    # bucket -> CompiledGraph
         self.eager_seconds = 0.0
         self.shapes: set = set()    # input shapes run eagerly so far (a shape's first call is not counted)
@@ -68,11 +72,17 @@ class FastGraph:
 
     def graph(self, key):
         """The eager graph of a bucket: the flags' rewrite, then `rewrite` (which names nodes of the
-        captured graph, a Decoder's cache taps), then the fusions (if the route has them)."""
+        captured graph, a Decoder's cache taps), then the fusions (if the route has them), their fused
+        weights refreshed from the parameters."""
         if key not in self.graphs:
             gm = CausalFlags(key)(self.gm) if key is not None else self.gm
             gm = self.rewrite(gm) if self.rewrite is not None else gm
-            self.graphs[key] = fuse_elementwise(gm)[0] if self.route.fused else gm
+            if self.route.fused:
+                fused, self.fused[key] = fused_siblings(gm, self.device, self.copies)
+                gm = fuse_elementwise(fused, in_place=fused is not gm)[0]
+            self.graphs[key] = gm
+        for weight in self.fused.get(key, ()):
+            weight.refresh()
         return self.graphs[key]
 
     def compiling(self) -> bool:

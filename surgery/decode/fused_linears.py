@@ -1,4 +1,4 @@
-"""Sibling projections of a static decode step as one matmul each.
+"""Sibling projections of a static decode step, and of the fast route's prefill, as one matmul each.
 
 At one token per row a step is a chain of tiny kernels, and their count sets its time, not the bytes
 they read: bench/decode_profile.py counted 573 kernels in one step of SmolLM2's 75% GDN hybrid at
@@ -7,10 +7,16 @@ the H200, bench/RESULTS.md). Linears that read the same input (q/k/v, gate/up, a
 input projections) become one matmul over a concatenated copy of their weights. The copy costs the memory of the weights it fuses. The Decoder checks it
 against its sources (storage and version counter) at every reset and refreshes it in place when one
 changed, so a captured CUDA graph keeps reading the same memory; checking before every step instead
-cost about 0.2 ms a step for SmolLM2's hybrid (60 fused weights), a tenth of the step."""
+cost about 0.2 ms a step for SmolLM2's hybrid (60 fused weights), a tenth of the step.
+
+The fast route's prefill (surgery.decode.fast) fuses them too (`fused_siblings`): at 2k x 1 its
+replayed kernels are a few microseconds each, gate/up two launches of 8 us in every layer (thirty-seventh
+session's profile). There the copies are refreshed before every call, and made only while they take at most
+MEMORY_SHARE of the device's memory (an 8B teacher's gate/up alone would copy 7.5 GB); SWITCH=off turns it off."""
 from __future__ import annotations
 
 import operator
+import os
 from collections import defaultdict
 
 import torch
@@ -18,10 +24,12 @@ from torch.fx import GraphModule
 
 from tcal.gdn import concatenated, row_aligned
 
-from ..core.rewrite import prune
+from ..core.rewrite import fork, prune
 from ..errors import DecodeError
 
 LINEAR = torch.ops.aten.linear.default
+SWITCH = "SURGERY_PREFILL_SIBLINGS"  # "off": the fast route's prefill keeps each projection its own matmul
+MEMORY_SHARE = 0.05  # the most of the device's memory the fast route's fused copies may take
 
 
 class FusedWeight:
@@ -82,16 +90,22 @@ def _siblings(gm: GraphModule) -> list[list]:
     return [nodes for nodes in groups.values() if len(nodes) > 1]
 
 
-def fuse_sibling_linears(gm: GraphModule) -> list[FusedWeight]:
+def fuse_sibling_linears(gm: GraphModule, shared: dict | None = None) -> list[FusedWeight]:
     """Rewrite gm in place: every group of sibling linears becomes one linear over a FusedWeight
     (registered on gm as non-persistent buffers) split back into the parts. Returns the FusedWeights,
-    whose refresh() the caller runs when a source may have changed."""
+    whose refresh() the caller runs when a source may have changed. `shared` (sources -> FusedWeight)
+    lets graphs over the same weights (a runner's length buckets) read one copy."""
     fused = []
     for index, nodes in enumerate(_siblings(gm)):
         weights = [_attr(gm, n.args[1].target) for n in nodes]
         bias_nodes = [n.args[2] if len(n.args) > 2 else n.kwargs.get("bias") for n in nodes]
         biases = [None if b is None else _attr(gm, b.target) for b in bias_nodes]
-        weight = FusedWeight(weights, biases)
+        sources = tuple(id(t) for t in weights + biases if t is not None)
+        weight = shared.get(sources) if shared is not None else None
+        if weight is None:
+            weight = FusedWeight(weights, biases)
+            if shared is not None:
+                shared[sources] = weight
         name = f"_fused_linear{index}"
         gm.register_buffer(f"{name}_weight", weight.weight, persistent=False)
         if weight.bias is not None:
@@ -111,3 +125,28 @@ def fuse_sibling_linears(gm: GraphModule) -> list[FusedWeight]:
     gm.graph.lint()
     gm.recompile()
     return fused
+
+
+def fused_siblings(gm: GraphModule, device, shared: dict | None = None) -> tuple[GraphModule, list[FusedWeight]]:
+    """A fork of gm with its sibling linears fused (fuse_sibling_linears, over `shared` copies), or gm
+    itself when it has none, when SWITCH is off, or when the copies would take more than MEMORY_SHARE of
+    the device's memory."""
+    groups = _siblings(gm)
+    if not groups or os.environ.get(SWITCH, "").lower() == "off":
+        return gm, []
+    copied = 0
+    for nodes in groups:
+        for n in nodes:
+            copied += _attr(gm, n.args[1].target).nbytes
+    if copied > MEMORY_SHARE * device_memory(device):
+        return gm, []
+    forked = fork(gm)
+    return forked, fuse_sibling_linears(forked, shared)
+
+
+def device_memory(device) -> int:
+    """Bytes of memory of `device` (the host's for the CPU)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -101,8 +101,10 @@ class Prefill:
     def __init__(self, decoder, plan, flag: bool | None):
         sources = {layer: (p.k_source.name, p.v_source.name) for layer, p in plan.attention.items()}
         self.decoder, self.gm = decoder, fork(plan.gm)
+        copies: dict = {}  # both runs read one copy of each group of fused sibling projections
         self.runs = {last: FastGraph(self.gm, decoder.graph.device, "prefill", flag, limit=plan.max_length,
-                                     label="prefill graph", rewrite=PrefillTaps(sources, dict(plan.gdn), last))
+                                     label="prefill graph", rewrite=PrefillTaps(sources, dict(plan.gdn), last),
+                                     shared_copies=copies)
                      for last in (False, True)}  # all logits, or the last position's (what generate reads)
         route = self.runs[False].route
         self.on = route.causal_flags or route.compile_after is not None
