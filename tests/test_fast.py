@@ -18,7 +18,7 @@ import surgery.decode.agreement as agreement_module
 from surgery.core.compiled import Route, inference_route
 from surgery.decode import Decoder, generate
 from surgery.decode.causal_flags import CausalFlags
-from surgery.decode.fast import FastGraph, bucket, fast_graph, fast_logits, fast_runner
+from surgery.decode.fast import FastGraph, bucket, fast_graph, fast_logits, fast_runner, first_output
 from surgery.decode.precision import float32_gaps, float32_twin
 from surgery.decode.replay import Replays
 from surgery.eval.passkey import passkey
@@ -443,6 +443,12 @@ def test_sibling_projections_are_one_matmul_on_the_fused_route(stories, monkeypa
             assert (edited - before).abs().max().item() > 1e-3
         finally:
             up.copy_(kept)
+    twin = dataclasses.replace(graph, gm=copy.deepcopy(graph.gm), cache={})  # a model cast after its first call
+    with torch.no_grad():
+        fast_logits(twin, ids)
+        twin.gm.double()
+        assert_close(fast_logits(twin, ids.clone()), graph.logits(ids), "after a cast to float64")
+        assert first_output(fast_graph(twin).eager(ids)).dtype == torch.float64
     for off in ("switch", "memory"):
         with monkeypatch.context() as m:
             if off == "switch":

@@ -73,7 +73,9 @@ class FastGraph:
     def graph(self, key):
         """The eager graph of a bucket: the flags' rewrite, then `rewrite` (which names nodes of the
         captured graph, a Decoder's cache taps), then the fusions (if the route has them), their fused
-        weights refreshed from the parameters."""
+        weights refreshed from the parameters (all graphs rebuilt once a parameter was cast or moved)."""
+        if any(weight.moved() for weight in self.fused.get(key, ())):
+            self.graphs.clear(), self.fused.clear(), self.copies.clear(), self.compiled.clear()
         if key not in self.graphs:
             gm = CausalFlags(key)(self.gm) if key is not None else self.gm
             gm = self.rewrite(gm) if self.rewrite is not None else gm

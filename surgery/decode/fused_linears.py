@@ -56,7 +56,7 @@ class FusedWeight:
         key = self._key()
         if key == self.key:
             return
-        if any(w.dtype != self.weight.dtype or w.device != self.weight.device for w in self.weights):
+        if self.moved():
             raise DecodeError("A weight changed dtype or device after the Decoder was built.",
                               "Build a new Decoder after moving or casting the model.")
         with torch.no_grad():
@@ -65,6 +65,10 @@ class FusedWeight:
             if self.bias is not None:
                 self.bias[:bias.shape[0]].copy_(bias)
         self.key = key
+
+    def moved(self) -> bool:
+        """Whether a source was cast or moved since the copy was made (a copy cannot follow it)."""
+        return any(w.dtype != self.weight.dtype or w.device != self.weight.device for w in self.weights)
 
     def pair(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         return self.weight, self.bias
