@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 import surgery
 from surgery import PassManager
 from surgery.errors import CheckpointError, ModelLoadError
-from surgery.io.checkpoint import computed_buffers
+from surgery.core.rewrite import computed_buffers
 
 pytestmark = pytest.mark.versions  # round trips through transformers' config and tokenizer: repeated at the floor in CI
 

@@ -13,7 +13,7 @@ from ..errors import CaptureError, ModelLoadError, first_line
 from . import progress
 from .graph import Graph
 from .load import load_model
-from .rewrite import token_dependent
+from .rewrite import computed_buffers, token_dependent
 from .slice_fill import drop_whole_slices, fold_slice_fills
 
 CAPTURE_BATCH = 2
@@ -79,8 +79,7 @@ def drop_length_one_guards(program, max_length: int) -> int:
     code = getattr(program, "_guards_code", None)  # torch >= 2.9: what program.module()'s _guards_fn checks
     if not code:
         return 0
-    kept = [guard for guard in code if not (_length_guard(guard, 1) is False
-                                            and all(_length_guard(guard, n) is True for n in range(2, max_length + 1)))]
+    kept = [guard for guard in code if not _refuses_only_one(guard, max_length)]
     if len(kept) < len(code):
         program._guards_code = kept
     return len(code) - len(kept)
@@ -96,14 +95,22 @@ class _LengthOnly:
         return {1: self.length}
 
 
-def _length_guard(guard: str, length: int) -> bool | None:
-    """The guard's value at `length` tokens, or None when it reads more than the input's length. (The
+def _refuses_only_one(guard: str, max_length: int) -> bool:
+    """Whether the guard reads the input's length alone, fails at 1 and holds from 2 to max_length. (The
     guards are the Python code torch.export wrote for this program, evaluated with no builtins.)"""
     try:
-        value = eval(guard, {"__builtins__": {}, "min": min, "max": max, "L": {"input_ids": _LengthOnly(length)}})
-    except Exception:
-        return None
-    return value if isinstance(value, bool) else None
+        code = compile(guard, "<export guard>", "eval")
+    except SyntaxError:
+        return False
+
+    def value(length: int) -> bool | None:  # None: it reads more than the length
+        try:
+            out = eval(code, {"__builtins__": {}, "min": min, "max": max, "L": {"input_ids": _LengthOnly(length)}})
+        except Exception:
+            return None
+        return out if isinstance(out, bool) else None
+
+    return value(1) is False and all(value(n) is True for n in range(2, max_length + 1))
 
 
 def length_range(program) -> tuple[int, int] | None:
@@ -178,19 +185,13 @@ def to_compute(model: torch.nn.Module, device=None, dtype: torch.dtype | None = 
     its config (non-persistent: a rotary embedding's inv_freq) keep their dtype, as transformers'
     from_pretrained(dtype=...) leaves them: model.to(bf16) would round RoPE's frequencies to bf16
     (SmolLM2 in bf16: WikiText-2 perplexity 19.2961 against HF's 19.2827, thirty-sixth session)."""
-    computed = computed_floating_buffers(model)
+    names = computed_buffers(model)
+    computed = {name: b for name, b in model.named_buffers() if name in names and b.is_floating_point()}
     model = model.to(device=device, dtype=dtype)
     for key, buffer in computed.items():
         owner, _, name = key.rpartition(".")
         model.get_submodule(owner)._buffers[name] = buffer.to(device) if device is not None else buffer
     return model
-
-
-def computed_floating_buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Qualified name -> tensor of every floating buffer model keeps out of its state_dict."""
-    return {f"{path}.{name}" if path else name: b for path, module in model.named_modules()
-            for name, b in module._buffers.items()
-            if b is not None and b.is_floating_point() and name in module._non_persistent_buffers_set}
 
 
 def capture_graph(source, *, tokenizer=None, max_length: int | None = None, dtype: torch.dtype | None = None,

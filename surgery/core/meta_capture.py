@@ -13,7 +13,7 @@ import torch
 
 from ..errors import ModelLoadError, first_line
 from . import progress
-from .capture import computed_floating_buffers, export_model, max_positions, to_compute
+from .capture import export_model, max_positions, to_compute
 from .graph import Graph
 from .gguf_weights import GGUFWeights
 from .load import check_gguf, folder_tokenizer, gguf_adds_bos, one_gguf_parse, resolve
@@ -111,9 +111,8 @@ def capture_meta(model, weights, *, device: str | torch.device = "cpu", dtype: t
     or any source with `in`, stored_name, load(name, device, dtype) and nbytes) serves them, kept in
     graph.cache["weights"]; graph.meta["offload"] records the compute device and dtype."""
     device, dtype = torch.device(device), dtype or torch.float32
-    buffers = {k: b.to(device) for k, b in model.named_buffers() if not b.is_meta}
-    kept = set(computed_floating_buffers(model))  # their dtype stays, as capture's to_compute keeps it
-    model = to_compute(model, META, dtype)  # the dtype the graph bakes in
+    buffers = {k: b.to(device) for k, b in model.named_buffers() if not b.is_meta}  # the computed ones (meta_model_of)
+    model = to_compute(model, META, dtype)  # the dtype the graph bakes in; computed buffers keep theirs
     limit = max_length or max_positions(model.config)
     with progress.task("capture") as bar:
         bar.update(info="tracing with torch.export on the meta device")
@@ -123,7 +122,7 @@ def capture_meta(model, weights, *, device: str | torch.device = "cpu", dtype: t
     for key, value in buffers.items():
         owner, _, name = key.rpartition(".")
         if key in held:
-            gm.get_submodule(owner)._buffers[name] = value.to(dtype) if value.is_floating_point() and key not in kept else value
+            gm.get_submodule(owner)._buffers[name] = value
     graph = Graph(gm=gm, config=model.config, source=source or {"kind": "module", "class": type(model).__name__}, tokenizer=tokenizer)
     graph.meta["capture"] = {"max_length": limit, "dtype": str(dtype).removeprefix("torch.")}
     graph.meta["offload"] = {"device": str(device), "dtype": str(dtype).removeprefix("torch.")}

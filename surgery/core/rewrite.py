@@ -27,6 +27,13 @@ def token_dependent(gm: GraphModule, ids: Node) -> set:
     return value
 
 
+def computed_buffers(module: torch.nn.Module) -> set[str]:
+    """Names of the buffers module keeps out of its state_dict (non-persistent: computed from the config,
+    as a rotary embedding's inv_freq)."""
+    saved = set(module.state_dict(keep_vars=True))
+    return {name for name, _ in module.named_buffers(remove_duplicate=False) if name not in saved}
+
+
 def graph_module(root: torch.nn.Module, graph: torch.fx.Graph) -> GraphModule:
     """GraphModule(root, graph) in which the buffers root keeps out of its state_dict (non-persistent: a
     rotary embedding's inv_freq, computed from the config) stay out, as torch >= 2.14 copies them. torch

@@ -74,7 +74,7 @@ class FastGraph:
         """The eager graph of a bucket: the flags' rewrite, then `rewrite` (which names nodes of the
         captured graph, a Decoder's cache taps), then the fusions (if the route has them), their fused
         weights refreshed from the parameters (all graphs rebuilt once a parameter was cast or moved)."""
-        if any(weight.moved() for weight in self.fused.get(key, ())):
+        if not all(weight.refresh() for weight in self.fused.get(key, ())):
             self.graphs.clear(), self.fused.clear(), self.copies.clear(), self.compiled.clear()
         if key not in self.graphs:
             gm = CausalFlags(key)(self.gm) if key is not None else self.gm
@@ -83,8 +83,6 @@ class FastGraph:
                 fused, self.fused[key] = fused_siblings(gm, self.device, self.copies)
                 gm = fuse_elementwise(fused, in_place=fused is not gm)[0]
             self.graphs[key] = gm
-        for weight in self.fused.get(key, ()):
-            weight.refresh()
         return self.graphs[key]
 
     def compiling(self) -> bool:

@@ -12,7 +12,7 @@ cost about 0.2 ms a step for SmolLM2's hybrid (60 fused weights), a tenth of the
 The fast route's prefill (surgery.decode.fast) fuses them too (`fused_siblings`): at 2k x 1 its
 replayed kernels are a few microseconds each, gate/up two launches of 8 us in every layer (thirty-seventh
 session's profile). There the copies are refreshed before every call, and made only while they take at most
-MEMORY_SHARE of the device's memory (an 8B teacher's gate/up alone would copy 7.5 GB); SWITCH=off turns it off."""
+MEMORY_SHARE of the device's free memory (an 8B teacher's gate/up alone would copy 7.5 GB); SWITCH=off turns it off."""
 from __future__ import annotations
 
 import operator
@@ -25,11 +25,11 @@ from torch.fx import GraphModule
 from tcal.gdn import concatenated, row_aligned
 
 from ..core.rewrite import fork, prune
-from ..errors import DecodeError
+from ..io.memory import available_bytes
 
 LINEAR = torch.ops.aten.linear.default
 SWITCH = "SURGERY_PREFILL_SIBLINGS"  # "off": the fast route's prefill keeps each projection its own matmul
-MEMORY_SHARE = 0.05  # the most of the device's memory the fast route's fused copies may take
+MEMORY_SHARE = 0.05  # the most of the device's free memory the fast route's fused copies may take
 
 
 class FusedWeight:
@@ -51,24 +51,21 @@ class FusedWeight:
     def _key(self) -> tuple:
         return tuple((t.data_ptr(), t._version) for t in self.weights + self.biases if t is not None)
 
-    def refresh(self) -> None:
-        """Copy the sources again if any changed since the last copy."""
+    def refresh(self) -> bool:
+        """Copy the sources again if any changed since the last copy; False (nothing copied) when one was
+        cast or moved, which a copy of fixed dtype and device cannot follow."""
         key = self._key()
         if key == self.key:
-            return
-        if self.moved():
-            raise DecodeError("A weight changed dtype or device after the Decoder was built.",
-                              "Build a new Decoder after moving or casting the model.")
+            return True
+        if any(w.dtype != self.weight.dtype or w.device != self.weight.device for w in self.weights):
+            return False
         with torch.no_grad():
             weight, bias = concatenated(self.weights, self.biases)
             self.weight[:weight.shape[0]].copy_(weight)  # aligned: the zero rows after stay zero
             if self.bias is not None:
                 self.bias[:bias.shape[0]].copy_(bias)
         self.key = key
-
-    def moved(self) -> bool:
-        """Whether a source was cast or moved since the copy was made (a copy cannot follow it)."""
-        return any(w.dtype != self.weight.dtype or w.device != self.weight.device for w in self.weights)
+        return True
 
     def pair(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         return self.weight, self.bias
@@ -134,7 +131,7 @@ def fuse_sibling_linears(gm: GraphModule, shared: dict | None = None) -> list[Fu
 def fused_siblings(gm: GraphModule, device, shared: dict | None = None) -> tuple[GraphModule, list[FusedWeight]]:
     """A fork of gm with its sibling linears fused (fuse_sibling_linears, over `shared` copies), or gm
     itself when it has none, when SWITCH is off, or when the copies would take more than MEMORY_SHARE of
-    the device's memory."""
+    the device's free memory (surgery.io.memory.available_bytes)."""
     groups = _siblings(gm)
     if not groups or os.environ.get(SWITCH, "").lower() == "off":
         return gm, []
@@ -142,15 +139,9 @@ def fused_siblings(gm: GraphModule, device, shared: dict | None = None) -> tuple
     for nodes in groups:
         for n in nodes:
             copied += _attr(gm, n.args[1].target).nbytes
-    if copied > MEMORY_SHARE * device_memory(device):
+    free = available_bytes(device)
+    if free is None or copied > MEMORY_SHARE * free:
         return gm, []
     forked = fork(gm)
     return forked, fuse_sibling_linears(forked, shared)
 
-
-def device_memory(device) -> int:
-    """Bytes of memory of `device` (the host's for the CPU)."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).total_memory
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -162,7 +162,9 @@ class Decoder:
         for m in self.gdn.values():
             m.reset()
         for fused in self.fused:  # fused weight copies follow their sources, in place (per reset: ~0.2 ms of checks)
-            fused.refresh()
+            if not fused.refresh():
+                raise DecodeError("A weight changed dtype or device after the Decoder was built.",
+                                  "Build a new Decoder after moving or casting the model.")
         return self
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -19,6 +19,7 @@ from safetensors.torch import load_file, save_file
 from ..core import progress
 from ..core.files import apply_umask, sha256_file
 from ..core.graph import Graph
+from ..core.rewrite import computed_buffers
 from ..errors import CheckpointError, SurgeryError, first_line
 from . import recipe as recipes
 from .json_safe import read_json
@@ -251,7 +252,7 @@ def rebuild(path: Path, recipe: dict, state: dict, tokenizer, device, dtype) -> 
     replay_passes(graph, recipe, path)
     graph.history = list(recipe["passes"])
     graph.meta.update(recipe.get("results", {}))
-    computed = computed_buffers(graph.gm)  # torch 2.11-2.13 wrote them (surgery.core.rewrite.graph_module)
+    computed = computed_buffers(graph.gm)  # torch 2.11-2.13 wrote them (surgery.core.rewrite.graph_module): the rebuilt value stays
     state = {k: v for k, v in state.items() if k not in computed}
     missing, unexpected = _compare_keys(graph.gm, state)
     if missing or unexpected:
@@ -307,13 +308,6 @@ def read_files(path: Path, folder: Path, verify: bool) -> tuple:
         tokenizer = AutoTokenizer.from_pretrained(Path(folder) / "tokenizer")
         tokenizer.name_or_path = str(path / "tokenizer")
     return recipe, state, tokenizer
-
-
-def computed_buffers(gm: torch.nn.Module) -> set[str]:
-    """The buffers gm keeps out of its state_dict (non-persistent: computed from the config, as a rotary
-    embedding's inv_freq): a checkpoint that holds one is read with the rebuilt value kept."""
-    saved = set(gm.state_dict())
-    return {name for name, _ in gm.named_buffers(remove_duplicate=False) if name not in saved}
 
 
 def _compare_keys(gm, state: dict) -> tuple[list, list]:
