@@ -5,7 +5,8 @@ Each stage of the forward (the gate's cumsum; the intra-chunk kkt + solve and th
 chunk-to-chunk state pass; the output) is timed alone, CALLS calls in one CUDA graph, with the shipped config, then
 with each candidate put into its autotuner's cache, at SmolLM2-135M's GDN shapes (9 heads of 64, bf16), the
 state pass as tcal.state_pass launches it for those rows x heads, and the cumsum and intra stages as
-tcal.chunk_intra's one kernel at each of its launch candidates. What it found (bench/RESULTS.md, thirty-third
+tcal.chunk_intra's one kernel at each of its launch candidates, and the state pass with the output as fla's
+kernels and as tcal.chunk_states' three. What it found (bench/RESULTS.md, thirty-third
 and thirty-fourth sessions) set tcal/state_pass.py's value blocks and tcal/chunk_intra.py's launch; fla's other
 kernels' candidates gained nothing at 2k x 1.
 
@@ -49,6 +50,7 @@ def stages(batch: int, seq_len: int) -> dict:
     from fla.ops.utils.constant import RCP_LN2
 
     from tcal.chunk_intra import chunk_intra_triton
+    from tcal.chunk_states import chunk_states_triton
     from tcal.state_pass import state_pass, state_pass_config
 
     q, k, v, g, beta, _ = inputs(batch, seq_len)
@@ -69,6 +71,11 @@ def stages(batch: int, seq_len: int) -> dict:
         "state, tcal.state_pass's launch": (
             (lambda: state_pass(k, w, u, gc, None, True, chosen)) if chosen else None, []),
         "output": (lambda: chunk_fwd_o(q=q, k=k, v=v_new, h=h, g=gc, scale=DIM ** -0.5, chunk_size=CHUNK), names[3:]),
+        "state + output, tcal.state_pass's launch and fla's output": (
+            (lambda: chunk_fwd_o(q=q, k=k, v=state_pass(k, w, u, gc, None, True, chosen)[1], h=h, g=gc,
+                                 scale=DIM ** -0.5, chunk_size=CHUNK)) if chosen else None, []),
+        "state + output, tcal.chunk_states (transitions, one-product walk, output)": (
+            lambda: chunk_states_triton(q, k, w, u, gc, DIM ** -0.5, None, True, chosen[0] if chosen else None), []),
     }
 
 

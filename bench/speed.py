@@ -38,6 +38,7 @@ so it measures whatever the library's default paths are. Rows: bench.harness.Row
     python bench/speed.py --sections gdn_forward --split-shapes 2048x1,2048x8     # fla's GDN forward per stage, per launch config
     python bench/speed.py --random --sections prefill --casts                  # + its copies and dtype conversions (bench/casts.py)
     python bench/speed.py --random --sections prefill --shapes 2048x1 --prefill-off SURGERY_CHUNK_INTRA   # + the default without a kernel, same process
+    python bench/speed.py --random --sections prefill --shapes 2048x1 --prefill-off SURGERY_CHUNK_STATES=on  # + with a kernel not on by default
     python bench/speed.py --sections fsdp --fsdp-modes fsdp_offload,plain --fsdp-batches 4,8,16,32 --fsdp-micro 4 --json fsdp.jsonl
     python bench/speed.py --sections fsdp --fsdp-shape smollm2 --keep-ratio 0.5 --fsdp-batches 16 --fsdp-lr-rest 7e-6
     python bench/speed.py --sections fsdp --fsdp-modes fsdp,fsdp_teacher --fsdp-procs 1,2 --fsdp-batches 8,16 --json fsdp2.jsonl   # 2 GPUs
@@ -133,7 +134,8 @@ def arguments(argv=None) -> argparse.Namespace:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--no-compiled", action="store_true", help="prefill: leave out the compiled rows (a compile per shape and model)")
     ap.add_argument("--prefill-off", default="", help="prefill: switches (e.g. SURGERY_CHUNK_INTRA,SURGERY_STATE_PASS) each set "
-                    "to off for one more hybrid default-route row in the same process (its own replay graph), beside the default")
+                    "to off (or NAME=value: to that value, e.g. SURGERY_CHUNK_STATES=on) for one more hybrid default-route row "
+                    "in the same process (its own replay graph), beside the default")
     ap.add_argument("--profile", action="store_true", help="prefill: torch.profiler on one hybrid eager forward per shape; "
                     "decode: on a few static steps of teacher and hybrid, not replayed; "
                     "the top 15 CUDA kernels (CPU ops on the CPU) by total time; export: cProfile on one generate "
@@ -287,11 +289,12 @@ def prefill(s: Setup, rows: Rows) -> None:
                 rows.add(f"{s.label()}: fast_logits, compiled", config, "prefill", hybrid_c, "ms", ("compiled teacher", teacher_c))
             applied_default(s, rows, ids, config, default)
             for switch in filter(None, (x.strip() for x in a.prefill_off.split(","))):
-                runner = switched_off_runner(s.hybrid, switch)
+                setting = switch if "=" in switch else f"{switch}=off"
+                runner = switched_runner(s.hybrid, *setting.split("=", 1))
                 off = time_of(lambda: runner(ids))
-                rows.add(f"{s.label()}: fast_logits (default), {switch}=off", config, "prefill", off, "ms",
+                rows.add(f"{s.label()}: fast_logits (default), {setting}", config, "prefill", off, "ms",
                          ("compiled teacher", teacher_c) if not a.no_compiled else anchor)
-                rows.add(f"{s.label()}: fast_logits (default)", config, "prefill", default, "ms", (f"{switch}=off", off))
+                rows.add(f"{s.label()}: fast_logits (default)", config, "prefill", default, "ms", (setting, off))
             if a.profile:
                 for label, graph in (("teacher", s.teacher), (s.label(), s.hybrid)):
                     eager = default_eager_runner(graph)
@@ -319,13 +322,13 @@ def default_eager_runner(graph):
     return lambda ids: run_graph(graph, ids, fast)
 
 
-def switched_off_runner(graph, switch: str):
+def switched_runner(graph, switch: str, value: str):
     """ids -> logits on the default route (its own replay graph) with the environment switch `switch` set to
-    "off" around each call: the route without that kernel choice, timed in the same process as the default."""
-    fast = own_route(graph, f"graph, {switch}=off")
+    `value` around each call: the route with that kernel choice, timed in the same process as the default."""
+    fast = own_route(graph, f"graph, {switch}={value}")
 
     def run(ids):
-        with env_setting(switch, "off"):
+        with env_setting(switch, value):
             return run_graph(graph, ids, fast)
     return run
 

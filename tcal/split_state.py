@@ -25,6 +25,7 @@ from typing import NamedTuple
 import torch
 
 from .chunk_intra import CHUNK, chunk_intra_takes, chunk_intra_triton
+from .chunk_states import chunk_states_takes, chunk_states_triton
 from .state_pass import state_pass
 
 SWITCH = "SURGERY_STATE_SPLITS"
@@ -136,7 +137,8 @@ def _layout(batch: int, seq_len: int, splits: int, device: torch.device) -> Piec
 
 def split_state_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state, splits, config=None):
     """fla's chunk forward (cumsum, intra-chunk WY, state pass, output) with the state pass split in pieces;
-    with splits == 1, the whole rows' state pass launched with `config` (tcal.state_pass) instead. The
+    with splits == 1, the whole rows' state pass launched with `config` (tcal.state_pass) instead, or
+    tcal.chunk_states' walk and output where it takes the inputs (SURGERY_CHUNK_STATES=on). The
     cumsum and intra-chunk WY are tcal.chunk_intra's one kernel where it takes the inputs (fla's otherwise).
 
     Arguments as tcal.kernels.gated_delta_rule's fla path: q, k [B, T, H, K]; v [B, T, HV, V]; g, beta
@@ -160,6 +162,9 @@ def split_state_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_
         w, u, _ = chunk_gated_delta_rule_fwd_intra(k=k, v=v, g=g, beta=beta, chunk_size=CHUNK)
     if splits == 1:  # fla's kernel reads the initial state as a contiguous [B, HV, K, V] block
         start = None if initial_state is None else initial_state.contiguous()
+        if chunk_states_takes(q, k, w, u, g):  # SURGERY_CHUNK_STATES=on: one product a chunk on the walk
+            o, final = chunk_states_triton(q, k, w, u, g, scale, start, output_final_state, config[0])
+            return o.to(q.dtype), final
         h, v_new, final = state_pass(k, w, u, g, start, output_final_state, config)
         return chunk_fwd_o(q=q, k=k, v=v_new, h=h, g=g, scale=scale, chunk_size=CHUNK).to(q.dtype), final
 
