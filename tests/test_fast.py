@@ -299,7 +299,7 @@ def replaying_on_cpu(monkeypatch, fast: FastGraph, corrupt: bool = False, fail: 
         return captured[-1], out, warm
 
     fast.route = Route(causal_flags=True, replay=True)
-    fast.replays = Replays(keep=2, devices=("cpu",), weights=fast.gm.parameters)
+    fast.replays = Replays(keep=2, devices=("cpu",))  # the FastGraph watches the weights and drops its graphs
     monkeypatch.setattr(fast.replays, "capture", capture)
     return captured
 
@@ -441,6 +441,8 @@ def test_sibling_projections_are_one_matmul_on_the_fused_route(stories, monkeypa
             edited = fast_logits(graph, ids)
             assert_close(edited, graph.logits(ids), "after an in-place edit")
             assert (edited - before).abs().max().item() > 1e-3
+            up.mul_(2 / 3)  # the public eager call (a Decoder's self-check probes) sees an edit too
+            assert_close(first_output(fast.eager(ids)), graph.logits(ids), "eager after an in-place edit")
         finally:
             up.copy_(kept)
     twin = dataclasses.replace(graph, gm=copy.deepcopy(graph.gm), cache={})  # a model cast after its first call

@@ -31,6 +31,7 @@ from .causal_flags import CausalFlags
 from .fused_linears import fused_siblings
 from .fusions import fuse_elementwise
 from .replay import Replays
+from .weight_watch import WeightWatch
 
 MIN_BUCKET = 2048  # shorter inputs share one rewrite (and one compiled graph): a compile per short length would not pay
 
@@ -65,17 +66,25 @@ class FastGraph:
         self.shapes: set = set()    # input shapes run eagerly so far (a shape's first call is not counted)
         self.failed: str | None = None
         self.borrowed = False
-        self.replays = Replays(weights=gm.parameters) if self.route.replay else None
+        self.replays = Replays() if self.route.replay else None
+        self.watch = WeightWatch(lambda: [*gm.parameters(), *gm.buffers()])  # one look a call (weights_changed)
 
     def key(self, length: int):
         return bucket(length, self.limit) if self.route.causal_flags else None
 
+    def weights_changed(self) -> None:
+        """After a parameter (or buffer) was edited, moved or cast: the fused copies refreshed from their
+        sources (every graph rebuilt when one was cast or moved: a copy cannot follow), every replay
+        graph dropped (it may read copies captured with the old values)."""
+        if not all(weight.refresh() for weights in self.fused.values() for weight in weights):
+            self.graphs.clear(), self.fused.clear(), self.copies.clear(), self.compiled.clear()
+        if self.replays is not None:
+            self.replays.drop()
+
     def graph(self, key):
         """The eager graph of a bucket: the flags' rewrite, then `rewrite` (which names nodes of the
-        captured graph, a Decoder's cache taps), then the fusions (if the route has them), their fused
-        weights refreshed from the parameters (all graphs rebuilt once a parameter was cast or moved)."""
-        if not all(weight.refresh() for weight in self.fused.get(key, ())):
-            self.graphs.clear(), self.fused.clear(), self.copies.clear(), self.compiled.clear()
+        captured graph, a Decoder's cache taps), then the fusions (if the route has them), over fused
+        weights that weights_changed keeps current."""
         if key not in self.graphs:
             gm = CausalFlags(key)(self.gm) if key is not None else self.gm
             gm = self.rewrite(gm) if self.rewrite is not None else gm
@@ -91,12 +100,20 @@ class FastGraph:
 
     def eager(self, ids: torch.Tensor):
         """The bucket's graph run eagerly (the reference the compiled graph is checked against)."""
+        if self.watch.changed():
+            self.weights_changed()
+        return self.run_eager(ids)
+
+    def run_eager(self, ids: torch.Tensor):
+        """eager() inside a call that already looked at the weights."""
         gm = self.graph(self.key(ids.shape[-1]))
         return gm(input_ids=ids, **gm.meta.get("extra_inputs", {}))
 
     meta: dict = {}  # no extra inputs asked of a caller (graph_logits): each bucket's graph adds its own
 
     def __call__(self, input_ids: torch.Tensor, **_):
+        if self.watch.changed():
+            self.weights_changed()
         ids = input_ids
         key = self.key(ids.shape[-1])
         if not self.compiling():
@@ -123,7 +140,7 @@ class FastGraph:
         """The first compiled call's output against the eager graph's on the same ids; eager from now
         on (one warning) if they disagree."""
         got = first_output(out).clone()
-        reference = self.eager(ids)
+        reference = self.run_eager(ids)
         ok, why = compiled_agrees(got, first_output(reference))
         if ok:
             return out
@@ -139,7 +156,7 @@ class FastGraph:
         try:
             out, warm = self.replays.run(forward, ids, key)
         except Exception as exc:
-            return self.no_replay(f"capturing it as a CUDA graph failed ({failure_reason(exc)})", self.eager(ids))
+            return self.no_replay(f"capturing it as a CUDA graph failed ({failure_reason(exc)})", self.run_eager(ids))
         if warm is not None:
             ok, why = compiled_agrees(first_output(out).clone(), first_output(warm))
             if not ok:
@@ -159,9 +176,9 @@ class FastGraph:
         for the hybrid's first forward on the H200, issue 29) that compiling would not save."""
         if self.route.compile_after is None or self.failed is not None or ids.shape not in self.shapes:
             self.shapes.add(ids.shape)
-            return self.eager(ids)
+            return self.run_eager(ids)
         start = time.perf_counter()
-        out = self.eager(ids)
+        out = self.run_eager(ids)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # the time the forward took, not the time to launch it
         self.eager_seconds += time.perf_counter() - start

@@ -16,15 +16,17 @@ Weights that change between calls (a distillation's optimizer steps between its 
 edit) drop every captured graph, which is captured again: a graph reads what it read at capture, and
 some of that is derived from the weights and kept outside them (a GDN layer's concatenated input
 projections, tcal.gdn.fused_weight), so it would stay stale, or be freed once an eager call rebuilds it.
-The check is each parameter's storage and version counter (70 us for SmolLM2's 405 tensors on the CPU
-machine, against 7 ms for a replayed 2k forward on the H200); a parameter replaced by another object is
-not seen."""
+The check is each parameter's storage and version counter (surgery.decode.weight_watch); a caller that
+watches the weights itself (the fast route, which also refreshes its fused copies) passes none and calls
+drop() when they changed."""
 from __future__ import annotations
 
 import contextlib
 from collections import OrderedDict
 
 import torch
+
+from .weight_watch import WeightWatch
 
 WARMUP = 1  # eager runs on a side stream before a capture (lazy initialisations must not be captured)
 # Inputs of more tokens (batch x length) run eagerly. Up to here replay was measured to pay (8k x 1: 60.7 ms
@@ -79,9 +81,7 @@ class Replays:
 
     def __init__(self, keep: int = 2, devices: tuple[str, ...] = ("cuda",), weights=None):
         self.keep, self.devices = keep, devices
-        self.weights = weights      # () -> the parameters the captured graphs read (None: not watched)
-        self.watched: list | None = None
-        self.state: tuple | None = None  # (storage, version) of each watched parameter when the graphs were captured
+        self.watch = None if weights is None else WeightWatch(weights)  # the parameters the captured graphs read
         self.seen: set = set()
         self.graphs: OrderedDict = OrderedDict()  # (shape, key) -> (graph, static ids, output)
         self.failed: str | None = None
@@ -117,14 +117,12 @@ class Replays:
 
     def drop_if_weights_changed(self) -> None:
         """Every captured graph dropped when a watched parameter's storage or version moved since they were captured."""
-        if self.weights is None:
-            return
-        if self.watched is None:
-            self.watched = list(self.weights())
-        state = tuple((t.data_ptr(), t._version) for t in self.watched)
-        if state != self.state:
-            self.graphs.clear()
-            self.state = state
+        if self.watch is not None and self.watch.changed():
+            self.drop()
+
+    def drop(self) -> None:
+        """Forget every captured graph (each shape is captured again on its next call)."""
+        self.graphs.clear()
 
     @staticmethod
     def slot(ids: torch.Tensor, key) -> tuple:
