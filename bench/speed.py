@@ -10,6 +10,8 @@
   export    the hybrid's `surgery export --format hf` loaded by transformers (trust_remote_code) in
             its own generate against the teacher there: prefill ms and decode tokens/s
   distill   surgery.distill tokens/s of the 50% hybrid at --distill-shape, compiled against eager
+  host      us of host time a replayed fast-route call takes before its kernels start, teacher and hybrid
+            (on the CPU, the route's host work with the replay stubbed)
   apply     `surgery apply` wall seconds with empty kernel caches (cold) against the same again (warm)
   fsdp      surgery.distill of a --fsdp-shape pair (Llama-3-8B's shapes by default, random weights) per
             mode: plain (no sharding), fsdp (FSDP2), fsdp_offload (shards, gradients and AdamW states
@@ -79,6 +81,7 @@ from bench.casts import copies, print_copies  # noqa: E402
 from bench.harness import (SMOLLM2_SHAPE, STORIES, SAMPLE, Rows, check_names, common_args, env_setting, median_ms, parse,  # noqa: E402
                            placement, random_smollm2, surgery_cli, sync, transformers_teacher)
 from surgery import Decoder, DistillConfig, PassManager, capture, distill, export, fast_logits, generate, load, save  # noqa: E402
+import surgery.core.compiled as compiled_routes  # noqa: E402
 from surgery.core.run import run_graph  # noqa: E402
 from surgery.decode.fast import FastGraph  # noqa: E402
 from surgery.decode.gdn_block import STEP_ROWS  # noqa: E402
@@ -87,7 +90,7 @@ from surgery.errors import SurgeryError  # noqa: E402
 from surgery.train.placement import local_device  # noqa: E402
 
 SECTIONS = ("prefill", "generate", "decode", "export", "distill", "apply", "fsdp", "offload", "step_attention", "floors",
-            "state_splits", "gdn_forward")
+            "state_splits", "gdn_forward", "host")
 CUDA_ONLY = {"step_attention", "floors", "state_splits", "gdn_forward"}  # one kernel timed on the GPU: no teacher, no CPU fallback
 OWN_TEACHERS = {"offload", "fsdp", *CUDA_ONLY}  # sections that build their own teachers (or need none)
 FSDP_SHAPES = {  # transformers LlamaConfig fields of the random pairs the fsdp section trains ("stories": the real tiny teacher)
@@ -306,6 +309,45 @@ def prefill(s: Setup, rows: Rows) -> None:
                 print_copies(copies(lambda: eager(ids)), f"{s.label()} default route, eager (not replayed), {config}")
         del ids
         free(s.device)
+
+
+def host_cost(s: Setup, rows: Rows) -> None:
+    """us of host time a call of the default route's replayed forward takes, teacher and hybrid, at --shapes: on
+    CUDA the call until it returns (the replay launched, not finished; the GPU synchronised between calls), so
+    what the host adds before a replay's kernels start; on the CPU (no CUDA graphs) the route's own host work
+    with the graph replay stubbed out (flags, fused copies and replay on, as CUDA's default route has them)."""
+    class Launched:  # the CPU's stand-in for a captured graph: replaying it launches nothing
+        def replay(self):
+            pass
+
+    def stub_capture(run):
+        out = run()
+        return Launched(), out, out
+
+    for length, batch in pairs(s.args.shapes):
+        ids, config = s.ids(batch, length), f"{length} x {batch}"
+        for label, graph in (("teacher", s.teacher), (s.label(), s.hybrid)):
+            if s.device.type == "cuda":
+                fast = own_route(graph, f"{label} (host cost)")
+            else:  # built under CUDA's route, as FastGraph builds it there (its Replays included), replay stubbed
+                kept = dict(compiled_routes.ROUTES)
+                compiled_routes.ROUTES[(s.device.type, "eval")] = compiled_routes.ROUTES[("cuda", "eval")]
+                try:
+                    fast = own_route(graph, f"{label} (host cost)")
+                finally:
+                    compiled_routes.ROUTES.clear(), compiled_routes.ROUTES.update(kept)
+                fast.replays.devices, fast.replays.capture = (s.device.type,), stub_capture
+            times = []
+            with torch.no_grad():
+                for call in range(3 + 10 * s.args.repeats):
+                    sync(s.device)
+                    start = time.perf_counter()
+                    run_graph(graph, ids, fast)
+                    if call >= 3:  # the first calls run eagerly, then capture
+                        times.append(time.perf_counter() - start)
+            sync(s.device)
+            rows.add(f"{label}: fast-route call, host time (replay {'launched' if s.device.type == 'cuda' else 'stubbed'})",
+                     config, "host", 1e6 * statistics.median(times), "us")
 
 
 def own_route(graph, label: str, **changes):
@@ -824,7 +866,8 @@ def main(argv=None) -> Rows:
     sections = args.sections.split(",")
     with tempfile.TemporaryDirectory(prefix="bench_speed.") as folder:
         work = Path(folder)
-        runs = {"prefill": prefill, "generate": time_to_first_token, "decode": decode, "export": exported, "distill": distillation}
+        runs = {"prefill": prefill, "generate": time_to_first_token, "decode": decode, "export": exported, "distill": distillation,
+                "host": host_cost}
         setup = Setup(args, work) if set(sections) & set(runs) else None
         for section in sections:
             start = time.perf_counter()

@@ -103,10 +103,10 @@ def in_process_cli(*args: str, env=None) -> dict:
 def test_speed_smoke(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(speed, "surgery_cli", in_process_cli)
     out = tmp_path / "speed.jsonl"
-    rows = speed.main(["--smoke", "--sections", "prefill,generate,decode", "--shapes", "24x1", "--decode-batches", "1",
+    rows = speed.main(["--smoke", "--sections", "prefill,generate,decode,host", "--shapes", "24x1", "--decode-batches", "1",
                        "--decode-compile", "off", "--decode-context", "16", "--generate-lengths", "16", "--repeats", "1",
-                       "--decode-mixers", "mamba2", "--profile", "--casts", "--prefill-off", "SURGERY_STATE_SPLITS",
-                       "--json", str(out)])
+                       "--decode-mixers", "mamba2", "--profile", "--casts", "--prefill-off",
+                       "SURGERY_STATE_SPLITS,SURGERY_CHUNK_STATES=on", "--json", str(out)])
     check_rows(rows, out)
     names = {(r["name"], r["metric"]) for r in rows.rows}
     assert ("transformers forward (teacher)", "prefill") in names
@@ -114,6 +114,9 @@ def test_speed_smoke(tmp_path, capsys, monkeypatch):
     assert ("hybrid 75% GDN: fast_logits, compiled", "prefill") in names and ("teacher fast_logits (default)", "prefill") in names
     off = next(r for r in rows.rows if r["name"] == "hybrid 75% GDN: fast_logits (default), SURGERY_STATE_SPLITS=off")
     assert off["anchor"] == "compiled teacher" and "SURGERY_STATE_SPLITS" not in os.environ  # --prefill-off, restored after
+    assert any(r["name"] == "hybrid 75% GDN: fast_logits (default), SURGERY_CHUNK_STATES=on" for r in rows.rows)  # NAME=value
+    host = [r for r in rows.rows if r["metric"] == "host"]  # the CPU's host work of a replayed call, replay stubbed
+    assert len(host) == 2 and all(0 < r["value"] < 1e5 for r in host) and speed.compiled_routes.ROUTES.get(("cpu", "eval")) is None
     applied = next(r for r in rows.rows if r["name"] == "hybrid 75% GDN: surgery apply -> surgery.load, fast_logits (default)")
     assert applied["anchor"] == "surgery.save -> load"
     assert ("hybrid 75% GDN: surgery.generate (surgery.load)", "time to first token") in names
