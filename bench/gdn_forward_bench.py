@@ -76,7 +76,18 @@ def stages(batch: int, seq_len: int) -> dict:
                                  scale=DIM ** -0.5, chunk_size=CHUNK)) if chosen else None, []),
         "state + output, tcal.chunk_states (transitions, one-product walk, output)": (
             lambda: chunk_states_triton(q, k, w, u, gc, DIM ** -0.5, None, True, chosen[0] if chosen else None), []),
+        "state + output, tcal.chunk_states launched as programmatic dependents (SURGERY_PDL=on)": (
+            lambda: with_pdl(lambda: chunk_states_triton(q, k, w, u, gc, DIM ** -0.5, None, True, chosen[0] if chosen else None)), []),
     }
+
+
+def with_pdl(call):
+    """call() with SURGERY_PDL=on (read at each launch, so a CUDA graph captures the dependent launches)."""
+    from bench.harness import env_setting
+    from tcal.pdl import SWITCH
+
+    with env_setting(SWITCH, "on"):
+        return call()
 
 
 # tcal.chunk_intra's one kernel (the cumsum and intra stages in one launch), per warp count and column block

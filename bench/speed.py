@@ -60,6 +60,7 @@ hence --fsdp-lr-rest 0 there (its default: only the GDN layers train).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -137,8 +138,8 @@ def arguments(argv=None) -> argparse.Namespace:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--no-compiled", action="store_true", help="prefill: leave out the compiled rows (a compile per shape and model)")
     ap.add_argument("--prefill-off", default="", help="prefill: switches (e.g. SURGERY_CHUNK_INTRA,SURGERY_STATE_PASS) each set "
-                    "to off (or NAME=value: to that value, e.g. SURGERY_CHUNK_STATES=on) for one more hybrid default-route row "
-                    "in the same process (its own replay graph), beside the default")
+                    "to off (or NAME=value: to that value, e.g. SURGERY_CHUNK_STATES=on; A=on+B=on: both in one row) for one "
+                    "more hybrid default-route row in the same process (its own replay graph), beside the default")
     ap.add_argument("--profile", action="store_true", help="prefill: torch.profiler on one hybrid eager forward per shape; "
                     "decode: on a few static steps of teacher and hybrid, not replayed; "
                     "the top 15 CUDA kernels (CPU ops on the CPU) by total time; export: cProfile on one generate "
@@ -292,8 +293,8 @@ def prefill(s: Setup, rows: Rows) -> None:
                 rows.add(f"{s.label()}: fast_logits, compiled", config, "prefill", hybrid_c, "ms", ("compiled teacher", teacher_c))
             applied_default(s, rows, ids, config, default)
             for switch in filter(None, (x.strip() for x in a.prefill_off.split(","))):
-                setting = switch if "=" in switch else f"{switch}=off"
-                runner = switched_runner(s.hybrid, *setting.split("=", 1))
+                setting = "+".join(part if "=" in part else f"{part}=off" for part in switch.split("+"))
+                runner = switched_runner(s.hybrid, dict(part.split("=", 1) for part in setting.split("+")))
                 off = time_of(lambda: runner(ids))
                 rows.add(f"{s.label()}: fast_logits (default), {setting}", config, "prefill", off, "ms",
                          ("compiled teacher", teacher_c) if not a.no_compiled else anchor)
@@ -364,13 +365,15 @@ def default_eager_runner(graph):
     return lambda ids: run_graph(graph, ids, fast)
 
 
-def switched_runner(graph, switch: str, value: str):
-    """ids -> logits on the default route (its own replay graph) with the environment switch `switch` set to
-    `value` around each call: the route with that kernel choice, timed in the same process as the default."""
-    fast = own_route(graph, f"graph, {switch}={value}")
+def switched_runner(graph, settings: dict):
+    """ids -> logits on the default route (its own replay graph) with each environment switch of `settings`
+    set to its value around each call: the route with those kernel choices, timed in the same process as the default."""
+    fast = own_route(graph, "graph, " + ", ".join(f"{k}={v}" for k, v in settings.items()))
 
     def run(ids):
-        with env_setting(switch, value):
+        with contextlib.ExitStack() as stack:
+            for switch, value in settings.items():
+                stack.enter_context(env_setting(switch, value))
             return run_graph(graph, ids, fast)
     return run
 

@@ -33,6 +33,8 @@ import os
 
 import torch
 
+from .pdl import pdl_on, pdl_options
+
 try:  # Triton is a CUDA-side extra: CPU installs do not have it
     import triton
     import triton.language as tl
@@ -87,6 +89,8 @@ def chunk_intra_takes(k, v, g, beta) -> bool:
 
 
 if triton is not None:
+    from .pdl import release_dependents, wait_for_inputs
+
     RCP_LN2_ = tl.constexpr(RCP_LN2)
 
     @triton.jit
@@ -156,10 +160,12 @@ if triton is not None:
 
     @triton.jit
     def _chunk_intra_kernel(k, v, g, beta, g_out, w, u, length, H: tl.constexpr, K: tl.constexpr,
-                            V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DOT: tl.constexpr):
+                            V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DOT: tl.constexpr,
+                            PDL: tl.constexpr = False):
         """Program (chunk i_t, row x head i_bh): the chunk's 64 rows of one head as four sub-chunks of
         BC = 16 rows (module docstring). k, v, w, u are [B, T, H, D] contiguous; g, beta, g_out [B, T, H]
         float32."""
+        wait_for_inputs(PDL)
         BC: tl.constexpr = 16
         i_t, i_bh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
         i_b, i_h = i_bh // H, i_bh % H
@@ -247,6 +253,7 @@ if triton is not None:
                  K, BK, DOT)
         _apply_t(v, u, r0, r1, r2, r3, m0, m1, m2, m3, b0, b1, b2, b3, i0, i1, i2, i3, t10, t20, t21, t30, t31, t32,
                  V, BV, DOT)
+        release_dependents(PDL)
 
 
 def chunk_intra_triton(k, v, g, beta, num_warps: int | None = None, block: int | None = None, dot: str = "tf32x3"):
@@ -264,6 +271,7 @@ def chunk_intra_triton(k, v, g, beta, num_warps: int | None = None, block: int |
     if batch * length * heads:
         _chunk_intra_kernel[(triton.cdiv(length, CHUNK), batch * heads)](
             k, v, g, beta, g_cum, w, u, length, H=heads, K=k_dim, V=v_dim, BK=min(block, max(16, triton.next_power_of_2(k_dim))),
-            BV=min(block, max(16, triton.next_power_of_2(v_dim))), DOT=dot, num_warps=num_warps,
+            BV=min(block, max(16, triton.next_power_of_2(v_dim))), DOT=dot, num_warps=num_warps, PDL=pdl_on(k.device),
+            **pdl_options(k.device),
         )
     return g_cum, w, u

@@ -29,6 +29,7 @@ import os
 import torch
 
 from .chunk_intra import CHUNK
+from .pdl import pdl_on, pdl_options
 
 try:  # Triton is a CUDA-side extra: CPU installs do not have it
     import triton
@@ -86,6 +87,7 @@ def chunk_states_takes(q, k, w, u, g) -> bool:
 
 if triton is not None:
     from .chunk_intra import dot_in
+    from .pdl import release_dependents, wait_for_inputs
 
     @triton.jit
     def _tile(x, row, inside, D: tl.constexpr, BD: tl.constexpr):
@@ -95,10 +97,12 @@ if triton is not None:
 
     @triton.jit
     def _transitions_kernel(k, w, u, g, trans_d, trans_n, length, H: tl.constexpr, K: tl.constexpr,
-                            V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DOT: tl.constexpr):
+                            V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DOT: tl.constexpr,
+                            PDL: tl.constexpr = False):
         """Program (chunk i_t, row x head i_bh): D = K~^T w [K, K] in k's dtype and N = K~^T u [K, V] float32,
         K~ = k * 2^(gL - g) rounded to k's dtype (zero past the row's end). trans_d [B, NT, H, K, K], trans_n
         [B, NT, H, K, V], contiguous."""
+        wait_for_inputs(PDL)
         BT: tl.constexpr = 64
         i_t, i_bh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
         i_b, i_h = i_bh // H, i_bh % H
@@ -116,14 +120,16 @@ if triton is not None:
         tl.store(trans_d + chunk * K * K + a[:, None] * K + b[None, :], d_part.to(trans_d.dtype.element_ty),
                  mask=(a < K)[:, None] & (b < K)[None, :])
         tl.store(trans_n + chunk * K * V + a[:, None] * V + c[None, :], n_part, mask=(a < K)[:, None] & (c < V)[None, :])
+        release_dependents(PDL)
 
     @triton.jit
     def _pass_kernel(trans_d, trans_n, g, h, h0, ht, length, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                      BK: tl.constexpr, BV: tl.constexpr, HAS_H0: tl.constexpr, STORE_FINAL: tl.constexpr,
-                     DOT: tl.constexpr):
+                     DOT: tl.constexpr, PDL: tl.constexpr = False):
         """Program (value block i_v, row x head i_bh): S = h0 (or 0); per chunk, h[chunk] = S in h's dtype,
         then S = 2^gL S + N - D S (D S with S rounded to D's dtype). h [B, NT, H, K, V]; h0, ht [B, H, K, V]
         float32."""
+        wait_for_inputs(PDL)
         BT: tl.constexpr = 64
         i_v, i_bh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
         i_b, i_h = i_bh // H, i_bh % H
@@ -144,13 +150,15 @@ if triton is not None:
             state = state * tl.exp2(g_last) + n_c - dot_in(d_c, state.to(d_c.dtype), DOT)
         if STORE_FINAL:
             tl.store(ht + i_bh * K * V + at_kv, state, mask=kv)
+        release_dependents(PDL)
 
     @triton.jit
     def _output_kernel(q, k, w, u, g, h, o, scale, length, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                       BK: tl.constexpr, BV: tl.constexpr, DOT: tl.constexpr):
+                       BK: tl.constexpr, BV: tl.constexpr, DOT: tl.constexpr, PDL: tl.constexpr = False):
         """Program (chunk i_t, row x head i_bh): v' = u - w S (rounded to u's dtype, as fla's pass stores it),
         o = scale (2^g q S + P v'), P = q k^T 2^(g_i - g_j) for j <= i (rounded to v''s dtype), S the state
         entering the chunk (h). o [B, T, H, V] in u's dtype."""
+        wait_for_inputs(PDL)
         BT: tl.constexpr = 64
         i_t, i_bh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
         i_b, i_h = i_bh // H, i_bh % H
@@ -169,6 +177,7 @@ if triton is not None:
         scores = tl.where(causal, dot_in(qt, tl.trans(kt), DOT) * tl.exp2(gt[:, None] - gt[None, :]), 0.0)
         out = (from_state + dot_in(scores.to(written.dtype), written, DOT)) * scale
         tl.store(o + row[:, None] * V + c[None, :], out.to(o.dtype.element_ty), mask=inside[:, None] & (c < V)[None, :])
+        release_dependents(PDL)
 
 
 def chunk_states_triton(q, k, w, u, g, scale: float, initial_state=None, output_final_state: bool = False,
@@ -193,11 +202,12 @@ def chunk_states_triton(q, k, w, u, g, scale: float, initial_state=None, output_
     trans_n = k.new_empty(batch, chunks, heads, k_dim, v_dim, dtype=torch.float32)
     states = k.new_empty(batch, chunks, heads, k_dim, v_dim)
     start = None if initial_state is None else initial_state.to(torch.float32).contiguous()
+    pdl = dict(PDL=pdl_on(k.device), **pdl_options(k.device))  # tcal.pdl: SURGERY_PDL=on on sm_90
     _transitions_kernel[(chunks, batch * heads)](k, w, u, g, trans_d, trans_n, length, H=heads, K=k_dim, V=v_dim,
-                                                 BK=bk, BV=bv, DOT=dot, num_warps=NUM_WARPS)
+                                                 BK=bk, BV=bv, DOT=dot, num_warps=NUM_WARPS, **pdl)
     _pass_kernel[(triton.cdiv(v_dim, block), batch * heads)](
         trans_d, trans_n, g, states, start, final, length, H=heads, K=k_dim, V=v_dim, BK=bk, BV=block,
-        HAS_H0=start is not None, STORE_FINAL=final is not None, DOT=dot, num_warps=NUM_WARPS, num_stages=PASS_STAGES)
+        HAS_H0=start is not None, STORE_FINAL=final is not None, DOT=dot, num_warps=NUM_WARPS, num_stages=PASS_STAGES, **pdl)
     _output_kernel[(chunks, batch * heads)](q, k, w, u, g, states, o, float(scale), length, H=heads, K=k_dim, V=v_dim,
-                                            BK=bk, BV=bv, DOT=dot, num_warps=OUTPUT_WARPS)
+                                            BK=bk, BV=bv, DOT=dot, num_warps=OUTPUT_WARPS, **pdl)
     return o, final

@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .pdl import pdl_on, pdl_options
 from .token_step import L2NORM_EPS
 
 try:  # Triton is a CUDA-side extra: CPU installs do not have it
@@ -50,6 +51,7 @@ def delta_inputs_torch(q, k, v, a, b, A_log, dt_bias, v_silu: bool):
 
 
 if triton is not None:
+    from .pdl import release_dependents, wait_for_inputs
 
     @triton.jit
     def _log1p(x):
@@ -68,9 +70,11 @@ if triton is not None:
     def _delta_inputs_kernel(q, k, v, a, b, A_log, dt_bias, q_out, k_out, v_out, g_out, beta_out, rows, length, heads,
                              sq_b, sq_t, sq_h, sq_d, sk_b, sk_t, sk_h, sk_d,
                              sv_b, sv_t, sv_h, sv_d, sa_b, sa_t, sa_h, sb_b, sb_t, sb_h, eps,
-                             D: tl.constexpr, BD: tl.constexpr, BLOCK_T: tl.constexpr, V_SILU: tl.constexpr):
+                             D: tl.constexpr, BD: tl.constexpr, BLOCK_T: tl.constexpr, V_SILU: tl.constexpr,
+                             PDL: tl.constexpr = False):
         """Program (row block i, head h): rows [i * BLOCK_T, (i + 1) * BLOCK_T) of the flattened [B * T]
         positions. The outputs are contiguous: q, k, v [B, T, H, D], g and beta [B, T, H]."""
+        wait_for_inputs(PDL)
         i, h = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
         r = i * BLOCK_T + tl.arange(0, BLOCK_T)
         d = tl.arange(0, BD)
@@ -92,6 +96,7 @@ if triton is not None:
         beta = tl.sigmoid(tl.load(b + bi * sb_b + t * sb_t + h * sb_h, mask=row_in, other=0).to(tl.float32))
         tl.store(g_out + r * heads + h, g, mask=row_in)
         tl.store(beta_out + r * heads + h, beta, mask=row_in)
+        release_dependents(PDL)
 
 
 def kernel_takes(q, k, v, a, b) -> bool:
@@ -119,6 +124,6 @@ def delta_inputs_triton(q, k, v, a, b, A_log, dt_bias, v_silu: bool):
         _delta_inputs_kernel[(triton.cdiv(rows, block_t), heads)](
             q, k, v, a, b, A_log, dt_bias, *out, *gb, rows, length, heads,
             *q.stride(), *k.stride(), *v.stride(), *a.stride(), *b.stride(), L2NORM_EPS,
-            D=dim, BD=bd, BLOCK_T=block_t, V_SILU=v_silu, num_warps=4,
+            D=dim, BD=bd, BLOCK_T=block_t, V_SILU=v_silu, num_warps=4, PDL=pdl_on(q.device), **pdl_options(q.device),
         )
     return out[0], out[1], out[2], gb[0], gb[1]

@@ -15,6 +15,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .pdl import pdl_on, pdl_options
+
 try:  # Triton is a CUDA-side extra: CPU installs do not have it
     import triton
     import triton.language as tl
@@ -35,12 +37,14 @@ def gated_rms_norm_torch(x, gate, weight, eps: float, activation: str = "silu") 
 
 
 if triton is not None:
+    from .pdl import release_dependents, wait_for_inputs
 
     @triton.jit
     def _gated_rms_norm_kernel(x, gate, weight, out, rows, length, heads, sx_b, sx_t, sx_h, sx_d,
                                sg_b, sg_t, sg_h, sg_d, eps, D: tl.constexpr, BD: tl.constexpr,
-                               BLOCK_R: tl.constexpr, SIGMOID: tl.constexpr):
+                               BLOCK_R: tl.constexpr, SIGMOID: tl.constexpr, PDL: tl.constexpr = False):
         """Program i: rows [i * BLOCK_R, (i + 1) * BLOCK_R) of the flattened [B * T * H] heads."""
+        wait_for_inputs(PDL)
         r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
         d = tl.arange(0, BD)
         inside = (r < rows)[:, None] & (d < D)[None, :]
@@ -55,6 +59,7 @@ if triton is not None:
             act = gv * tl.sigmoid(gv)
         y = xv * rstd[:, None] * w[None, :] * act
         tl.store(out + r[:, None] * D + d[None, :], y.to(out.dtype.element_ty), mask=inside)
+        release_dependents(PDL)
 
 
 def kernel_takes(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, activation: str) -> bool:
@@ -77,6 +82,7 @@ def gated_rms_norm_triton(x, gate, weight, eps: float, activation: str = "silu")
         block_r = max(1, min(32, 2048 // bd))
         _gated_rms_norm_kernel[(triton.cdiv(rows, block_r),)](
             x, gate, weight, out, rows, length, heads, *x.stride(), *gate.stride(), float(eps),
-            D=dim, BD=bd, BLOCK_R=block_r, SIGMOID=activation == "sigmoid", num_warps=4,
+            D=dim, BD=bd, BLOCK_R=block_r, SIGMOID=activation == "sigmoid", num_warps=4, PDL=pdl_on(x.device),
+            **pdl_options(x.device),
         )
     return out

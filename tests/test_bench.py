@@ -106,7 +106,7 @@ def test_speed_smoke(tmp_path, capsys, monkeypatch):
     rows = speed.main(["--smoke", "--sections", "prefill,generate,decode,host", "--shapes", "24x1", "--decode-batches", "1",
                        "--decode-compile", "off", "--decode-context", "16", "--generate-lengths", "16", "--repeats", "1",
                        "--decode-mixers", "mamba2", "--profile", "--casts", "--prefill-off",
-                       "SURGERY_STATE_SPLITS,SURGERY_CHUNK_STATES=on", "--json", str(out)])
+                       "SURGERY_STATE_SPLITS,SURGERY_CHUNK_STATES=on+SURGERY_PDL=on", "--json", str(out)])
     check_rows(rows, out)
     names = {(r["name"], r["metric"]) for r in rows.rows}
     assert ("transformers forward (teacher)", "prefill") in names
@@ -114,7 +114,8 @@ def test_speed_smoke(tmp_path, capsys, monkeypatch):
     assert ("hybrid 75% GDN: fast_logits, compiled", "prefill") in names and ("teacher fast_logits (default)", "prefill") in names
     off = next(r for r in rows.rows if r["name"] == "hybrid 75% GDN: fast_logits (default), SURGERY_STATE_SPLITS=off")
     assert off["anchor"] == "compiled teacher" and "SURGERY_STATE_SPLITS" not in os.environ  # --prefill-off, restored after
-    assert any(r["name"] == "hybrid 75% GDN: fast_logits (default), SURGERY_CHUNK_STATES=on" for r in rows.rows)  # NAME=value
+    assert any(r["name"] == "hybrid 75% GDN: fast_logits (default), SURGERY_CHUNK_STATES=on+SURGERY_PDL=on" for r in rows.rows)
+    assert "SURGERY_CHUNK_STATES" not in os.environ and "SURGERY_PDL" not in os.environ
     host = [r for r in rows.rows if r["metric"] == "host"]  # the CPU's host work of a replayed call, replay stubbed
     assert len(host) == 2 and all(0 < r["value"] < 1e5 for r in host) and speed.compiled_routes.ROUTES.get(("cpu", "eval")) is None
     applied = next(r for r in rows.rows if r["name"] == "hybrid 75% GDN: surgery apply -> surgery.load, fast_logits (default)")

@@ -3,7 +3,7 @@
 The teacher's own transformers class is built from this config; each attention module that was
 converted (config.surgery_hybrid["gdn_layers"], keyed by module path) is then swapped for its mixer's
 layer (MIXERS: the project's GatedDeltaNet from gdn.py, kernels.py, split_state.py, state_pass.py, chunk_intra.py,
-chunk_states.py, token_step.py, delta_inputs.py and gated_norm.py beside this file, copied verbatim by `surgery export`; gla, kda and
+chunk_states.py, pdl.py, token_step.py, delta_inputs.py and gated_norm.py beside this file, copied verbatim by `surgery export`; gla, kda and
 mamba2 from their own files beside it) called the way the teacher's decoder layer calls its attention (SwappedAttention).
 A sliding-window (swa) layer keeps the teacher's attention module, whose 4-D attention mask a
 forward pre-hook limits to the layer's window (WindowMask).
@@ -39,6 +39,7 @@ from .kernels import fla_available  # noqa: F401
 from .layer_graphs import StepGraphs, graph_layer
 from .mamba2 import Mamba2
 from .mamba2_kernels import ssd  # noqa: F401
+from .pdl import pdl_on  # noqa: F401
 from .split_state import split_state_gated_delta_rule  # noqa: F401
 from .state_pass import state_pass  # noqa: F401
 from .surgery_teacher import TEACHER_CONFIG
