@@ -29,6 +29,7 @@ import os
 import torch
 
 from .chunk_intra import CHUNK
+from .gated_norm import OutputNorm, kernel_takes as gated_norm_takes
 from .pdl import pdl_on, pdl_options
 
 try:  # Triton is a CUDA-side extra: CPU installs do not have it
@@ -153,11 +154,14 @@ if triton is not None:
         release_dependents(PDL)
 
     @triton.jit
-    def _output_kernel(q, k, w, u, g, h, o, scale, length, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                       BK: tl.constexpr, BV: tl.constexpr, DOT: tl.constexpr, PDL: tl.constexpr = False):
+    def _output_kernel(q, k, w, u, g, h, o, scale, length, gate, weight, eps, sg_b, sg_t, sg_h, sg_d,
+                       H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                       DOT: tl.constexpr, NORM: tl.constexpr = False, SIGMOID: tl.constexpr = False,
+                       PDL: tl.constexpr = False):
         """Program (chunk i_t, row x head i_bh): v' = u - w S (rounded to u's dtype, as fla's pass stores it),
         o = scale (2^g q S + P v'), P = q k^T 2^(g_i - g_j) for j <= i (rounded to v''s dtype), S the state
-        entering the chunk (h). o [B, T, H, V] in u's dtype."""
+        entering the chunk (h). o [B, T, H, V] in u's dtype; with NORM, RMSNorm(o) * weight * act(gate) of o
+        rounded to its dtype first, as tcal.gated_norm computes it (gate [B, T, H, V] through its strides)."""
         wait_for_inputs(PDL)
         BT: tl.constexpr = 64
         i_t, i_bh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
@@ -176,15 +180,23 @@ if triton is not None:
         causal = (rows[:, None] >= rows[None, :]) & inside[:, None] & inside[None, :]
         scores = tl.where(causal, dot_in(qt, tl.trans(kt), DOT) * tl.exp2(gt[:, None] - gt[None, :]), 0.0)
         out = (from_state + dot_in(scores.to(written.dtype), written, DOT)) * scale
+        if NORM:  # the gated output norm of the rounded output, in float32 (tcal.gated_norm's math)
+            out = out.to(o.dtype.element_ty).to(tl.float32)
+            rstd = 1 / tl.sqrt(tl.sum(out * out, 1) / V + eps)
+            gv = tl.load(gate + (i_b * sg_b + rows * sg_t + i_h * sg_h)[:, None] + c[None, :] * sg_d,
+                         mask=inside[:, None] & (c < V)[None, :], other=0.0).to(tl.float32)
+            act = tl.sigmoid(gv) if SIGMOID else gv * tl.sigmoid(gv)
+            out = out * rstd[:, None] * tl.load(weight + c, mask=c < V, other=0.0).to(tl.float32)[None, :] * act
         tl.store(o + row[:, None] * V + c[None, :], out.to(o.dtype.element_ty), mask=inside[:, None] & (c < V)[None, :])
         release_dependents(PDL)
 
 
 def chunk_states_triton(q, k, w, u, g, scale: float, initial_state=None, output_final_state: bool = False,
-                        value_block: int | None = None, dot: str = "tf32x3"):
+                        value_block: int | None = None, dot: str = "tf32x3", output_norm: OutputNorm | None = None):
     """The three kernels (inputs that chunk_states_takes, on CUDA; or CPU ones under TRITON_INTERPRET=1):
     (o like u, the final state [B, H, K, V] float32 or None). `value_block`: the walk's value columns a
-    program (tcal.state_pass's choice for the rows x heads; the whole width when None)."""
+    program (tcal.state_pass's choice for the rows x heads; the whole width when None). With `output_norm`
+    the output is normed (in the output kernel where tcal.gated_norm's kernel would take it, else by its apply)."""
     if triton is None:
         raise RuntimeError("chunk_states_triton needs Triton; use chunk_states_torch.")
     batch, length, heads, k_dim = k.shape
@@ -208,6 +220,10 @@ def chunk_states_triton(q, k, w, u, g, scale: float, initial_state=None, output_
     _pass_kernel[(triton.cdiv(v_dim, block), batch * heads)](
         trans_d, trans_n, g, states, start, final, length, H=heads, K=k_dim, V=v_dim, BK=bk, BV=block,
         HAS_H0=start is not None, STORE_FINAL=final is not None, DOT=dot, num_warps=NUM_WARPS, num_stages=PASS_STAGES, **pdl)
-    _output_kernel[(chunks, batch * heads)](q, k, w, u, g, states, o, float(scale), length, H=heads, K=k_dim, V=v_dim,
-                                            BK=bk, BV=bv, DOT=dot, num_warps=OUTPUT_WARPS, **pdl)
-    return o, final
+    norm = output_norm
+    folds = norm is not None and gated_norm_takes(o, norm.gate, norm.weight, norm.activation)
+    gate, weight, eps, strides = (norm.gate, norm.weight, float(norm.eps), norm.gate.stride()) if folds else (o, o, 0.0, (0,) * 4)
+    _output_kernel[(chunks, batch * heads)](q, k, w, u, g, states, o, float(scale), length, gate, weight, eps, *strides,
+                                            H=heads, K=k_dim, V=v_dim, BK=bk, BV=bv, DOT=dot, NORM=folds,
+                                            SIGMOID=folds and norm.activation == "sigmoid", num_warps=OUTPUT_WARPS, **pdl)
+    return (norm.apply(o) if norm is not None and not folds else o), final

@@ -12,6 +12,8 @@ Shapes: x, gate [B, T, H, D] (any strides); weight [D]. The output is x's dtype,
 """
 from __future__ import annotations
 
+from typing import Callable, NamedTuple
+
 import torch
 import torch.nn.functional as F
 
@@ -26,6 +28,18 @@ except Exception:  # a broken install raises more than ImportError
 MAX_WIDTH = 1024  # a program holds rows of one head: wider heads keep fla's kernel
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 ACTIVATIONS = {"silu": F.silu, "sigmoid": torch.sigmoid}  # "sigmoid": Kimi Linear's gated norm
+
+
+class OutputNorm(NamedTuple):
+    """A layer's gated output norm handed to the rule that computes its input (tcal.kernels.gated_delta_rule's
+    output_norm): RMSNorm(o) * weight * act(gate) per head of o [B, T, H, D], o rounded to its dtype first. A
+    kernel that holds whole heads applies it in its epilogue (tcal.chunk_states' output: one launch and one
+    round trip of o less a GDN layer); every other path calls `apply(o)`, the layer's own norm."""
+    gate: torch.Tensor
+    weight: torch.Tensor
+    eps: float
+    activation: str
+    apply: Callable[[torch.Tensor], torch.Tensor]
 
 
 def gated_rms_norm_torch(x, gate, weight, eps: float, activation: str = "silu") -> torch.Tensor:

@@ -17,7 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .delta_inputs import delta_inputs_triton, kernel_takes
-from .gated_norm import ACTIVATIONS as GATE_ACTIVATIONS, gated_rms_norm_triton, kernel_takes as gated_norm_takes
+from .gated_norm import ACTIVATIONS as GATE_ACTIVATIONS, OutputNorm, gated_rms_norm_triton, kernel_takes as gated_norm_takes
 from .kernels import fla_available, gated_delta_rule
 from .token_step import gdn_token_step, token_step_fits
 
@@ -232,6 +232,10 @@ class RecurrentLayer(nn.Module):
         cache takes the fused token step (tcal.token_step: one kernel from the projections to the output norm)."""
         if cache is not None and takes_token_step(self, hidden_states, cache):
             return token_step_forward(self, hidden_states, cache, projection)
+        return self.forward_out(hidden_states, cache, projection)
+
+    def forward_out(self, hidden_states: torch.Tensor, cache: GDNCache | None = None, projection=None) -> torch.Tensor:
+        """forward_parts' output alone (a subclass may skip the intermediates it would keep)."""
         return self.forward_parts(hidden_states, cache, projection)["out"]
 
     def token_decay_input(self, p: dict) -> torch.Tensor:
@@ -420,15 +424,28 @@ class GatedDeltaNet(RecurrentLayer):
         for short calls such as one decoded token, the chunked form for a long prefill."""
         p = self._input_projections(hidden_states, projection)
         q, k, v, g, beta = self.gated_delta_inputs(p, cache)
-        beta_logit = p["b_proj"]
+        core = self._rule(q, k, v, g, beta, cache)
+        return dict(q=q, k=k, v=v, g=g, beta=beta, beta_logit=p["b_proj"], **self.gated_output(core, p))
+
+    def forward_out(self, hidden_states: torch.Tensor, cache: GDNCache | None = None, projection=None) -> torch.Tensor:
+        """The output alone: the gated output norm handed to the rule (tcal.gated_norm.OutputNorm), which
+        applies it inside its last kernel where it can (tcal.chunk_states), the layer's o_norm otherwise."""
+        p = self._input_projections(hidden_states, projection)
+        q, k, v, g, beta = self.gated_delta_inputs(p, cache)
+        gate = self._split_heads(p["g_proj"])
+        norm = self.o_norm
+        output_norm = OutputNorm(gate, norm.weight, norm.eps, norm.activation, lambda core: norm(core, gate, backend=self.backend))
+        return self.o_proj(self._rule(q, k, v, g, beta, cache, output_norm).flatten(-2))
+
+    def _rule(self, q, k, v, g, beta, cache: GDNCache | None, output_norm: OutputNorm | None = None) -> torch.Tensor:
+        """gated_delta_rule's output; with a cache, from its state, which it updates."""
         if cache is None:
-            core, _ = gated_delta_rule(q, k, v, g, beta, scale=self.head_dim**-0.5, backend=self.backend)
-        else:
-            core, cache.recurrent = gated_delta_rule(
-                q, k, v, g, beta, scale=self.head_dim**-0.5, initial_state=cache.recurrent,
-                output_final_state=True, backend=self.backend,
-            )
-        return dict(q=q, k=k, v=v, g=g, beta=beta, beta_logit=beta_logit, **self.gated_output(core, p))
+            return gated_delta_rule(q, k, v, g, beta, scale=self.head_dim**-0.5, backend=self.backend, output_norm=output_norm)[0]
+        core, cache.recurrent = gated_delta_rule(
+            q, k, v, g, beta, scale=self.head_dim**-0.5, initial_state=cache.recurrent,
+            output_final_state=True, backend=self.backend, output_norm=output_norm,
+        )
+        return core
 
     def token_decay_input(self, p: dict) -> torch.Tensor:
         return p["a_proj"]  # one decay per head

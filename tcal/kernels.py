@@ -22,7 +22,7 @@ import re
 import torch
 import torch.nn.functional as F
 
-from .split_state import requested_splits, split_state_gated_delta_rule
+from .split_state import normed, requested_splits, split_state_gated_delta_rule
 from .state_pass import state_pass_config
 
 # At or below this length the token loop is cheaper than building chunk matrices.
@@ -218,8 +218,9 @@ def _needs_grad(*tensors) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
-def _fla_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state):
-    """fla's kernels with g and beta precomputed and q, k already normalised."""
+def _fla_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state, output_norm=None):
+    """fla's kernels with g and beta precomputed and q, k already normalised (the output through
+    output_norm when given: folded into the last kernel where tcal.chunk_states runs)."""
     from fla.ops.gated_delta_rule import (
         chunk_gated_delta_rule,
         fused_recurrent_gated_delta_rule,
@@ -234,14 +235,18 @@ def _fla_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_s
     if not _needs_grad(q, k, v, g, beta, initial_state):
         if q.shape[1] <= FLA_RECURRENT_MAX_T:
             # gk and gv sit between g and beta in this signature: pass by keyword.
-            return fused_recurrent_gated_delta_rule(q, k, v, g=g, beta=beta, **options)
+            o, state = fused_recurrent_gated_delta_rule(q, k, v, g=g, beta=beta, **options)
+            return normed(o, output_norm), state
         splits = requested_splits(q.shape[0], v.shape[2], q.shape[1], q.device, max(k.shape[-1], v.shape[-1]))
         if splits > 1:  # few rows, many chunks: the state pass cut along the sequence
-            return split_state_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state, splits)
+            return split_state_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state, splits,
+                                                output_norm=output_norm)
         config = state_pass_config(q.shape[0] * v.shape[2], k.shape[-1], v.shape[-1], q.device)
         if config is not None:  # few rows x heads: the state pass with value blocks narrow enough to fill the GPU
-            return split_state_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state, 1, config)
-    return chunk_gated_delta_rule(q, k, v, g, beta, **options)
+            return split_state_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state, 1, config,
+                                                output_norm=output_norm)
+    o, state = chunk_gated_delta_rule(q, k, v, g, beta, **options)
+    return normed(o, output_norm), state
 
 
 def _use_fla(q, k, v, g, beta, initial_state) -> bool:
@@ -261,28 +266,30 @@ def gated_delta_rule(
     output_final_state=False,
     backend="auto",
     chunk_size=64,
+    output_norm=None,
 ):
     """Run the gated delta rule; returns (o [B, T, H, Dv], final state [B, H, Dk, Dv] or None).
 
     backend: "torch" (chunked, or the token loop for T <= 16), "fla" (fla's Triton kernels,
     which use their own chunk size of 64), or "auto" (fla on CUDA when it imports and, if a
-    gradient is needed, when its backward is trustworthy on this Triton; else torch)."""
+    gradient is needed, when its backward is trustworthy on this Triton; else torch).
+    output_norm (tcal.gated_norm.OutputNorm): o comes back through it, inside the last kernel
+    where that kernel can apply it (tcal.chunk_states), else by its apply."""
     scale = _default_scale(scale, q.shape[-1])
     if torch.compiler.is_compiling():  # one opaque op: dynamo neither traces fla nor breaks at its checks
-        return compiled_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state, backend, chunk_size)
+        o, state = compiled_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state, backend, chunk_size)
+        return normed(o, output_norm), state
     if backend == "auto":
         backend = "fla" if _use_fla(q, k, v, g, beta, initial_state) else "torch"
     if backend == "fla":
-        return _fla_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state)
+        return _fla_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state, output_norm)
     if backend != "torch":
         raise ValueError(f"unknown gated delta rule backend {backend!r}; use auto, torch or fla")
     if q.shape[1] <= RECURRENT_MAX_T:
-        return recurrent_gated_delta_rule_torch(
-            q, k, v, g, beta, scale, initial_state, output_final_state
-        )
-    return chunked_gated_delta_rule_torch(
-        q, k, v, g, beta, scale, initial_state, output_final_state, chunk_size
-    )
+        o, state = recurrent_gated_delta_rule_torch(q, k, v, g, beta, scale, initial_state, output_final_state)
+    else:
+        o, state = chunked_gated_delta_rule_torch(q, k, v, g, beta, scale, initial_state, output_final_state, chunk_size)
+    return normed(o, output_norm), state
 
 
 def _resolved_backend(backend: str, q: torch.Tensor, training: bool) -> str:

@@ -135,14 +135,16 @@ def _layout(batch: int, seq_len: int, splits: int, device: torch.device) -> Piec
     return layout
 
 
-def split_state_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state, splits, config=None):
+def split_state_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state, splits, config=None,
+                                 output_norm=None):
     """fla's chunk forward (cumsum, intra-chunk WY, state pass, output) with the state pass split in pieces;
     with splits == 1, the whole rows' state pass launched with `config` (tcal.state_pass) instead, or
     tcal.chunk_states' walk and output where it takes the inputs (SURGERY_CHUNK_STATES=on). The
     cumsum and intra-chunk WY are tcal.chunk_intra's one kernel where it takes the inputs (fla's otherwise).
 
     Arguments as tcal.kernels.gated_delta_rule's fla path: q, k [B, T, H, K]; v [B, T, HV, V]; g, beta
-    [B, T, HV]; states [B, HV, K, V]. Returns (o [B, T, HV, V] in q's dtype, final state float32 or None)."""
+    [B, T, HV]; states [B, HV, K, V]. Returns (o [B, T, HV, V] in q's dtype, final state float32 or None);
+    with output_norm (tcal.gated_norm.OutputNorm) o normed, by tcal.chunk_states' output kernel where it runs."""
     if splits == 1 and config is None:
         raise ValueError("one piece runs the state pass with a tcal.state_pass launch config; pass config=")
     from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
@@ -163,10 +165,10 @@ def split_state_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_
     if splits == 1:  # fla's kernel reads the initial state as a contiguous [B, HV, K, V] block
         start = None if initial_state is None else initial_state.contiguous()
         if chunk_states_takes(q, k, w, u, g):  # SURGERY_CHUNK_STATES=on: one product a chunk on the walk
-            o, final = chunk_states_triton(q, k, w, u, g, scale, start, output_final_state, config[0])
+            o, final = chunk_states_triton(q, k, w, u, g, scale, start, output_final_state, config[0], output_norm=output_norm)
             return o.to(q.dtype), final
         h, v_new, final = state_pass(k, w, u, g, start, output_final_state, config)
-        return chunk_fwd_o(q=q, k=k, v=v_new, h=h, g=g, scale=scale, chunk_size=CHUNK).to(q.dtype), final
+        return normed(chunk_fwd_o(q=q, k=k, v=v_new, h=h, g=g, scale=scale, chunk_size=CHUNK).to(q.dtype), output_norm), final
 
     layout = _layout(batch, seq_len, splits, q.device)
     pieces = layout.pieces
@@ -186,7 +188,12 @@ def split_state_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_
     o = chunk_fwd_o(q=q, k=k, v=v_new.view(batch, seq_len, heads, dv), h=h, g=g, scale=scale, chunk_size=CHUNK)
     if output_final_state:
         final = final.view(batch, pieces, heads, dk, dv)[:, -1].contiguous()
-    return o.to(q.dtype), final
+    return normed(o.to(q.dtype), output_norm), final
+
+
+def normed(o: torch.Tensor, output_norm) -> torch.Tensor:
+    """o through a rule's output norm (tcal.gated_norm.OutputNorm) where one was handed in, else o."""
+    return o if output_norm is None else output_norm.apply(o)
 
 
 def _entering_states(summaries, layout, initial_state, batch, pieces, heads, dk, dv) -> torch.Tensor:

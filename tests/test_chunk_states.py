@@ -69,6 +69,7 @@ def test_kernels_in_the_interpreter():
         install("fla.ops.gated_delta_rule", "fla.ops.common", "fla.ops.utils")
         from tcal.chunk_intra import chunk_intra_torch
         from tcal.chunk_states import SWITCH, chunk_states_torch, chunk_states_triton
+        from tcal.gated_norm import OutputNorm, gated_rms_norm_torch
         from tcal.split_state import split_state_gated_delta_rule
         from tcal.kernels import gated_delta_rule
 
@@ -94,6 +95,23 @@ def test_kernels_in_the_interpreter():
                 # float16: the products' operands rounded as on a GPU (the interpreter's bf16 dot is wrong)
                 o16, s16 = chunk_states_triton(q.half(), k.half(), w.half(), u.half(), g_cum.float(), scale, start, True)
                 assert o16.dtype == torch.float16 and max(rel(o16, want_o), rel(s16, want_s)) < 2e-2, (shape, rel(o16, want_o))
+        # the gated output norm in the output kernel (a strided gate, both activations) against tcal.gated_norm's
+        # reference on the reference output rounded as the kernel rounds it; a gate it cannot take: the norm's apply
+        q, k, v, g, beta, h0 = inputs(1, 200, 3, 64, 64)
+        g_cum, w, u = chunk_intra_torch(k, v, g, beta)
+        gate = torch.randn(1, 200, 3, 2 * 64)[..., 64:]  # a slice of a wider projection, as a layer's g_proj
+        weight = torch.rand(64) + 0.5
+        want_o = chunk_states_torch(q, k, w, u, g_cum, 0.125, h0)[0]
+        for dtype in (torch.float32, torch.float16):
+            for activation in ("silu", "sigmoid"):
+                norm = OutputNorm(gate.to(dtype), weight, 1e-5, activation, lambda o: None)
+                got, _ = chunk_states_triton(*(x.to(dtype) for x in (q, k, w, u)), g_cum.float(), 0.125, h0, True, output_norm=norm)
+                want = gated_rms_norm_torch(want_o.to(dtype), gate.to(dtype), weight, 1e-5, activation)
+                assert got.dtype == dtype and rel(got, want) < (1e-5 if dtype == torch.float32 else 2e-2), (dtype, activation, rel(got, want))
+        applied = OutputNorm(gate[:, :, :2], weight, 1e-5, "silu", lambda o: o * 2)  # shape it cannot take: apply(o)
+        got, _ = chunk_states_triton(q, k, w.float(), u.float(), g_cum.float(), 0.125, h0, True, output_norm=applied)
+        assert torch.equal(got, 2 * chunk_states_triton(q, k, w.float(), u.float(), g_cum.float(), 0.125, h0, True)[0])
+
         q, k, v = (x[:, :0] for x in inputs(1, 8, 2, 64, 64)[:3])
         empty = chunk_states_triton(q, k, k, v, torch.zeros(1, 0, 2), 0.1, None, True)
         assert empty[0].shape == (1, 0, 2, 64) and torch.equal(empty[1], torch.zeros(1, 2, 64, 64))
@@ -160,3 +178,34 @@ def test_replays_from_a_cuda_graph(monkeypatch):
         graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(o, eager) and torch.equal(s, eager_state)
+
+
+@cuda_fla
+@pytest.mark.parametrize("use_cache", [False, True])
+def test_layer_folds_its_output_norm(monkeypatch, use_cache):
+    """A bf16 GatedDeltaNet of SmolLM2's GDN shapes at 2k x 1 (with a cache: a Decoder's prefill, the final state
+    written): the output with the walk and the gated norm in its output kernel against fla's kernels and the
+    layer's own norm, each against the same layer in float32 with the torch kernels; the state too."""
+    from tcal.gdn import GDNCache, GatedDeltaNet
+
+    torch.manual_seed(0)
+    layer = GatedDeltaNet(576, 9, 64, backend="fla").cuda()
+    with torch.no_grad():
+        layer.o_norm.weight.uniform_(0.5, 1.5)
+    x = torch.randn(1, 2048, 576, device="cuda")
+    reference = GatedDeltaNet(576, 9, 64, backend="torch").cuda()
+    reference.load_state_dict(layer.state_dict())
+    with torch.no_grad():
+        want_cache = GDNCache() if use_cache else None
+        want = reference(x, want_cache)
+    layer = layer.bfloat16()
+    rel = lambda a, b: ((a.float() - b).norm() / b.norm()).item()  # noqa: E731
+    errors = {}
+    monkeypatch.setenv("SURGERY_STATE_SPLITS", "off")
+    for setting in ("off", "on"):
+        monkeypatch.setenv(cs.SWITCH, setting)
+        cache = GDNCache() if use_cache else None
+        with torch.no_grad():
+            out = layer(x.bfloat16(), cache)
+        errors[setting] = (rel(out, want), rel(cache.recurrent, want_cache.recurrent) if use_cache else 0.0)
+    assert errors["on"][0] <= 1.5 * errors["off"][0] + 1e-3 and errors["on"][1] <= 1.5 * errors["off"][1] + 1e-4, errors
