@@ -12,6 +12,8 @@
   distill   surgery.distill tokens/s of the 50% hybrid at --distill-shape, compiled against eager
   host      us of host time a replayed fast-route call takes before its kernels start, teacher and hybrid
             (on the CPU, the route's host work with the replay stubbed)
+  registers tcal's GDN prefill kernels compiled for sm_90a (any machine with Triton, no GPU): registers and
+            spill bytes at SmolLM2's GDN shapes (bench/kernel_registers.py)
   apply     `surgery apply` wall seconds with empty kernel caches (cold) against the same again (warm)
   fsdp      surgery.distill of a --fsdp-shape pair (Llama-3-8B's shapes by default, random weights) per
             mode: plain (no sharding), fsdp (FSDP2), fsdp_offload (shards, gradients and AdamW states
@@ -91,9 +93,9 @@ from surgery.errors import SurgeryError  # noqa: E402
 from surgery.train.placement import local_device  # noqa: E402
 
 SECTIONS = ("prefill", "generate", "decode", "export", "distill", "apply", "fsdp", "offload", "step_attention", "floors",
-            "state_splits", "gdn_forward", "host")
+            "state_splits", "gdn_forward", "host", "registers")
 CUDA_ONLY = {"step_attention", "floors", "state_splits", "gdn_forward"}  # one kernel timed on the GPU: no teacher, no CPU fallback
-OWN_TEACHERS = {"offload", "fsdp", *CUDA_ONLY}  # sections that build their own teachers (or need none)
+OWN_TEACHERS = {"offload", "fsdp", "registers", *CUDA_ONLY}  # sections that build their own teachers (or need none)
 FSDP_SHAPES = {  # transformers LlamaConfig fields of the random pairs the fsdp section trains ("stories": the real tiny teacher)
     "smollm2": SMOLLM2_SHAPE,
     "llama8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
@@ -136,6 +138,7 @@ def arguments(argv=None) -> argparse.Namespace:
     ap.add_argument("--distill-modes", default="eager,compiled")
     ap.add_argument("--apply-args", default="", help="more `surgery apply` options, e.g. '--set align.steps=60'")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--registers-pdl", action="store_true", help="registers: the kernels as tcal.pdl launches them")
     ap.add_argument("--no-compiled", action="store_true", help="prefill: leave out the compiled rows (a compile per shape and model)")
     ap.add_argument("--prefill-off", default="", help="prefill: switches (e.g. SURGERY_CHUNK_INTRA,SURGERY_STATE_PASS) each set "
                     "to off (or NAME=value: to that value, e.g. SURGERY_CHUNK_STATES=on; A=on+B=on: both in one row) for one "
@@ -889,6 +892,9 @@ def main(argv=None) -> Rows:
             elif section == "state_splits":  # the GDN chunk forward's state pass cut along the sequence: torch, Triton, fla
                 from bench.state_splits_bench import run as state_splits
                 state_splits(rows, args.split_shapes)
+            elif section == "registers":  # tcal's GDN prefill kernels compiled for sm_90a: needs Triton, no GPU
+                from bench.kernel_registers import run as kernel_registers
+                kernel_registers(rows, pdl=args.registers_pdl)
             elif section == "gdn_forward":  # fla's GDN forward stage by stage under each launch config of a sweep
                 from bench.gdn_forward_bench import run as gdn_forward
                 gdn_forward(rows, args.split_shapes, args.gdn_forward_stages, sweep=not args.gdn_forward_shipped)

@@ -41,11 +41,10 @@ except Exception:  # a broken install raises more than ImportError
 SWITCH = "SURGERY_CHUNK_STATES"  # "on": this module's three kernels replace fla's state pass and output
 MAX_HEAD_DIM = 64  # as tcal.state_pass (the only size it launches); at 128 these kernels spill (sm_90a, ptxas)
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-# Launch (not timed yet): the walk takes tcal.state_pass's value block for the rows x heads. Warps: the fewest
-# with which ptxas (sm_90a, Triton 3.6, 9 heads of 64, bf16) spills nothing: the output kernel holds five
-# [64, 64] products and spilled 124 bytes at 4 warps (none at 8: 205 registers); the transitions 172 at 2
+# Launch (not timed yet): the walk takes tcal.state_pass's value block for the rows x heads; 4 warps as fla's state
+# pass and output kernels, the fewest with which no kernel here spills for sm_90a at 9 heads of 64, bf16 (the output
+# spilled at 2: `python bench/speed.py --sections registers`)
 NUM_WARPS = 4
-OUTPUT_WARPS = 8
 PASS_STAGES = 3
 
 
@@ -225,5 +224,5 @@ def chunk_states_triton(q, k, w, u, g, scale: float, initial_state=None, output_
     gate, weight, eps, strides = (norm.gate, norm.weight, float(norm.eps), norm.gate.stride()) if folds else (o, o, 0.0, (0,) * 4)
     _output_kernel[(chunks, batch * heads)](q, k, w, u, g, states, o, float(scale), length, gate, weight, eps, *strides,
                                             H=heads, K=k_dim, V=v_dim, BK=bk, BV=bv, DOT=dot, NORM=folds,
-                                            SIGMOID=folds and norm.activation == "sigmoid", num_warps=OUTPUT_WARPS, **pdl)
+                                            SIGMOID=folds and norm.activation == "sigmoid", num_warps=NUM_WARPS, **pdl)
     return (norm.apply(o) if norm is not None and not folds else o), final

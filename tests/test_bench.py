@@ -4,6 +4,7 @@ hybrid, generate, decode, fsdp) and bench/quality.py (the ablation, --mixers) me
 the CPU and print rows in the one format (bench/harness.py)."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import runpy
@@ -287,3 +288,13 @@ def test_stochastic_matmuls_round_to_a_neighbouring_bf16_value():
     up = ((exact.view(torch.int32) & ~0xFFFF) + 0x10000).view(torch.float32)
     assert bool(((got == down) | (got == up)).all())
     assert not torch.equal(got, exact.bfloat16().float())
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed (a CUDA-side extra)")
+def test_speed_registers_section():
+    """tcal's GDN prefill kernels compiled for sm_90a without a GPU: a row of registers and spills for each, none spilling."""
+    rows = speed.main(["--sections", "registers", "--registers-pdl"])
+    registers = {r["name"]: r["value"] for r in rows.rows if r["metric"] == "registers"}
+    spills = {r["name"]: r["value"] for r in rows.rows if r["metric"] == "spill stores"}
+    assert len(registers) == len(spills) == 7 and all(0 < n <= 255 for n in registers.values()), registers
+    assert not any(spills.values()), spills

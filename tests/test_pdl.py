@@ -23,43 +23,16 @@ def test_off_by_default_and_off_the_gpu(monkeypatch):
     assert not pdl.pdl_on(torch.device("cpu"))  # no griddepcontrol off CUDA, switched on or not
 
 
-def sm90_ptx(kernel, signature: dict, constexprs: dict) -> str:
-    """The kernel compiled for sm_90 (launch_pdl on, as tcal.pdl launches it): its PTX."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    source = ASTSource(fn=kernel, signature={**signature, **{name: "constexpr" for name in constexprs}}, constexprs=constexprs)
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, launch_pdl=True)).asm["ptx"]
-
-
 @needs_triton
 def test_kernels_compile_with_both_instructions():
-    import tcal.chunk_intra as ci
-    import tcal.chunk_states as cs
-    import tcal.delta_inputs as di
-    import tcal.gated_norm as gn
+    from bench.kernel_registers import compile_sm90, kernels
 
-    bf, f32, i32 = "*bf16", "*fp32", "i32"
-    heads = dict(H=9, K=64, V=64, BK=64, BV=64, DOT="tf32x3", PDL=True)
-    kernels = {
-        "transitions": (cs._transitions_kernel, dict(k=bf, w=bf, u=bf, g=f32, trans_d=bf, trans_n=f32, length=i32), heads),
-        "pass": (cs._pass_kernel, dict(trans_d=bf, trans_n=f32, g=f32, h=bf, h0=f32, ht=f32, length=i32),
-                 {**heads, "BV": 16, "HAS_H0": True, "STORE_FINAL": True}),
-        "output": (cs._output_kernel, dict(q=bf, k=bf, w=bf, u=bf, g=f32, h=bf, o=bf, scale="fp32", length=i32), heads),
-        "intra": (ci._chunk_intra_kernel, dict(k=bf, v=bf, g=f32, beta=f32, g_out=f32, w=bf, u=bf, length=i32), heads),
-        "delta_inputs": (di._delta_inputs_kernel, {**{n: bf for n in ("q", "k", "v", "a", "b")}, "A_log": f32, "dt_bias": f32,
-                         **{n: bf for n in ("q_out", "k_out", "v_out")}, "g_out": f32, "beta_out": f32,
-                         **{n: i32 for n in ("rows", "length", "heads")},
-                         **{f"s{x}_{y}": i32 for x in "qkv" for y in "bthd"}, **{f"s{x}_{y}": i32 for x in "ab" for y in "bth"},
-                         "eps": "fp32"}, dict(D=64, BD=64, BLOCK_T=32, V_SILU=True, PDL=True)),
-        "gated_norm": (gn._gated_rms_norm_kernel, dict(x=bf, gate=bf, weight=bf, out=bf, rows=i32, length=i32, heads=i32,
-                       **{f"s{x}_{y}": i32 for x in "xg" for y in "bthd"}, eps="fp32"),
-                       dict(D=64, BD=64, BLOCK_R=32, SIGMOID=False, PDL=True)),
-    }
-    for name, (kernel, signature, constexprs) in kernels.items():
-        ptx = sm90_ptx(kernel, signature, constexprs)
+    for name, (kernel, signature, constexprs, warps) in kernels().items():
+        ptx, report = compile_sm90(kernel, signature, constexprs, warps, pdl=True)
         assert "griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" in ptx, name
+        assert "Used" in report, report
+        plain, _ = compile_sm90(kernel, signature, constexprs, warps, pdl=False)
+        assert "griddepcontrol" not in plain, name
 
 
 @cuda_fla

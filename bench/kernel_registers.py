@@ -1,0 +1,83 @@
+"""Registers and spills of tcal's GDN prefill kernels for sm_90a, on any machine (no GPU: Triton compiles to PTX
+and its bundled ptxas assembles it), at SmolLM2-135M's GDN shapes (9 heads of 64, bf16) and the launch each
+wrapper uses (its warps; launched as a programmatic dependent, tcal.pdl, when `pdl`). What a CPU-only session
+can check of a kernel before a GPU times it: a spill is local-memory traffic in the kernel's inner loop.
+
+    python bench/speed.py --sections registers [--registers-pdl]
+"""
+from __future__ import annotations
+
+import glob
+import os
+import re
+import subprocess
+import tempfile
+
+BF16, F32, I32 = "*bf16", "*fp32", "i32"
+SHAPES = dict(H=9, K=64, V=64, BK=64, BV=64, DOT="tf32x3")
+
+
+def kernels() -> dict:
+    """name -> (jit function, runtime argument types, constexprs, warps as its wrapper launches it)."""
+    import tcal.chunk_intra as ci
+    import tcal.chunk_states as cs
+    import tcal.delta_inputs as di
+    import tcal.gated_norm as gn
+
+    strides = lambda names, dims: {f"s{x}_{y}": I32 for x in names for y in dims}  # noqa: E731
+    return {
+        "tcal.delta_inputs": (di._delta_inputs_kernel, {**dict.fromkeys(("q", "k", "v", "a", "b"), BF16), "A_log": F32, "dt_bias": F32,
+                              **dict.fromkeys(("q_out", "k_out", "v_out"), BF16), "g_out": F32, "beta_out": F32,
+                              **dict.fromkeys(("rows", "length", "heads"), I32), **strides("qkv", "bthd"), **strides("ab", "bth"),
+                              "eps": "fp32"}, dict(D=64, BD=64, BLOCK_T=32, V_SILU=True), 4),
+        "tcal.chunk_intra": (ci._chunk_intra_kernel, dict(k=BF16, v=BF16, g=F32, beta=F32, g_out=F32, w=BF16, u=BF16, length=I32),
+                             SHAPES, ci.NUM_WARPS),
+        "tcal.chunk_states transitions": (cs._transitions_kernel, dict(k=BF16, w=BF16, u=BF16, g=F32, trans_d=BF16, trans_n=F32,
+                                                                       length=I32), SHAPES, cs.NUM_WARPS),
+        "tcal.chunk_states walk (value block 16)": (cs._pass_kernel, dict(trans_d=BF16, trans_n=F32, g=F32, h=BF16, h0=F32, ht=F32,
+                                                                          length=I32),
+                                                    {**SHAPES, "BV": 16, "HAS_H0": True, "STORE_FINAL": True}, cs.NUM_WARPS),
+        **{f"tcal.chunk_states output{' + gated norm' if norm else ''}": (
+            cs._output_kernel, dict(q=BF16, k=BF16, w=BF16, u=BF16, g=F32, h=BF16, o=BF16, scale="fp32", length=I32, gate=BF16,
+                                    weight=BF16, eps="fp32", sg_b=I32, sg_t=I32, sg_h=I32, sg_d=I32),
+            {**SHAPES, "NORM": norm}, cs.NUM_WARPS) for norm in (False, True)},
+        "tcal.gated_norm": (gn._gated_rms_norm_kernel, dict(x=BF16, gate=BF16, weight=BF16, out=BF16, rows=I32, length=I32,
+                                                            heads=I32, **strides("xg", "bthd"), eps="fp32"),
+                            dict(D=64, BD=64, BLOCK_R=32, SIGMOID=False), 4),
+    }
+
+
+def compile_sm90(kernel, signature: dict, constexprs: dict, warps: int, pdl: bool) -> tuple[str, str]:
+    """(the kernel's PTX for sm_90, ptxas -v's report of it for sm_90a)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    constexprs = {**constexprs, "PDL": pdl}
+    signature = {**signature, **dict.fromkeys(constexprs, "constexpr")}
+    # as the JIT specialises a launch: every pointer from torch's allocator 16-byte aligned, a 2k prompt's length too
+    aligned = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]]
+               for name, kind in signature.items() if kind.startswith("*") or name == "length"}
+    source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=aligned)
+    ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, launch_pdl=pdl)).asm["ptx"]
+    ptxas = glob.glob(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas"))[0]
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "kernel.ptx")
+        with open(path, "w") as f:
+            f.write(ptx)
+        report = subprocess.run([ptxas, "-arch=sm_90a", "-v", path, "-o", os.devnull], capture_output=True, text=True, check=True)
+    return ptx, report.stderr
+
+
+def reported(report: str, pattern: str) -> int:
+    """The integer ptxas -v printed where `pattern` (a regex with one group) matches (0 when it does not)."""
+    found = re.search(pattern, report)
+    return int(found.group(1)) if found else 0
+
+
+def run(rows, pdl: bool = False) -> None:
+    for name, (kernel, signature, constexprs, warps) in kernels().items():
+        _, report = compile_sm90(kernel, signature, constexprs, warps, pdl)
+        config = f"sm_90a, {warps} warps, 9 heads of 64, bf16" + (", launched as a dependent" if pdl else "")
+        rows.add(name, config, "registers", reported(report, r"Used (\d+) registers"), "per thread")
+        rows.add(name, config, "spill stores", reported(report, r"(\d+) bytes spill stores"), "bytes")
