@@ -159,46 +159,21 @@ if triton is not None:
             _store_rows(out, _row_block(t30, t31, t32, i3, x0, x1, x2, x3, 4, DOT), r3, m3, D, BD, d0)
 
     @triton.jit
-    def _chunk_intra_kernel(k, v, g, beta, g_out, w, u, length, H: tl.constexpr, K: tl.constexpr,
-                            V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DOT: tl.constexpr,
-                            PDL: tl.constexpr = False):
-        """Program (chunk i_t, row x head i_bh): the chunk's 64 rows of one head as four sub-chunks of
-        BC = 16 rows (module docstring). k, v, w, u are [B, T, H, D] contiguous; g, beta, g_out [B, T, H]
-        float32."""
-        wait_for_inputs(PDL)
-        BC: tl.constexpr = 16
-        i_t, i_bh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
-        i_b, i_h = i_bh // H, i_bh % H
-        o = tl.arange(0, BC)
-        t0 = i_t * 4 * BC + o
-        t1, t2, t3 = t0 + BC, t0 + 2 * BC, t0 + 3 * BC
-        m0, m1, m2, m3 = t0 < length, t1 < length, t2 < length, t3 < length
-        r0 = (i_b * length + t0) * H + i_h  # rows' indices into [B, T, H]
-        r1 = (i_b * length + t1) * H + i_h
-        r2 = (i_b * length + t2) * H + i_h
-        r3 = (i_b * length + t3) * H + i_h
-
-        # the chunk-local cumulative decay in log2 units (rows past the end add nothing)
-        g0 = tl.load(g + r0, mask=m0, other=0.0)
-        g1 = tl.load(g + r1, mask=m1, other=0.0)
-        g2 = tl.load(g + r2, mask=m2, other=0.0)
-        g3 = tl.load(g + r3, mask=m3, other=0.0)
+    def log2_cumsum(g0, g1, g2, g3):
+        """The chunk-local cumulative decay of four 16-row blocks, in log2 units (rows past the end hold 0)."""
         s0 = tl.sum(g0, 0)
         s1 = s0 + tl.sum(g1, 0)
         s2 = s1 + tl.sum(g2, 0)
-        c0 = tl.cumsum(g0, 0) * RCP_LN2_
-        c1 = (tl.cumsum(g1, 0) + s0) * RCP_LN2_
-        c2 = (tl.cumsum(g2, 0) + s1) * RCP_LN2_
-        c3 = (tl.cumsum(g3, 0) + s2) * RCP_LN2_
-        tl.store(g_out + r0, c0, mask=m0)
-        tl.store(g_out + r1, c1, mask=m1)
-        tl.store(g_out + r2, c2, mask=m2)
-        tl.store(g_out + r3, c3, mask=m3)
-        b0 = tl.load(beta + r0, mask=m0, other=0.0)
-        b1 = tl.load(beta + r1, mask=m1, other=0.0)
-        b2 = tl.load(beta + r2, mask=m2, other=0.0)
-        b3 = tl.load(beta + r3, mask=m3, other=0.0)
+        return (tl.cumsum(g0, 0) * RCP_LN2_, (tl.cumsum(g1, 0) + s0) * RCP_LN2_, (tl.cumsum(g2, 0) + s1) * RCP_LN2_,
+                (tl.cumsum(g3, 0) + s2) * RCP_LN2_)
 
+    @triton.jit
+    def intra_solve(k, v, w, u, r0, r1, r2, r3, m0, m1, m2, m3, c0, c1, c2, c3, b0, b1, b2, b3,
+                    K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DOT: tl.constexpr):
+        """From a chunk's rows r_j of k and v ([B, T, H, D] contiguous), their cumulative log2 decay c_j and beta b_j
+        (four 16-row blocks): w = T diag(beta) (k * 2^g) and u = T diag(beta) v, T = (I + A)^-1 (module docstring)."""
+        BC: tl.constexpr = 16
+        o = tl.arange(0, BC)
         # A's ten lower blocks: k_i . k_j over the key columns, then gated
         z = tl.zeros([BC, BC], dtype=tl.float32)
         a00, a11, a22, a33, a10, a20, a21, a30, a31, a32 = z, z, z, z, z, z, z, z, z, z
@@ -253,6 +228,36 @@ if triton is not None:
                  K, BK, DOT)
         _apply_t(v, u, r0, r1, r2, r3, m0, m1, m2, m3, b0, b1, b2, b3, i0, i1, i2, i3, t10, t20, t21, t30, t31, t32,
                  V, BV, DOT)
+
+    @triton.jit
+    def _chunk_intra_kernel(k, v, g, beta, g_out, w, u, length, H: tl.constexpr, K: tl.constexpr,
+                            V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DOT: tl.constexpr,
+                            PDL: tl.constexpr = False):
+        """Program (chunk i_t, row x head i_bh): the chunk's 64 rows of one head as four sub-chunks of
+        BC = 16 rows (module docstring). k, v, w, u are [B, T, H, D] contiguous; g, beta, g_out [B, T, H]
+        float32."""
+        wait_for_inputs(PDL)
+        BC: tl.constexpr = 16
+        i_t, i_bh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
+        i_b, i_h = i_bh // H, i_bh % H
+        t0 = i_t * 4 * BC + tl.arange(0, BC)
+        t1, t2, t3 = t0 + BC, t0 + 2 * BC, t0 + 3 * BC
+        m0, m1, m2, m3 = t0 < length, t1 < length, t2 < length, t3 < length
+        r0 = (i_b * length + t0) * H + i_h  # rows' indices into [B, T, H]
+        r1 = (i_b * length + t1) * H + i_h
+        r2 = (i_b * length + t2) * H + i_h
+        r3 = (i_b * length + t3) * H + i_h
+        c0, c1, c2, c3 = log2_cumsum(tl.load(g + r0, mask=m0, other=0.0), tl.load(g + r1, mask=m1, other=0.0),
+                                     tl.load(g + r2, mask=m2, other=0.0), tl.load(g + r3, mask=m3, other=0.0))
+        tl.store(g_out + r0, c0, mask=m0)
+        tl.store(g_out + r1, c1, mask=m1)
+        tl.store(g_out + r2, c2, mask=m2)
+        tl.store(g_out + r3, c3, mask=m3)
+        b0 = tl.load(beta + r0, mask=m0, other=0.0)
+        b1 = tl.load(beta + r1, mask=m1, other=0.0)
+        b2 = tl.load(beta + r2, mask=m2, other=0.0)
+        b3 = tl.load(beta + r3, mask=m3, other=0.0)
+        intra_solve(k, v, w, u, r0, r1, r2, r3, m0, m1, m2, m3, c0, c1, c2, c3, b0, b1, b2, b3, K, V, BK, BV, DOT)
         release_dependents(PDL)
 
 

@@ -20,11 +20,12 @@ Shapes: q, k, v [B, T, H, D]; a, b [B, T, H] (any strides, all of them); A_log, 
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
 from .pdl import pdl_on, pdl_options
-from .token_step import L2NORM_EPS
 
 try:  # Triton is a CUDA-side extra: CPU installs do not have it
     import triton
@@ -32,6 +33,7 @@ try:  # Triton is a CUDA-side extra: CPU installs do not have it
 except Exception:  # a broken install raises more than ImportError
     triton = None
 
+L2NORM_EPS = 1e-6  # fla's l2norm (tcal.gdn.l2norm)
 MAX_HEAD_DIM = 256  # a program holds BLOCK_T rows of one head: wider heads keep the composition
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -60,11 +62,18 @@ if triton is not None:
         return tl.where(u == 1.0, x, tl.log(u) * (x / (u - 1.0)))
 
     @triton.jit
-    def _unit_silu(x_ptr, offs, inside, eps):
-        """l2norm(silu(x)) of a [BLOCK_T, BD] tile, in float32."""
+    def unit_silu(x_ptr, offs, inside, eps):
+        """l2norm(silu(x)) of a [BLOCK_T, BD] tile, in float32 (also read by tcal.chunk_intra's raw form)."""
         x = tl.load(x_ptr + offs, mask=inside, other=0).to(tl.float32)
         x = x * tl.sigmoid(x)
         return x / tl.sqrt(tl.sum(x * x, 1) + eps)[:, None]
+
+    @triton.jit
+    def decay_and_beta(a, b, A_log_h, dt_bias_h):
+        """g = -exp(A_log) softplus(a + dt_bias) and beta = sigmoid(b) of loaded rows, in float32."""
+        x = a.to(tl.float32) + dt_bias_h.to(tl.float32)
+        softplus = tl.where(x > 20.0, x, tl.maximum(x, 0.0) + _log1p(tl.exp(-tl.abs(x))))
+        return -tl.exp(A_log_h.to(tl.float32)) * softplus, tl.sigmoid(b.to(tl.float32))
 
     @triton.jit
     def _delta_inputs_kernel(q, k, v, a, b, A_log, dt_bias, q_out, k_out, v_out, g_out, beta_out, rows, length, heads,
@@ -81,8 +90,8 @@ if triton is not None:
         row_in = r < rows
         inside = row_in[:, None] & (d < D)[None, :]
         bi, t = r // length, r % length
-        q_unit = _unit_silu(q, (bi * sq_b + t * sq_t + h * sq_h)[:, None] + d[None, :] * sq_d, inside, eps)
-        k_unit = _unit_silu(k, (bi * sk_b + t * sk_t + h * sk_h)[:, None] + d[None, :] * sk_d, inside, eps)
+        q_unit = unit_silu(q, (bi * sq_b + t * sq_t + h * sq_h)[:, None] + d[None, :] * sq_d, inside, eps)
+        k_unit = unit_silu(k, (bi * sk_b + t * sk_t + h * sk_h)[:, None] + d[None, :] * sk_d, inside, eps)
         vv = tl.load(v + (bi * sv_b + t * sv_t + h * sv_h)[:, None] + d[None, :] * sv_d, mask=inside, other=0).to(tl.float32)
         if V_SILU:
             vv = vv * tl.sigmoid(vv)
@@ -90,13 +99,29 @@ if triton is not None:
         tl.store(q_out + o, q_unit.to(q_out.dtype.element_ty), mask=inside)
         tl.store(k_out + o, k_unit.to(k_out.dtype.element_ty), mask=inside)
         tl.store(v_out + o, vv.to(v_out.dtype.element_ty), mask=inside)
-        x = tl.load(a + bi * sa_b + t * sa_t + h * sa_h, mask=row_in, other=0).to(tl.float32) + tl.load(dt_bias + h).to(tl.float32)
-        softplus = tl.where(x > 20.0, x, tl.maximum(x, 0.0) + _log1p(tl.exp(-tl.abs(x))))
-        g = -tl.exp(tl.load(A_log + h).to(tl.float32)) * softplus
-        beta = tl.sigmoid(tl.load(b + bi * sb_b + t * sb_t + h * sb_h, mask=row_in, other=0).to(tl.float32))
+        g, beta = decay_and_beta(tl.load(a + bi * sa_b + t * sa_t + h * sa_h, mask=row_in, other=0),
+                                 tl.load(b + bi * sb_b + t * sb_t + h * sb_h, mask=row_in, other=0),
+                                 tl.load(A_log + h), tl.load(dt_bias + h))
         tl.store(g_out + r * heads + h, g, mask=row_in)
         tl.store(beta_out + r * heads + h, beta, mask=row_in)
         release_dependents(PDL)
+
+
+class Projections(NamedTuple):
+    """A GatedDeltaNet's projections as the recurrence's inputs come from them (after any short convolution),
+    for a rule that may form the inputs itself (tcal.kernels.gated_delta_rule_from_projections)."""
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    a: torch.Tensor
+    b: torch.Tensor
+    A_log: torch.Tensor
+    dt_bias: torch.Tensor
+    v_silu: bool
+
+    def prepared(self):
+        """(q, k, v, g, beta) from this module's kernel."""
+        return delta_inputs_triton(*self)
 
 
 def kernel_takes(q, k, v, a, b) -> bool:

@@ -16,9 +16,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .delta_inputs import delta_inputs_triton, kernel_takes
+from .delta_inputs import Projections, kernel_takes
 from .gated_norm import ACTIVATIONS as GATE_ACTIVATIONS, OutputNorm, gated_rms_norm_triton, kernel_takes as gated_norm_takes
-from .kernels import fla_available, gated_delta_rule
+from .kernels import fla_available, gated_delta_rule, gated_delta_rule_from_projections
 from .token_step import gdn_token_step, token_step_fits
 
 V_ACTIVATIONS = {"silu": F.silu, "identity": lambda x: x}
@@ -409,11 +409,18 @@ class GatedDeltaNet(RecurrentLayer):
         """q, k, v, g, beta for the recurrence from the input projections p: on fla's path without a
         gradient one kernel after the short convolutions (tcal.delta_inputs: the same math, rounded
         once), else the composition (delta_rule_inputs and the decay), which every CPU run keeps."""
-        if takes_fused_inputs(self, p):
-            q, k, v = (self._stream(p[f"{n}_proj"], n, lambda x: x, cache) for n in "qkv")
-            return delta_inputs_triton(q, k, v, p["a_proj"], p["b_proj"], self.A_log, self.dt_bias, self.v_activation == "silu")
+        projections = self._projections(p, cache)
+        if projections is not None:
+            return projections.prepared()
         q, k, v, _, beta = self.delta_rule_inputs(p, cache)
         return q, k, v, self._decay(p["a_proj"]), beta
+
+    def _projections(self, p: dict, cache: GDNCache | None) -> Projections | None:
+        """The projections (after the short convolutions) as one kernel takes them (takes_fused_inputs), or None."""
+        if not takes_fused_inputs(self, p):
+            return None
+        q, k, v = (self._stream(p[f"{n}_proj"], n, lambda x: x, cache) for n in "qkv")
+        return Projections(q, k, v, p["a_proj"], p["b_proj"], self.A_log, self.dt_bias, self.v_activation == "silu")
 
     def forward_parts(self, hidden_states: torch.Tensor, cache: GDNCache | None = None, projection=None) -> dict[str, torch.Tensor]:
         """Every intermediate of the forward pass, for calibration and diagnostics.
@@ -424,27 +431,29 @@ class GatedDeltaNet(RecurrentLayer):
         for short calls such as one decoded token, the chunked form for a long prefill."""
         p = self._input_projections(hidden_states, projection)
         q, k, v, g, beta = self.gated_delta_inputs(p, cache)
-        core = self._rule(q, k, v, g, beta, cache)
+        core = self._rule(q, k, v, g, beta, cache=cache)
         return dict(q=q, k=k, v=v, g=g, beta=beta, beta_logit=p["b_proj"], **self.gated_output(core, p))
 
     def forward_out(self, hidden_states: torch.Tensor, cache: GDNCache | None = None, projection=None) -> torch.Tensor:
         """The output alone: the gated output norm handed to the rule (tcal.gated_norm.OutputNorm), which
         applies it inside its last kernel where it can (tcal.chunk_states), the layer's o_norm otherwise."""
         p = self._input_projections(hidden_states, projection)
-        q, k, v, g, beta = self.gated_delta_inputs(p, cache)
         gate = self._split_heads(p["g_proj"])
         norm = self.o_norm
         output_norm = OutputNorm(gate, norm.weight, norm.eps, norm.activation, lambda core: norm(core, gate, backend=self.backend))
-        return self.o_proj(self._rule(q, k, v, g, beta, cache, output_norm).flatten(-2))
+        projections = self._projections(p, cache)
+        if projections is not None:  # the inputs may be formed inside the rule's first kernel (tcal.chunk_inputs)
+            return self.o_proj(self._rule(projections, cache=cache, output_norm=output_norm).flatten(-2))
+        return self.o_proj(self._rule(*self.gated_delta_inputs(p, cache), cache=cache, output_norm=output_norm).flatten(-2))
 
-    def _rule(self, q, k, v, g, beta, cache: GDNCache | None, output_norm: OutputNorm | None = None) -> torch.Tensor:
-        """gated_delta_rule's output; with a cache, from its state, which it updates."""
-        if cache is None:
-            return gated_delta_rule(q, k, v, g, beta, scale=self.head_dim**-0.5, backend=self.backend, output_norm=output_norm)[0]
-        core, cache.recurrent = gated_delta_rule(
-            q, k, v, g, beta, scale=self.head_dim**-0.5, initial_state=cache.recurrent,
-            output_final_state=True, backend=self.backend, output_norm=output_norm,
-        )
+    def _rule(self, *inputs, cache: GDNCache | None, output_norm: OutputNorm | None = None) -> torch.Tensor:
+        """gated_delta_rule's output on (q, k, v, g, beta), or gated_delta_rule_from_projections' on a Projections;
+        with a cache, from its state, which it updates."""
+        rule = gated_delta_rule_from_projections if len(inputs) == 1 else gated_delta_rule
+        state = {} if cache is None else dict(initial_state=cache.recurrent, output_final_state=True)
+        core, final = rule(*inputs, scale=self.head_dim**-0.5, backend=self.backend, output_norm=output_norm, **state)
+        if cache is not None:
+            cache.recurrent = final
         return core
 
     def token_decay_input(self, p: dict) -> torch.Tensor:

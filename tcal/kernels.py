@@ -22,6 +22,8 @@ import re
 import torch
 import torch.nn.functional as F
 
+from .chunk_inputs import chunk_inputs_takes
+from .delta_inputs import Projections
 from .split_state import normed, requested_splits, split_state_gated_delta_rule
 from .state_pass import state_pass_config
 
@@ -218,6 +220,18 @@ def _needs_grad(*tensors) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
+def _inference_route(q, k, v) -> tuple[str, object]:
+    """Where fla's inference forward of these shapes goes: ("recurrent", None) for short calls, ("split", pieces)
+    (tcal.split_state), ("one piece", launch config) (tcal.state_pass) or ("chunk", None) (fla's own forward)."""
+    if q.shape[1] <= FLA_RECURRENT_MAX_T:
+        return "recurrent", None
+    splits = requested_splits(q.shape[0], v.shape[2], q.shape[1], q.device, max(k.shape[-1], v.shape[-1]))
+    if splits > 1:  # few rows, many chunks: the state pass cut along the sequence
+        return "split", splits
+    config = state_pass_config(q.shape[0] * v.shape[2], k.shape[-1], v.shape[-1], q.device)
+    return ("one piece", config) if config is not None else ("chunk", None)  # one piece: few rows x heads
+
+
 def _fla_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state, output_norm=None):
     """fla's kernels with g and beta precomputed and q, k already normalised (the output through
     output_norm when given: folded into the last kernel where tcal.chunk_states runs)."""
@@ -232,21 +246,31 @@ def _fla_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_s
         output_final_state=output_final_state,
         use_qk_l2norm_in_kernel=False,
     )
-    if not _needs_grad(q, k, v, g, beta, initial_state):
-        if q.shape[1] <= FLA_RECURRENT_MAX_T:
-            # gk and gv sit between g and beta in this signature: pass by keyword.
-            o, state = fused_recurrent_gated_delta_rule(q, k, v, g=g, beta=beta, **options)
-            return normed(o, output_norm), state
-        splits = requested_splits(q.shape[0], v.shape[2], q.shape[1], q.device, max(k.shape[-1], v.shape[-1]))
-        if splits > 1:  # few rows, many chunks: the state pass cut along the sequence
-            return split_state_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state, splits,
-                                                output_norm=output_norm)
-        config = state_pass_config(q.shape[0] * v.shape[2], k.shape[-1], v.shape[-1], q.device)
-        if config is not None:  # few rows x heads: the state pass with value blocks narrow enough to fill the GPU
-            return split_state_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state, 1, config,
-                                                output_norm=output_norm)
+    route, setting = _inference_route(q, k, v) if not _needs_grad(q, k, v, g, beta, initial_state) else ("chunk", None)
+    if route == "recurrent":  # gk and gv sit between g and beta in this signature: pass by keyword
+        o, state = fused_recurrent_gated_delta_rule(q, k, v, g=g, beta=beta, **options)
+        return normed(o, output_norm), state
+    if route != "chunk":
+        splits, config = (setting, None) if route == "split" else (1, setting)
+        return split_state_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state, splits, config,
+                                            output_norm=output_norm)
     o, state = chunk_gated_delta_rule(q, k, v, g, beta, **options)
     return normed(o, output_norm), state
+
+
+def gated_delta_rule_from_projections(projections: Projections, scale=None, initial_state=None, output_final_state=False,
+                                      backend="auto", output_norm=None):
+    """gated_delta_rule on a GatedDeltaNet's projections (tcal.delta_inputs.Projections: inference, its inputs kernel
+    takes them): the inputs formed inside the intra kernel's launch (tcal.chunk_inputs) where fla's one-piece path
+    runs and SURGERY_CHUNK_INPUTS=on, else by tcal.delta_inputs' kernel, then gated_delta_rule."""
+    p = projections
+    scale = _default_scale(scale, p.q.shape[-1])
+    if backend != "torch" and p.q.is_cuda and fla_available() and not torch.compiler.is_compiling():
+        route, config = _inference_route(p.q, p.k, p.v)
+        if route == "one piece" and chunk_inputs_takes(p.q, p.k, p.v, p.a, p.b):
+            return split_state_gated_delta_rule(None, None, None, None, None, scale, initial_state, output_final_state, 1,
+                                                config, output_norm=output_norm, projections=p)
+    return gated_delta_rule(*p.prepared(), scale, initial_state, output_final_state, backend, output_norm=output_norm)
 
 
 def _use_fla(q, k, v, g, beta, initial_state) -> bool:

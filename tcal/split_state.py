@@ -24,6 +24,7 @@ from typing import NamedTuple
 
 import torch
 
+from .chunk_inputs import chunk_inputs_triton
 from .chunk_intra import CHUNK, chunk_intra_takes, chunk_intra_triton
 from .chunk_states import chunk_states_takes, chunk_states_triton
 from .state_pass import state_pass
@@ -136,7 +137,7 @@ def _layout(batch: int, seq_len: int, splits: int, device: torch.device) -> Piec
 
 
 def split_state_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state, splits, config=None,
-                                 output_norm=None):
+                                 output_norm=None, projections=None):
     """fla's chunk forward (cumsum, intra-chunk WY, state pass, output) with the state pass split in pieces;
     with splits == 1, the whole rows' state pass launched with `config` (tcal.state_pass) instead, or
     tcal.chunk_states' walk and output where it takes the inputs (SURGERY_CHUNK_STATES=on). The
@@ -144,7 +145,8 @@ def split_state_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_
 
     Arguments as tcal.kernels.gated_delta_rule's fla path: q, k [B, T, H, K]; v [B, T, HV, V]; g, beta
     [B, T, HV]; states [B, HV, K, V]. Returns (o [B, T, HV, V] in q's dtype, final state float32 or None);
-    with output_norm (tcal.gated_norm.OutputNorm) o normed, by tcal.chunk_states' output kernel where it runs."""
+    with output_norm (tcal.gated_norm.OutputNorm) o normed, by tcal.chunk_states' output kernel where it runs. With
+    projections (tcal.delta_inputs.Projections) instead of q, k, v, g, beta: the inputs formed by tcal.chunk_inputs."""
     if splits == 1 and config is None:
         raise ValueError("one piece runs the state pass with a tcal.state_pass launch config; pass config=")
     from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
@@ -154,14 +156,17 @@ def split_state_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_
     from fla.ops.utils import chunk_local_cumsum
     from fla.ops.utils.constant import RCP_LN2
 
-    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
-    batch, seq_len, _, dk = k.shape
-    heads, dv = v.shape[2], v.shape[3]
-    if chunk_intra_takes(k, v, g, beta):
-        g, w, u = chunk_intra_triton(k, v, g, beta)
+    if projections is not None:  # the inputs formed in the intra kernel's launch
+        q, k, g, w, u = chunk_inputs_triton(*projections)
     else:
-        g = chunk_local_cumsum(g, chunk_size=CHUNK, scale=RCP_LN2)  # log2 space, as fla's forward
-        w, u, _ = chunk_gated_delta_rule_fwd_intra(k=k, v=v, g=g, beta=beta, chunk_size=CHUNK)
+        q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+        if chunk_intra_takes(k, v, g, beta):
+            g, w, u = chunk_intra_triton(k, v, g, beta)
+        else:
+            g = chunk_local_cumsum(g, chunk_size=CHUNK, scale=RCP_LN2)  # log2 space, as fla's forward
+            w, u, _ = chunk_gated_delta_rule_fwd_intra(k=k, v=v, g=g, beta=beta, chunk_size=CHUNK)
+    batch, seq_len, _, dk = k.shape
+    heads, dv = u.shape[2], u.shape[3]
     if splits == 1:  # fla's kernel reads the initial state as a contiguous [B, HV, K, V] block
         start = None if initial_state is None else initial_state.contiguous()
         if chunk_states_takes(q, k, w, u, g):  # SURGERY_CHUNK_STATES=on: one product a chunk on the walk

@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .delta_inputs import L2NORM_EPS
 from .kernels import OP_NAMESPACE
 
 try:  # Triton is a CUDA-side extra: CPU installs do not have it
@@ -36,7 +37,6 @@ try:  # Triton is a CUDA-side extra: CPU installs do not have it
 except Exception:  # a broken install raises more than ImportError
     triton = None
 
-L2NORM_EPS = 1e-6  # fla's l2norm (tcal.gdn.l2norm)
 
 
 def token_step_torch(q, k, v, a, b, gate, A_log, dt_bias, norm_weight, state, scale: float, norm_eps: float,

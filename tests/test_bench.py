@@ -296,5 +296,5 @@ def test_speed_registers_section():
     rows = speed.main(["--sections", "registers", "--registers-pdl"])
     registers = {r["name"]: r["value"] for r in rows.rows if r["metric"] == "registers"}
     spills = {r["name"]: r["value"] for r in rows.rows if r["metric"] == "spill stores"}
-    assert len(registers) == len(spills) == 7 and all(0 < n <= 255 for n in registers.values()), registers
+    assert len(registers) == len(spills) == 8 and all(0 < n <= 255 for n in registers.values()), registers
     assert not any(spills.values()), spills

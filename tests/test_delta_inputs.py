@@ -126,12 +126,18 @@ def test_kernel_in_the_interpreter():
                 want = m.forward_parts(x)
                 gdn.takes_fused_inputs, gdn._fused_norms, gdn.GatedRMSNorm.takes_strided_kernel = on_cpu
                 got, cache = m.forward_parts(x), gdn.GDNCache()
+                called = m(x)  # forward_out: the projections handed to the rule (tcal.kernels.gated_delta_rule_from_projections)
                 m.forward_parts(x[:, :30], cache)
                 tail = m.forward_parts(x[:, 30:], cache)["out"]
+                cache = gdn.GDNCache()
+                m(x[:, :30], cache)
+                called_tail = m(x[:, 30:], cache)
                 gdn.takes_fused_inputs, gdn._fused_norms, gdn.GatedRMSNorm.takes_strided_kernel = real
             for name in ("q", "k", "v", "g", "beta", "normed", "out"):
                 torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-5)
             torch.testing.assert_close(tail, want["out"][:, 30:], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(called, want["out"], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(called_tail, want["out"][:, 30:], rtol=1e-5, atol=1e-5)
         print("ok")
     """)
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))

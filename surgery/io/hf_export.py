@@ -28,6 +28,7 @@ import tcal.delta_inputs
 import tcal.gated_norm
 import tcal.gdn
 import tcal.chunk_intra
+import tcal.chunk_inputs
 import tcal.chunk_states
 import tcal.pdl
 import tcal.kernels
@@ -56,7 +57,8 @@ GDN_SOURCES = {"gdn.py": Path(tcal.gdn.__file__), "kernels.py": Path(tcal.kernel
                "token_step.py": Path(tcal.token_step.__file__), "delta_inputs.py": Path(tcal.delta_inputs.__file__),
                "gated_norm.py": Path(tcal.gated_norm.__file__), "split_state.py": Path(tcal.split_state.__file__),
                "state_pass.py": Path(tcal.state_pass.__file__), "chunk_intra.py": Path(tcal.chunk_intra.__file__),
-               "chunk_states.py": Path(tcal.chunk_states.__file__), "pdl.py": Path(tcal.pdl.__file__)}
+               "chunk_states.py": Path(tcal.chunk_states.__file__), "pdl.py": Path(tcal.pdl.__file__),
+               "chunk_inputs.py": Path(tcal.chunk_inputs.__file__)}
 # the other layer mixers, exported beside GDN's files: tcal/mixers/ imports tcal's modules one package up
 MIXER_SOURCES = {Path(m.__file__).name: Path(m.__file__) for m in (tcal.mixers.gla, tcal.mixers.gla_kernels, tcal.mixers.kda,
                                                                    tcal.mixers.kda_kernels, tcal.mixers.mamba2, tcal.mixers.mamba2_kernels)}

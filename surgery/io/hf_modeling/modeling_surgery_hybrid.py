@@ -3,7 +3,8 @@
 The teacher's own transformers class is built from this config; each attention module that was
 converted (config.surgery_hybrid["gdn_layers"], keyed by module path) is then swapped for its mixer's
 layer (MIXERS: the project's GatedDeltaNet from gdn.py, kernels.py, split_state.py, state_pass.py, chunk_intra.py,
-chunk_states.py, pdl.py, token_step.py, delta_inputs.py and gated_norm.py beside this file, copied verbatim by `surgery export`; gla, kda and
+chunk_states.py, chunk_inputs.py, pdl.py,
+token_step.py, delta_inputs.py and gated_norm.py beside this file, copied verbatim by `surgery export`; gla, kda and
 mamba2 from their own files beside it) called the way the teacher's decoder layer calls its attention (SwappedAttention).
 A sliding-window (swa) layer keeps the teacher's attention module, whose 4-D attention mask a
 forward pre-hook limits to the layer's window (WindowMask).
@@ -26,6 +27,7 @@ from transformers.cache_utils import Cache
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 # transformers 4.x copies only the files this module imports itself: name gdn.py's own imports here
+from .chunk_inputs import chunk_inputs_triton  # noqa: F401
 from .chunk_intra import chunk_intra_triton  # noqa: F401
 from .chunk_states import chunk_states_triton  # noqa: F401
 from .delta_inputs import delta_inputs_torch  # noqa: F401
