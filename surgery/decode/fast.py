@@ -30,6 +30,7 @@ from .agreement import compiled_agrees
 from .causal_flags import CausalFlags
 from .fused_linears import fused_siblings
 from .fusions import fuse_elementwise
+from .gqa import sdpa_on_grouped_heads, switched_on as gqa_switched_on
 from .replay import Replays
 from .weight_watch import WeightWatch
 
@@ -91,6 +92,8 @@ class FastGraph:
             if self.route.fused:
                 fused, self.fused[key] = fused_siblings(gm, self.device, self.copies)
                 gm = fuse_elementwise(fused, in_place=fused is not gm)[0]
+                if gqa_switched_on():  # SURGERY_SDPA_GQA=on: GQA layers' SDPA without the repeated key/value copies
+                    gm = sdpa_on_grouped_heads(gm)[0]
             self.graphs[key] = gm
         return self.graphs[key]
 
