@@ -33,7 +33,7 @@ def kernels() -> dict:
                               "eps": "fp32"}, dict(D=64, BD=64, BLOCK_T=32, V_SILU=True), 4),
         "tcal.chunk_inputs (the inputs and the intra solve)": (
             ck._chunk_inputs_kernel, {**dict.fromkeys(("q_raw", "k_raw", "v_raw", "a", "b"), BF16), "A_log": F32, "dt_bias": F32,
-                                      **dict.fromkeys(("q_out", "k_out", "v_out"), BF16), "g_out": F32, "beta_out": F32, "w": BF16, "u": BF16,
+                                      **dict.fromkeys(("q_out", "k_out", "v_out"), BF16), "g_tmp": F32, "beta_tmp": F32, "g_out": F32, "w": BF16, "u": BF16,
                                       "length": I32, **strides("qkv", "bthd"), **strides("ab", "bth"), "eps": "fp32"},
             dict(H=9, D=64, BD=64, DOT="tf32x3", V_SILU=True), ci.NUM_WARPS),
         "tcal.chunk_intra": (ci._chunk_intra_kernel, dict(k=BF16, v=BF16, g=F32, beta=F32, g_out=F32, w=BF16, u=BF16, length=I32),

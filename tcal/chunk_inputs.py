@@ -43,16 +43,17 @@ def chunk_inputs_takes(q, k, v, a, b) -> bool:
 
 
 if triton is not None:
-    from .chunk_intra import intra_solve, log2_cumsum
+    from .chunk_intra import chunk_rows, intra_from_rows
     from .delta_inputs import decay_and_beta, unit_silu
     from .pdl import release_dependents, wait_for_inputs
 
     @triton.jit
-    def _rows_in(q_raw, k_raw, v_raw, a, b, A_log_h, dt_bias_h, q_out, k_out, v_out, g_out, beta_out, t, i_b, i_h, inside, row,
-                 sq_b, sq_t, sq_h, sq_d, sk_b, sk_t, sk_h, sk_d, sv_b, sv_t, sv_h, sv_d, sa_b, sa_t, sa_h, sb_b, sb_t, sb_h,
-                 eps, D: tl.constexpr, BD: tl.constexpr, V_SILU: tl.constexpr):
-        """One 16-row block: q, k, v formed and stored at `row` ([B, T, H, D] contiguous), g and beta at `row` of
-        g_out and beta_out ([B, T, H] float32)."""
+    def _rows_in(q_raw, k_raw, v_raw, a, b, A_log_h, dt_bias_h, q_out, k_out, v_out, g_tmp, beta_tmp, inside, row, i_b, i_h,
+                 length, H: tl.constexpr, sq_b, sq_t, sq_h, sq_d, sk_b, sk_t, sk_h, sk_d, sv_b, sv_t, sv_h, sv_d, sa_b, sa_t, sa_h,
+                 sb_b, sb_t, sb_h, eps, J: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, V_SILU: tl.constexpr):
+        """One 16-row block (chunk_rows' block J, `row` into [B, T, H]): q, k, v formed and stored ([B, T, H, D] contiguous), g and beta
+        into g_tmp and beta_tmp ([B, T, H] float32)."""
+        t = tl.program_id(0).to(tl.int64) * 64 + J * 16 + tl.arange(0, 16)  # the rows' positions (chunk_rows' block J)
         d = tl.arange(0, BD)
         tile = inside[:, None] & (d < D)[None, :]
         at = row[:, None] * D + d[None, :]
@@ -66,55 +67,27 @@ if triton is not None:
         tl.store(v_out + at, v.to(v_out.dtype.element_ty), mask=tile)
         g, beta = decay_and_beta(tl.load(a + i_b * sa_b + t * sa_t + i_h * sa_h, mask=inside, other=0),
                                  tl.load(b + i_b * sb_b + t * sb_t + i_h * sb_h, mask=inside, other=0), A_log_h, dt_bias_h)
-        tl.store(g_out + row, g, mask=inside)
-        tl.store(beta_out + row, beta, mask=inside)
+        tl.store(g_tmp + row, g, mask=inside)
+        tl.store(beta_tmp + row, beta, mask=inside)
 
     @triton.jit
-    def _chunk_inputs_kernel(q_raw, k_raw, v_raw, a, b, A_log, dt_bias, q_out, k_out, v_out, g_out, beta_out, w, u, length,
-                    sq_b, sq_t, sq_h, sq_d, sk_b, sk_t, sk_h, sk_d, sv_b, sv_t, sv_h, sv_d, sa_b, sa_t, sa_h,
+    def _chunk_inputs_kernel(q_raw, k_raw, v_raw, a, b, A_log, dt_bias, q_out, k_out, v_out, g_tmp, beta_tmp, g_out, w, u,
+                             length, sq_b, sq_t, sq_h, sq_d, sk_b, sk_t, sk_h, sk_d, sv_b, sv_t, sv_h, sv_d, sa_b, sa_t, sa_h,
                              sb_b, sb_t, sb_h, eps, H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
                              DOT: tl.constexpr, V_SILU: tl.constexpr, PDL: tl.constexpr = False):
         """Program (chunk i_t, row x head i_bh): the chunk's rows of one head formed from the projections (four
-        16-row blocks; g and beta through g_out and beta_out), their cumulative decay stored in g_out, then
-        tcal.chunk_intra's solve on them."""
+        16-row blocks; g and beta through g_tmp and beta_tmp), then tcal.chunk_intra's cumulative decay and solve
+        on them, read back as that kernel reads its inputs (the prologue's values are dead across the solve)."""
         wait_for_inputs(PDL)
-        BC: tl.constexpr = 16
-        i_t, i_bh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
-        i_b, i_h = i_bh // H, i_bh % H
+        m0, m1, m2, m3, r0, r1, r2, r3, i_b, i_h = chunk_rows(length, H)
         A_log_h, dt_bias_h = tl.load(A_log + i_h), tl.load(dt_bias + i_h)
-        t0 = i_t * 4 * BC + tl.arange(0, BC)
-        t1, t2, t3 = t0 + BC, t0 + 2 * BC, t0 + 3 * BC
-        m0, m1, m2, m3 = t0 < length, t1 < length, t2 < length, t3 < length
-        r0 = (i_b * length + t0) * H + i_h  # rows' indices into [B, T, H]
-        r1 = (i_b * length + t1) * H + i_h
-        r2 = (i_b * length + t2) * H + i_h
-        r3 = (i_b * length + t3) * H + i_h
-        _rows_in(q_raw, k_raw, v_raw, a, b, A_log_h, dt_bias_h, q_out, k_out, v_out, g_out, beta_out, t0, i_b, i_h, m0, r0,
-                 sq_b, sq_t, sq_h, sq_d, sk_b, sk_t, sk_h, sk_d, sv_b, sv_t, sv_h, sv_d, sa_b, sa_t, sa_h,
-                 sb_b, sb_t, sb_h, eps, D, BD, V_SILU)
-        _rows_in(q_raw, k_raw, v_raw, a, b, A_log_h, dt_bias_h, q_out, k_out, v_out, g_out, beta_out, t1, i_b, i_h, m1, r1,
-                 sq_b, sq_t, sq_h, sq_d, sk_b, sk_t, sk_h, sk_d, sv_b, sv_t, sv_h, sv_d, sa_b, sa_t, sa_h,
-                 sb_b, sb_t, sb_h, eps, D, BD, V_SILU)
-        _rows_in(q_raw, k_raw, v_raw, a, b, A_log_h, dt_bias_h, q_out, k_out, v_out, g_out, beta_out, t2, i_b, i_h, m2, r2,
-                 sq_b, sq_t, sq_h, sq_d, sk_b, sk_t, sk_h, sk_d, sv_b, sv_t, sv_h, sv_d, sa_b, sa_t, sa_h,
-                 sb_b, sb_t, sb_h, eps, D, BD, V_SILU)
-        _rows_in(q_raw, k_raw, v_raw, a, b, A_log_h, dt_bias_h, q_out, k_out, v_out, g_out, beta_out, t3, i_b, i_h, m3, r3,
-                 sq_b, sq_t, sq_h, sq_d, sk_b, sk_t, sk_h, sk_d, sv_b, sv_t, sv_h, sv_d, sa_b, sa_t, sa_h,
-                 sb_b, sb_t, sb_h, eps, D, BD, V_SILU)
+        for j in tl.static_range(4):
+            inside, row = (m0, r0) if j == 0 else (m1, r1) if j == 1 else (m2, r2) if j == 2 else (m3, r3)
+            _rows_in(q_raw, k_raw, v_raw, a, b, A_log_h, dt_bias_h, q_out, k_out, v_out, g_tmp, beta_tmp, inside, row, i_b,
+                     i_h, length, H, sq_b, sq_t, sq_h, sq_d, sk_b, sk_t, sk_h, sk_d, sv_b, sv_t, sv_h, sv_d, sa_b, sa_t, sa_h,
+                     sb_b, sb_t, sb_h, eps, j, D, BD, V_SILU)
         tl.debug_barrier()  # the rows this program stored, visible to all its threads before it reads them back
-        # from here as tcal.chunk_intra's kernel on what the prologue stored (the prologue's values all dead)
-        c0, c1, c2, c3 = log2_cumsum(tl.load(g_out + r0, mask=m0, other=0.0), tl.load(g_out + r1, mask=m1, other=0.0),
-                                     tl.load(g_out + r2, mask=m2, other=0.0), tl.load(g_out + r3, mask=m3, other=0.0))
-        tl.debug_barrier()  # every thread's read of g before any overwrites it with the cumulative decay
-        tl.store(g_out + r0, c0, mask=m0)
-        tl.store(g_out + r1, c1, mask=m1)
-        tl.store(g_out + r2, c2, mask=m2)
-        tl.store(g_out + r3, c3, mask=m3)
-        b0 = tl.load(beta_out + r0, mask=m0, other=0.0)
-        b1 = tl.load(beta_out + r1, mask=m1, other=0.0)
-        b2 = tl.load(beta_out + r2, mask=m2, other=0.0)
-        b3 = tl.load(beta_out + r3, mask=m3, other=0.0)
-        intra_solve(k_out, v_out, w, u, r0, r1, r2, r3, m0, m1, m2, m3, c0, c1, c2, c3, b0, b1, b2, b3, D, D, BD, BD, DOT)
+        intra_from_rows(k_out, v_out, g_tmp, beta_tmp, g_out, w, u, m0, m1, m2, m3, r0, r1, r2, r3, D, D, BD, BD, DOT)
         release_dependents(PDL)
 
 
@@ -126,11 +99,11 @@ def chunk_inputs_triton(q, k, v, a, b, A_log, dt_bias, v_silu: bool, dot: str = 
         raise RuntimeError("chunk_inputs_triton needs Triton; use tcal.delta_inputs and tcal.chunk_intra.")
     batch, length, heads, dim = q.shape
     out = q.new_empty(3, batch, length, heads, dim)  # q, k, v formed (v only for the solve to read back)
-    g_cum, beta = q.new_empty(2, batch, length, heads, dtype=torch.float32)  # beta: the kernel's scratch
+    g_cum, g_tmp, beta_tmp = q.new_empty(3, batch, length, heads, dtype=torch.float32)  # g, beta: the kernel's scratch
     w, u = torch.empty_like(out[1]), torch.empty_like(out[2])
     if batch * length * heads:
         _chunk_inputs_kernel[(triton.cdiv(length, CHUNK), batch * heads)](
-            q, k, v, a, b, A_log, dt_bias, *out, g_cum, beta, w, u, length, *q.stride(), *k.stride(), *v.stride(), *a.stride(),
+            q, k, v, a, b, A_log, dt_bias, *out, g_tmp, beta_tmp, g_cum, w, u, length, *q.stride(), *k.stride(), *v.stride(), *a.stride(),
             *b.stride(), L2NORM_EPS, H=heads, D=dim, BD=max(16, triton.next_power_of_2(dim)), DOT=dot, V_SILU=v_silu,
             num_warps=NUM_WARPS, PDL=pdl_on(q.device), **pdl_options(q.device))
     return out[0], out[1], g_cum, w, u

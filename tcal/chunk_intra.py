@@ -230,23 +230,25 @@ if triton is not None:
                  V, BV, DOT)
 
     @triton.jit
-    def _chunk_intra_kernel(k, v, g, beta, g_out, w, u, length, H: tl.constexpr, K: tl.constexpr,
-                            V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DOT: tl.constexpr,
-                            PDL: tl.constexpr = False):
-        """Program (chunk i_t, row x head i_bh): the chunk's 64 rows of one head as four sub-chunks of
-        BC = 16 rows (module docstring). k, v, w, u are [B, T, H, D] contiguous; g, beta, g_out [B, T, H]
-        float32."""
-        wait_for_inputs(PDL)
+    def chunk_rows(length, H: tl.constexpr):
+        """This program's chunk (axis 0) of one row x head (axis 1) as four 16-row blocks: their positions t_j,
+        in-range masks m_j and indices r_j into [B, T, H]; then the row and head."""
         BC: tl.constexpr = 16
         i_t, i_bh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
         i_b, i_h = i_bh // H, i_bh % H
         t0 = i_t * 4 * BC + tl.arange(0, BC)
         t1, t2, t3 = t0 + BC, t0 + 2 * BC, t0 + 3 * BC
-        m0, m1, m2, m3 = t0 < length, t1 < length, t2 < length, t3 < length
-        r0 = (i_b * length + t0) * H + i_h  # rows' indices into [B, T, H]
+        r0 = (i_b * length + t0) * H + i_h
         r1 = (i_b * length + t1) * H + i_h
         r2 = (i_b * length + t2) * H + i_h
         r3 = (i_b * length + t3) * H + i_h
+        return t0 < length, t1 < length, t2 < length, t3 < length, r0, r1, r2, r3, i_b, i_h
+
+    @triton.jit
+    def intra_from_rows(k, v, g, beta, g_out, w, u, m0, m1, m2, m3, r0, r1, r2, r3, K: tl.constexpr, V: tl.constexpr,
+                        BK: tl.constexpr, BV: tl.constexpr, DOT: tl.constexpr):
+        """A chunk's rows (chunk_rows) of g and beta [B, T, H] float32: their cumulative log2 decay into g_out, then
+        intra_solve's w and u."""
         c0, c1, c2, c3 = log2_cumsum(tl.load(g + r0, mask=m0, other=0.0), tl.load(g + r1, mask=m1, other=0.0),
                                      tl.load(g + r2, mask=m2, other=0.0), tl.load(g + r3, mask=m3, other=0.0))
         tl.store(g_out + r0, c0, mask=m0)
@@ -258,6 +260,17 @@ if triton is not None:
         b2 = tl.load(beta + r2, mask=m2, other=0.0)
         b3 = tl.load(beta + r3, mask=m3, other=0.0)
         intra_solve(k, v, w, u, r0, r1, r2, r3, m0, m1, m2, m3, c0, c1, c2, c3, b0, b1, b2, b3, K, V, BK, BV, DOT)
+
+    @triton.jit
+    def _chunk_intra_kernel(k, v, g, beta, g_out, w, u, length, H: tl.constexpr, K: tl.constexpr,
+                            V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DOT: tl.constexpr,
+                            PDL: tl.constexpr = False):
+        """Program (chunk i_t, row x head i_bh): the chunk's 64 rows of one head as four sub-chunks of
+        BC = 16 rows (module docstring). k, v, w, u are [B, T, H, D] contiguous; g, beta, g_out [B, T, H]
+        float32."""
+        wait_for_inputs(PDL)
+        m0, m1, m2, m3, r0, r1, r2, r3, _, _ = chunk_rows(length, H)
+        intra_from_rows(k, v, g, beta, g_out, w, u, m0, m1, m2, m3, r0, r1, r2, r3, K, V, BK, BV, DOT)
         release_dependents(PDL)
 
 

@@ -96,6 +96,15 @@ if triton is not None:
         return tl.load(x + row[:, None] * D + d[None, :], mask=inside[:, None] & (d < D)[None, :], other=0.0)
 
     @triton.jit
+    def _chunk(length, H: tl.constexpr):
+        """This program's 64-token chunk (axis 0) of one row x head (axis 1): (chunk, row, head, in-range mask of
+        its positions, their indices into [B, T, H])."""
+        i_t, i_bh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
+        i_b, i_h = i_bh // H, i_bh % H
+        t = i_t * 64 + tl.arange(0, 64)
+        return i_t, i_b, i_h, t < length, (i_b * length + t) * H + i_h
+
+    @triton.jit
     def _transitions_kernel(k, w, u, g, trans_d, trans_n, length, H: tl.constexpr, K: tl.constexpr,
                             V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DOT: tl.constexpr,
                             PDL: tl.constexpr = False):
@@ -104,11 +113,7 @@ if triton is not None:
         [B, NT, H, K, V], contiguous."""
         wait_for_inputs(PDL)
         BT: tl.constexpr = 64
-        i_t, i_bh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
-        i_b, i_h = i_bh // H, i_bh % H
-        t = i_t * BT + tl.arange(0, BT)
-        inside = t < length
-        row = (i_b * length + t) * H + i_h
+        i_t, i_b, i_h, inside, row = _chunk(length, H)
         last = (i_b * length + tl.minimum(i_t * BT + BT, length) - 1) * H + i_h
         g_last = tl.load(g + last)
         decay = tl.where(inside, tl.exp2(g_last - tl.load(g + row, mask=inside, other=0.0)), 0.0)
@@ -163,11 +168,8 @@ if triton is not None:
         rounded to its dtype first, as tcal.gated_norm computes it (gate [B, T, H, V] through its strides)."""
         wait_for_inputs(PDL)
         BT: tl.constexpr = 64
-        i_t, i_bh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
-        i_b, i_h = i_bh // H, i_bh % H
+        i_t, i_b, i_h, inside, row = _chunk(length, H)
         rows = i_t * BT + tl.arange(0, BT)
-        inside = rows < length
-        row = (i_b * length + rows) * H + i_h
         a, c = tl.arange(0, BK), tl.arange(0, BV)
         chunk = (i_b * tl.cdiv(length, BT) + i_t) * H + i_h
         s = tl.load(h + chunk * K * V + a[:, None] * V + c[None, :], mask=(a < K)[:, None] & (c < V)[None, :], other=0.0)

@@ -16,7 +16,7 @@ import tcal.chunk_states as cs
 from interpreted import run_interpreted
 from tcal.chunk_intra import chunk_intra_torch
 from tcal.kernels import gated_delta_rule
-from test_split_state import cuda_fla, errors_by_setting, gdn_inputs
+from test_split_state import cuda_fla, errors_by_setting, gdn_inputs, replays_as_eager
 
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed (a CUDA-side extra)")
 needs_fla = pytest.mark.skipif(importlib.util.find_spec("fla") is None, reason="fla is not installed (a CUDA-side extra)")
@@ -170,14 +170,7 @@ def test_replays_from_a_cuda_graph(monkeypatch):
     monkeypatch.setenv(cs.SWITCH, "on")
     monkeypatch.setenv("SURGERY_STATE_SPLITS", "off")
     q, k, v, g, beta, state = gdn_inputs(1, 2048)
-    with torch.no_grad():
-        eager, eager_state = gated_delta_rule(q, k, v, g, beta, None, state, True, backend="fla")
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            o, s = gated_delta_rule(q, k, v, g, beta, None, state, True, backend="fla")
-        graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(o, eager) and torch.equal(s, eager_state)
+    assert replays_as_eager(lambda: gated_delta_rule(q, k, v, g, beta, None, state, True, backend="fla"))
 
 
 @cuda_fla

@@ -142,6 +142,18 @@ def test_split_is_as_close_to_float64_as_unsplit(monkeypatch, batch, seq_len, he
     assert errors["8"][1] <= 1.5 * errors["off"][1] + 1e-4, errors
 
 
+def replays_as_eager(call) -> bool:
+    """call() eagerly, then captured in a CUDA graph and replayed: whether every output came back bit-identical."""
+    with torch.no_grad():
+        eager = call()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            replayed = call()
+        graph.replay()
+    torch.cuda.synchronize()
+    return all(torch.equal(a, b) for a, b in zip(eager, replayed))
+
+
 def errors_by_setting(monkeypatch, switch: str, settings, inputs) -> dict:
     """setting of `switch` -> the fla path's (output, final state) relative errors against float64 on `inputs`."""
     q, k, v, g, beta, state = inputs
