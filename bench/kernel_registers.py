@@ -1,5 +1,5 @@
 """Registers and spills of tcal's GDN prefill kernels for sm_90a, on any machine (no GPU: Triton compiles to PTX
-and its bundled ptxas assembles it), at SmolLM2-135M's GDN shapes (9 heads of 64, bf16) and the launch each
+and the ptxas it runs for sm_90 assembles it), at SmolLM2-135M's GDN shapes (9 heads of 64, bf16) and the launch each
 wrapper uses (its warps; launched as a programmatic dependent, tcal.pdl, when `pdl`). What a CPU-only session
 can check of a kernel before a GPU times it: a spill is local-memory traffic in the kernel's inner loop.
 
@@ -7,7 +7,6 @@ can check of a kernel before a GPU times it: a spill is local-memory traffic in 
 """
 from __future__ import annotations
 
-import glob
 import os
 import re
 import subprocess
@@ -46,7 +45,7 @@ def kernels() -> dict:
         **{f"tcal.chunk_states output{' + gated norm' if norm else ''}": (
             cs._output_kernel, dict(q=BF16, k=BF16, w=BF16, u=BF16, g=F32, h=BF16, o=BF16, scale="fp32", length=I32, gate=BF16,
                                     weight=BF16, eps="fp32", sg_b=I32, sg_t=I32, sg_h=I32, sg_d=I32),
-            {**SHAPES, "NORM": norm}, cs.NUM_WARPS) for norm in (False, True)},
+            {**SHAPES, "NORM": norm, "SIGMOID": False}, cs.NUM_WARPS) for norm in (False, True)},
         "tcal.gated_norm": (gn._gated_rms_norm_kernel, dict(x=BF16, gate=BF16, weight=BF16, out=BF16, rows=I32, length=I32,
                                                             heads=I32, **strides("xg", "bthd"), eps="fp32"),
                             dict(D=64, BD=64, BLOCK_R=32, SIGMOID=False), 4),
@@ -66,7 +65,9 @@ def compile_sm90(kernel, signature: dict, constexprs: dict, warps: int, pdl: boo
                for name, kind in signature.items() if kind.startswith("*") or name == "length"}
     source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=aligned)
     ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, launch_pdl=pdl)).asm["ptx"]
-    ptxas = glob.glob(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas"))[0]
+    from triton.backends.nvidia.compiler import get_ptxas  # the assembler Triton itself runs for sm_90 (3.9: ptxas-blackwell)
+
+    ptxas = get_ptxas(90).path
     with tempfile.TemporaryDirectory() as folder:
         path = os.path.join(folder, "kernel.ptx")
         with open(path, "w") as f:
