@@ -59,6 +59,10 @@ def stages(batch: int, seq_len: int) -> dict:
     w, u, _ = chunk_gated_delta_rule_fwd_intra(k=k, v=v, g=gc, beta=beta, chunk_size=CHUNK)
     h, v_new, _ = chunk_gated_delta_rule_fwd_h(k=k, w=w, u=u, g=gc, output_final_state=True, chunk_size=CHUNK)
     names = list(candidates())
+
+    def fla_output(states, v_new):
+        return chunk_fwd_o(q=q, k=k, v=v_new, h=states, g=gc, scale=DIM ** -0.5, chunk_size=CHUNK)
+
     return {  # stage -> (closure, autotuned kernels it launches)
         "cumsum": (lambda: chunk_local_cumsum(g, chunk_size=CHUNK, scale=RCP_LN2), []),
         "intra": (lambda: chunk_gated_delta_rule_fwd_intra(k=k, v=v, g=gc, beta=beta,
@@ -72,8 +76,7 @@ def stages(batch: int, seq_len: int) -> dict:
             (lambda: state_pass(k, w, u, gc, None, True, chosen)) if chosen else None, []),
         "output": (lambda: chunk_fwd_o(q=q, k=k, v=v_new, h=h, g=gc, scale=DIM ** -0.5, chunk_size=CHUNK), names[3:]),
         "state + output, tcal.state_pass's launch and fla's output": (
-            (lambda: chunk_fwd_o(q=q, k=k, v=state_pass(k, w, u, gc, None, True, chosen)[1], h=h, g=gc,
-                                 scale=DIM ** -0.5, chunk_size=CHUNK)) if chosen else None, []),
+            (lambda: fla_output(*state_pass(k, w, u, gc, None, True, chosen)[:2])) if chosen else None, []),
         "state + output, tcal.chunk_states (transitions, one-product walk, output)": (
             lambda: chunk_states_triton(q, k, w, u, gc, DIM ** -0.5, None, True, chosen[0] if chosen else None), []),
         "state + output, tcal.chunk_states launched as programmatic dependents (SURGERY_PDL=on)": (
