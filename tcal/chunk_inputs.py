@@ -22,7 +22,7 @@ import torch
 
 from .chunk_intra import BLOCK, CHUNK, NUM_WARPS
 from .delta_inputs import L2NORM_EPS, kernel_takes as inputs_kernel_takes
-from .pdl import pdl_on, pdl_options
+from .pdl import pdl_launch
 
 try:  # Triton is a CUDA-side extra: CPU installs do not have it
     import triton
@@ -105,5 +105,5 @@ def chunk_inputs_triton(q, k, v, a, b, A_log, dt_bias, v_silu: bool, dot: str = 
         _chunk_inputs_kernel[(triton.cdiv(length, CHUNK), batch * heads)](
             q, k, v, a, b, A_log, dt_bias, *out, g_tmp, beta_tmp, g_cum, w, u, length, *q.stride(), *k.stride(), *v.stride(), *a.stride(),
             *b.stride(), L2NORM_EPS, H=heads, D=dim, BD=max(16, triton.next_power_of_2(dim)), DOT=dot, V_SILU=v_silu,
-            num_warps=NUM_WARPS, PDL=pdl_on(q.device), **pdl_options(q.device))
+            num_warps=NUM_WARPS, **pdl_launch(q.device))
     return out[0], out[1], g_cum, w, u

@@ -33,7 +33,7 @@ import os
 
 import torch
 
-from .pdl import pdl_on, pdl_options
+from .pdl import pdl_launch
 
 try:  # Triton is a CUDA-side extra: CPU installs do not have it
     import triton
@@ -289,7 +289,7 @@ def chunk_intra_triton(k, v, g, beta, num_warps: int | None = None, block: int |
     if batch * length * heads:
         _chunk_intra_kernel[(triton.cdiv(length, CHUNK), batch * heads)](
             k, v, g, beta, g_cum, w, u, length, H=heads, K=k_dim, V=v_dim, BK=min(block, max(16, triton.next_power_of_2(k_dim))),
-            BV=min(block, max(16, triton.next_power_of_2(v_dim))), DOT=dot, num_warps=num_warps, PDL=pdl_on(k.device),
-            **pdl_options(k.device),
+            BV=min(block, max(16, triton.next_power_of_2(v_dim))), DOT=dot, num_warps=num_warps,
+            **pdl_launch(k.device),
         )
     return g_cum, w, u

@@ -30,7 +30,7 @@ import torch
 
 from .chunk_intra import CHUNK
 from .gated_norm import OutputNorm, kernel_takes as gated_norm_takes
-from .pdl import pdl_on, pdl_options
+from .pdl import pdl_launch
 
 try:  # Triton is a CUDA-side extra: CPU installs do not have it
     import triton
@@ -208,14 +208,16 @@ def chunk_states_triton(q, k, w, u, g, scale: float, initial_state=None, output_
     o = torch.empty_like(u)
     final = k.new_empty(batch, heads, k_dim, v_dim, dtype=torch.float32) if output_final_state else None
     if batch * length * heads == 0:  # nothing to walk: the final state is the initial one
-        if final is not None:
-            final.copy_(initial_state) if initial_state is not None else final.zero_()
+        if final is not None and initial_state is not None:
+            final.copy_(initial_state)
+        elif final is not None:
+            final.zero_()
         return o, final
     trans_d = k.new_empty(batch, chunks, heads, k_dim, k_dim)
     trans_n = k.new_empty(batch, chunks, heads, k_dim, v_dim, dtype=torch.float32)
     states = k.new_empty(batch, chunks, heads, k_dim, v_dim)
     start = None if initial_state is None else initial_state.to(torch.float32).contiguous()
-    pdl = dict(PDL=pdl_on(k.device), **pdl_options(k.device))  # tcal.pdl: SURGERY_PDL=on on sm_90
+    pdl = pdl_launch(k.device)  # tcal.pdl: SURGERY_PDL=on on sm_90
     _transitions_kernel[(chunks, batch * heads)](k, w, u, g, trans_d, trans_n, length, H=heads, K=k_dim, V=v_dim,
                                                  BK=bk, BV=bv, DOT=dot, num_warps=NUM_WARPS, **pdl)
     _pass_kernel[(triton.cdiv(v_dim, block), batch * heads)](

@@ -25,7 +25,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from .pdl import pdl_on, pdl_options
+from .pdl import pdl_launch
 
 try:  # Triton is a CUDA-side extra: CPU installs do not have it
     import triton
@@ -149,6 +149,6 @@ def delta_inputs_triton(q, k, v, a, b, A_log, dt_bias, v_silu: bool):
         _delta_inputs_kernel[(triton.cdiv(rows, block_t), heads)](
             q, k, v, a, b, A_log, dt_bias, *out, *gb, rows, length, heads,
             *q.stride(), *k.stride(), *v.stride(), *a.stride(), *b.stride(), L2NORM_EPS,
-            D=dim, BD=bd, BLOCK_T=block_t, V_SILU=v_silu, num_warps=4, PDL=pdl_on(q.device), **pdl_options(q.device),
+            D=dim, BD=bd, BLOCK_T=block_t, V_SILU=v_silu, num_warps=4, **pdl_launch(q.device),
         )
     return out[0], out[1], out[2], gb[0], gb[1]

@@ -17,7 +17,7 @@ from typing import Callable, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from .pdl import pdl_on, pdl_options
+from .pdl import pdl_launch
 
 try:  # Triton is a CUDA-side extra: CPU installs do not have it
     import triton
@@ -40,6 +40,11 @@ class OutputNorm(NamedTuple):
     eps: float
     activation: str
     apply: Callable[[torch.Tensor], torch.Tensor]
+
+
+def normed(o: torch.Tensor, output_norm: OutputNorm | None) -> torch.Tensor:
+    """o through a rule's output norm where one was handed in (the paths that cannot fold it), else o."""
+    return o if output_norm is None else output_norm.apply(o)
 
 
 def gated_rms_norm_torch(x, gate, weight, eps: float, activation: str = "silu") -> torch.Tensor:
@@ -96,7 +101,7 @@ def gated_rms_norm_triton(x, gate, weight, eps: float, activation: str = "silu")
         block_r = max(1, min(32, 2048 // bd))
         _gated_rms_norm_kernel[(triton.cdiv(rows, block_r),)](
             x, gate, weight, out, rows, length, heads, *x.stride(), *gate.stride(), float(eps),
-            D=dim, BD=bd, BLOCK_R=block_r, SIGMOID=activation == "sigmoid", num_warps=4, PDL=pdl_on(x.device),
-            **pdl_options(x.device),
+            D=dim, BD=bd, BLOCK_R=block_r, SIGMOID=activation == "sigmoid", num_warps=4,
+            **pdl_launch(x.device),
         )
     return out

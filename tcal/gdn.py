@@ -410,8 +410,9 @@ class GatedDeltaNet(RecurrentLayer):
         gradient one kernel after the short convolutions (tcal.delta_inputs: the same math, rounded
         once), else the composition (delta_rule_inputs and the decay), which every CPU run keeps."""
         projections = self._projections(p, cache)
-        if projections is not None:
-            return projections.prepared()
+        return projections.prepared() if projections is not None else self._composed_inputs(p, cache)
+
+    def _composed_inputs(self, p: dict, cache: GDNCache | None):
         q, k, v, _, beta = self.delta_rule_inputs(p, cache)
         return q, k, v, self._decay(p["a_proj"]), beta
 
@@ -441,10 +442,9 @@ class GatedDeltaNet(RecurrentLayer):
         gate = self._split_heads(p["g_proj"])
         norm = self.o_norm
         output_norm = OutputNorm(gate, norm.weight, norm.eps, norm.activation, lambda core: norm(core, gate, backend=self.backend))
-        projections = self._projections(p, cache)
-        if projections is not None:  # the inputs may be formed inside the rule's first kernel (tcal.chunk_inputs)
-            return self.o_proj(self._rule(projections, cache=cache, output_norm=output_norm).flatten(-2))
-        return self.o_proj(self._rule(*self.gated_delta_inputs(p, cache), cache=cache, output_norm=output_norm).flatten(-2))
+        projections = self._projections(p, cache)  # the inputs may be formed inside the rule's first kernel (tcal.chunk_inputs)
+        inputs = (projections,) if projections is not None else self._composed_inputs(p, cache)
+        return self.o_proj(self._rule(*inputs, cache=cache, output_norm=output_norm).flatten(-2))
 
     def _rule(self, *inputs, cache: GDNCache | None, output_norm: OutputNorm | None = None) -> torch.Tensor:
         """gated_delta_rule's output on (q, k, v, g, beta), or gated_delta_rule_from_projections' on a Projections;

@@ -24,7 +24,8 @@ import torch.nn.functional as F
 
 from .chunk_inputs import chunk_inputs_takes
 from .delta_inputs import Projections
-from .split_state import normed, requested_splits, split_state_gated_delta_rule
+from .gated_norm import normed
+from .split_state import requested_splits, split_state_gated_delta_rule
 from .state_pass import state_pass_config
 
 # At or below this length the token loop is cheaper than building chunk matrices.

@@ -33,9 +33,10 @@ def pdl_on(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device)[0] >= MIN_CAPABILITY
 
 
-def pdl_options(device: torch.device) -> dict:
-    """Launch keywords for a kernel whose PDL constexpr is pdl_on(device): {"launch_pdl": True} or none."""
-    return {"launch_pdl": True} if pdl_on(device) else {}
+def pdl_launch(device: torch.device) -> dict:
+    """Launch keywords for a kernel that takes the PDL constexpr: the constexpr and the launch attribute together
+    ({"PDL": True, "launch_pdl": True} where pdl_on, else {"PDL": False})."""
+    return {"PDL": True, "launch_pdl": True} if pdl_on(device) else {"PDL": False}
 
 
 if triton is not None:

@@ -27,6 +27,7 @@ import torch
 from .chunk_inputs import chunk_inputs_triton
 from .chunk_intra import CHUNK, chunk_intra_takes, chunk_intra_triton
 from .chunk_states import chunk_states_takes, chunk_states_triton
+from .gated_norm import normed
 from .state_pass import state_pass
 
 SWITCH = "SURGERY_STATE_SPLITS"
@@ -195,10 +196,6 @@ def split_state_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_
         final = final.view(batch, pieces, heads, dk, dv)[:, -1].contiguous()
     return normed(o.to(q.dtype), output_norm), final
 
-
-def normed(o: torch.Tensor, output_norm) -> torch.Tensor:
-    """o through a rule's output norm (tcal.gated_norm.OutputNorm) where one was handed in, else o."""
-    return o if output_norm is None else output_norm.apply(o)
 
 
 def _entering_states(summaries, layout, initial_state, batch, pieces, heads, dk, dv) -> torch.Tensor:

@@ -18,9 +18,9 @@ needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, re
 
 def test_off_by_default_and_off_the_gpu(monkeypatch):
     monkeypatch.delenv(pdl.SWITCH, raising=False)
-    assert not pdl.pdl_on(torch.device("cpu")) and pdl.pdl_options(torch.device("cpu")) == {}
+    assert not pdl.pdl_on(torch.device("cpu")) and pdl.pdl_launch(torch.device("cpu")) == {"PDL": False}
     monkeypatch.setenv(pdl.SWITCH, "on")
-    assert not pdl.pdl_on(torch.device("cpu"))  # no griddepcontrol off CUDA, switched on or not
+    assert not pdl.pdl_on(torch.device("cpu")) and pdl.pdl_launch(torch.device("cpu")) == {"PDL": False}  # no griddepcontrol off CUDA
 
 
 @needs_triton

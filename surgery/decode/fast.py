@@ -68,15 +68,17 @@ class FastGraph:
         self.failed: str | None = None
         self.borrowed = False
         self.replays = Replays() if self.route.replay else None
-        self.watch = WeightWatch(lambda: [*gm.parameters(), *gm.buffers()])  # one look a call (weights_changed)
+        self.watch = WeightWatch(lambda: [*gm.parameters(), *gm.buffers()])  # one look a call (follow_weights)
 
     def key(self, length: int):
         return bucket(length, self.limit) if self.route.causal_flags else None
 
-    def weights_changed(self) -> None:
-        """After a parameter (or buffer) was edited, moved or cast: the fused copies refreshed from their
-        sources (every graph rebuilt when one was cast or moved: a copy cannot follow), every replay
+    def follow_weights(self) -> None:
+        """Once a call: after a parameter (or buffer) was edited, moved or cast, the fused copies refreshed from
+        their sources (every graph rebuilt when one was cast or moved: a copy cannot follow), every replay
         graph dropped (it may read copies captured with the old values)."""
+        if not self.watch.changed():
+            return
         if not all(weight.refresh() for weights in self.fused.values() for weight in weights):
             self.graphs.clear(), self.fused.clear(), self.copies.clear(), self.compiled.clear()
         if self.replays is not None:
@@ -85,7 +87,7 @@ class FastGraph:
     def graph(self, key):
         """The eager graph of a bucket: the flags' rewrite, then `rewrite` (which names nodes of the
         captured graph, a Decoder's cache taps), then the fusions (if the route has them), over fused
-        weights that weights_changed keeps current."""
+        weights that follow_weights keeps current."""
         if key not in self.graphs:
             gm = CausalFlags(key)(self.gm) if key is not None else self.gm
             gm = self.rewrite(gm) if self.rewrite is not None else gm
@@ -103,8 +105,7 @@ class FastGraph:
 
     def eager(self, ids: torch.Tensor):
         """The bucket's graph run eagerly (the reference the compiled graph is checked against)."""
-        if self.watch.changed():
-            self.weights_changed()
+        self.follow_weights()
         return self.run_eager(ids)
 
     def run_eager(self, ids: torch.Tensor):
@@ -115,8 +116,7 @@ class FastGraph:
     meta: dict = {}  # no extra inputs asked of a caller (graph_logits): each bucket's graph adds its own
 
     def __call__(self, input_ids: torch.Tensor, **_):
-        if self.watch.changed():
-            self.weights_changed()
+        self.follow_weights()
         ids = input_ids
         key = self.key(ids.shape[-1])
         if not self.compiling():

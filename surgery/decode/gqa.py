@@ -16,6 +16,7 @@ import torch
 from torch.fx import GraphModule, Node
 
 from ..core.rewrite import rewrite_matches
+from ..core.slice_fill import shape_of
 
 SWITCH = "SURGERY_SDPA_GQA"
 SDPA = torch.ops.aten.scaled_dot_product_attention.default
@@ -28,9 +29,9 @@ def switched_on() -> bool:
     return os.environ.get(SWITCH, "off").strip().lower() == "on"
 
 
-def _shape(node) -> tuple | None:
-    value = node.meta.get("val") if isinstance(node, Node) else None
-    return tuple(value.shape) if isinstance(value, torch.Tensor) else None
+def _options(node: Node) -> dict:
+    """An SDPA call's arguments after query, key and value, by name."""
+    return dict(zip(OPTIONS, node.args[3:])) | dict(node.kwargs)
 
 
 def unrepeated(node) -> tuple[Node, int] | None:
@@ -45,7 +46,7 @@ def unrepeated(node) -> tuple[Node, int] | None:
     if not (isinstance(unsqueeze, Node) and unsqueeze.target is torch.ops.aten.unsqueeze.default and unsqueeze.args[1] == 2
             and len(unsqueeze.users) == 1):
         return None
-    heads, expanded, out = _shape(unsqueeze.args[0]), _shape(expand), _shape(node)
+    heads, expanded, out = shape_of(unsqueeze.args[0]), shape_of(expand), shape_of(node)
     if heads is None or expanded is None or out is None or len(heads) != 4 or len(expanded) != 5:
         return None
     b, h, t, d = heads
@@ -60,21 +61,20 @@ def gqa_call(node: Node) -> tuple[Node, Node] | None:
     repeat_kv's outputs of one repeat count, else None."""
     if node.op != "call_function" or node.target is not SDPA or len(node.args) < 3:
         return None
-    options = dict(zip(OPTIONS, node.args[3:])) | dict(node.kwargs)
+    options = _options(node)
     if options.get("attn_mask") is not None or options.get("enable_gqa"):
         return None
     key, value = unrepeated(node.args[1]), unrepeated(node.args[2])
     if key is None or value is None or key[1] != value[1]:
         return None
-    query = _shape(node.args[0])
-    if query is None or query[1] != _shape(key[0])[1] * key[1]:
+    query = shape_of(node.args[0])
+    if query is None or query[1] != shape_of(key[0])[1] * key[1]:
         return None
     return key[0], value[0]
 
 
 def _rewrite(graph, node: Node, found: tuple[Node, Node]) -> None:
-    options = dict(zip(OPTIONS, node.args[3:])) | dict(node.kwargs) | {"enable_gqa": True}
-    node.args, node.kwargs = (node.args[0], *found), options
+    node.args, node.kwargs = (node.args[0], *found), _options(node) | {"enable_gqa": True}
 
 
 def sdpa_on_grouped_heads(gm: GraphModule, in_place: bool = False) -> tuple[GraphModule, int]:

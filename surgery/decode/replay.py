@@ -16,9 +16,8 @@ Weights that change between calls (a distillation's optimizer steps between its 
 edit) drop every captured graph, which is captured again: a graph reads what it read at capture, and
 some of that is derived from the weights and kept outside them (a GDN layer's concatenated input
 projections, tcal.gdn.fused_weight), so it would stay stale, or be freed once an eager call rebuilds it.
-The check is each parameter's storage and version counter (surgery.decode.weight_watch); a caller that
-watches the weights itself (the fast route, which also refreshes its fused copies) passes none and calls
-drop() when they changed."""
+The caller watches them (the fast route: surgery.decode.weight_watch, once a call, which also refreshes its
+fused copies) and calls drop() when they changed."""
 from __future__ import annotations
 
 import contextlib
@@ -26,7 +25,6 @@ from collections import OrderedDict
 
 import torch
 
-from .weight_watch import WeightWatch
 
 WARMUP = 1  # eager runs on a side stream before a capture (lazy initialisations must not be captured)
 # Inputs of more tokens (batch x length) run eagerly. Up to here replay was measured to pay (8k x 1: 60.7 ms
@@ -79,9 +77,8 @@ class Replays:
     passkey prompt, never pays for a capture). `failed` holds the one-line reason replay was turned
     off for good (a capture that raised)."""
 
-    def __init__(self, keep: int = 2, devices: tuple[str, ...] = ("cuda",), weights=None):
+    def __init__(self, keep: int = 2, devices: tuple[str, ...] = ("cuda",)):
         self.keep, self.devices = keep, devices
-        self.watch = None if weights is None else WeightWatch(weights)  # the parameters the captured graphs read
         self.seen: set = set()
         self.graphs: OrderedDict = OrderedDict()  # (shape, key) -> (graph, static ids, output)
         self.failed: str | None = None
@@ -101,7 +98,6 @@ class Replays:
         was captured by this call, else None): the caller checks a new graph against its warm-up."""
         slot = self.slot(ids, key)
         warm = None
-        self.drop_if_weights_changed()
         if slot not in self.graphs:
             static = ids.clone()
             with uncached_autocast(ids.device.type):
@@ -114,11 +110,6 @@ class Replays:
         static.copy_(ids)
         graph.replay()
         return out, warm
-
-    def drop_if_weights_changed(self) -> None:
-        """Every captured graph dropped when a watched parameter's storage or version moved since they were captured."""
-        if self.watch is not None and self.watch.changed():
-            self.drop()
 
     def drop(self) -> None:
         """Forget every captured graph (each shape is captured again on its next call)."""

@@ -3,9 +3,9 @@
 A replayed CUDA graph reads what it read at capture, and the fast route also reads copies derived from the
 weights (the fused sibling projections, surgery.decode.fused_linears; a GDN layer's concatenated input
 projections, tcal.gdn.fused_weight), so a call must notice a parameter edited in place (its version counter)
-or moved or cast (its storage). One pass over SmolLM2 hybrid's 404 parameters costs about 60 us on the CPU
-machine; the fast route used to make two (the replays' and the fused copies' own), 129 us of host time
-before every replayed 2k prefill of about 3.5 ms on the H200 (bench/RESULTS.md, thirty-eighth session).
+or moved or cast (its storage). The fast route used to look twice (the replays' check and every fused copy's own
+key): one look took a replayed 2k x 1 call's host work from 120.7 to 68.2 us for SmolLM2's 75% hybrid on the CPU
+machine, against about 3.5 ms for the call on the H200 (bench/RESULTS.md, thirty-eighth session).
 An edit through `p.data` (a fresh version counter) or a parameter replaced by another object is not seen."""
 from __future__ import annotations
 

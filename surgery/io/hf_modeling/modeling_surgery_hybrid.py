@@ -41,7 +41,7 @@ from .kernels import fla_available  # noqa: F401
 from .layer_graphs import StepGraphs, graph_layer
 from .mamba2 import Mamba2
 from .mamba2_kernels import ssd  # noqa: F401
-from .pdl import pdl_on  # noqa: F401
+from .pdl import pdl_launch  # noqa: F401
 from .split_state import split_state_gated_delta_rule  # noqa: F401
 from .state_pass import state_pass  # noqa: F401
 from .surgery_teacher import TEACHER_CONFIG
