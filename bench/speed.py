@@ -295,10 +295,17 @@ def prefill(s: Setup, rows: Rows) -> None:
                 rows.add(f"{s.label()}: fast_logits, compiled", config, "prefill", hybrid_c, "ms", anchor)
                 rows.add(f"{s.label()}: fast_logits, compiled", config, "prefill", hybrid_c, "ms", ("compiled teacher", teacher_c))
             applied_default(s, rows, ids, config, default)
+            reference = fast_logits(s.hybrid, ids).float() if a.prefill_off else None
             for switch in filter(None, (x.strip() for x in a.prefill_off.split(","))):
                 setting = "+".join(part if "=" in part else f"{part}=off" for part in switch.split("+"))
                 runner = switched_runner(s.hybrid, dict(part.split("=", 1) for part in setting.split("+")))
-                off = time_of(lambda: runner(ids))
+                try:  # a switch's kernels may fail on a device they never ran on: the other rows still come
+                    agreement = logits_agreement(runner(ids).float(), reference)
+                    off = time_of(lambda: runner(ids))
+                except Exception as exc:  # noqa: BLE001 (any failure of the switched route is this row's result)
+                    rows.note(f"{setting} at {config}: failed, {type(exc).__name__}: {str(exc)[:400]}")
+                    continue
+                rows.note(f"{setting} at {config} against the default's logits: {agreement}")
                 rows.add(f"{s.label()}: fast_logits (default), {setting}", config, "prefill", off, "ms",
                          ("compiled teacher", teacher_c) if not a.no_compiled else anchor)
                 rows.add(f"{s.label()}: fast_logits (default)", config, "prefill", default, "ms", (setting, off))
@@ -379,6 +386,12 @@ def switched_runner(graph, settings: dict):
                 stack.enter_context(env_setting(switch, value))
             return run_graph(graph, ids, fast)
     return run
+
+
+def logits_agreement(logits: torch.Tensor, reference: torch.Tensor) -> str:
+    """How far a switched route's logits are from the default route's: max |diff| and argmax agreement."""
+    same = (logits.argmax(-1) == reference.argmax(-1)).float().mean().item()
+    return f"max |diff| {(logits - reference).abs().max().item():.4g}, argmax agrees on {same:.1%} of positions"
 
 
 def unfused_runner(graph):
