@@ -1,8 +1,8 @@
 """surgery/decode/gqa.py: a GQA layer's unmasked SDPA on its own key/value heads (enable_gqa), repeat_kv's copies gone.
 
 Across tiny GQA architectures after the causal-flag rewrite: every layer's call rewritten and the logits equal the
-graph's; nothing rewritten where a mask remains or the heads are not grouped; through the fast route only with
-SURGERY_SDPA_GQA=on."""
+graph's; nothing rewritten where a mask remains or the heads are not grouped; through the fast route unless
+SURGERY_SDPA_GQA=off."""
 from __future__ import annotations
 
 import pytest
@@ -49,16 +49,19 @@ def test_masked_or_ungrouped_calls_stay(tiny):
     assert gqa.sdpa_on_grouped_heads(flagged) == (flagged, 0)
 
 
-def test_fast_route_takes_it_only_when_switched_on(tiny, monkeypatch):
+def test_fast_route_takes_it_unless_switched_off(tiny, monkeypatch):
     monkeypatch.setattr(compiled_module, "ROUTES", {("cpu", "eval"): Route(causal_flags=True, fused=True)})
     graph = tiny("llama").graph
     ids = torch.randint(3, 128, (2, 40), generator=torch.Generator().manual_seed(1))
     key = bucket(40, graph.max_length)
     with torch.no_grad():
         want = graph.logits(ids)
-        for setting in ("off", "on"):
-            monkeypatch.setenv(gqa.SWITCH, setting)
+        for setting in ("off", "on", None):  # None: the default, on
+            if setting is None:
+                monkeypatch.delenv(gqa.SWITCH, raising=False)
+            else:
+                monkeypatch.setenv(gqa.SWITCH, setting)
             graph.cache.clear()
             torch.testing.assert_close(fast_logits(graph, ids), want, rtol=1e-5, atol=1e-5)
             grouped = [n.kwargs.get("enable_gqa", False) for n in sdpa_calls(fast_graph(graph).graphs[key])]
-            assert grouped and all(grouped) == (setting == "on"), (setting, grouped)
+            assert grouped and all(grouped) == (setting != "off"), (setting, grouped)

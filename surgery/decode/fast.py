@@ -94,7 +94,7 @@ class FastGraph:
             if self.route.fused:
                 fused, self.fused[key] = fused_siblings(gm, self.device, self.copies)
                 gm = fuse_elementwise(fused, in_place=fused is not gm)[0]
-                if gqa_switched_on():  # SURGERY_SDPA_GQA=on: GQA layers' SDPA without the repeated key/value copies
+                if gqa_switched_on():  # GQA layers' SDPA without the repeated key/value copies (SURGERY_SDPA_GQA=off: with)
                     gm = sdpa_on_grouped_heads(gm)[0]
             self.graphs[key] = gm
         return self.graphs[key]
