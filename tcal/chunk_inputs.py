@@ -12,7 +12,8 @@ makes its own stores visible to all its threads, runs the intra-chunk solve on t
 same roundings.
 
 Inference only, rows of equal length, q/k heads equal to v heads, head sizes up to one column block (MAX_HEAD_DIM:
-a row's norm needs the whole row in one tile). Not yet timed on a GPU: off unless SURGERY_CHUNK_INPUTS=on.
+a row's norm needs the whole row in one tile). Slower on one H200 (with SURGERY_CHUNK_STATES=on, the hybrid's 2k x 1
+forward 3.981 ms against 3.609 without it; bench/RESULTS.md, thirty-ninth session): off unless SURGERY_CHUNK_INPUTS=on.
 """
 from __future__ import annotations
 

@@ -20,7 +20,9 @@ D_c and S are rounded to k's dtype for their product, where fla rounds S and v' 
 the increment); N_c and the state stay float32.
 
 Inference only (no backward), rows of equal length, q/k heads equal to v heads, head sizes up to
-MAX_HEAD_DIM. Not yet timed on a GPU: off unless SURGERY_CHUNK_STATES=on (tcal.split_state's one-piece path).
+MAX_HEAD_DIM. Slower than fla's state pass and output on one H200 (the hybrid's default forward 3.609 ms against
+3.514 at 2k x 1, 13.22 against 11.35 at 8k x 1; bench/RESULTS.md, thirty-ninth session): off unless
+SURGERY_CHUNK_STATES=on (tcal.split_state's one-piece path).
 """
 from __future__ import annotations
 

@@ -8,8 +8,9 @@ programs are scheduled while the previous kernel finishes: each waits (griddepco
 touches global memory, so it reads every input complete and writes nothing a previous kernel still reads,
 and lets its own dependent launch (griddepcontrol.launch_dependents) after its last store.
 
-Not timed on a GPU yet: off unless SURGERY_PDL=on. The kernels take a PDL constexpr; off, neither
-instruction is emitted (and the interpreter, which cannot run them, never sees them)."""
+On one H200 it took the chunk_states + chunk_inputs chain's 2k x 1 forward from 3.981 to 3.749 ms, still slower than
+the default route (3.514; bench/RESULTS.md, thirty-ninth session): off unless SURGERY_PDL=on. The kernels take a
+PDL constexpr; off, neither instruction is emitted (and the interpreter, which cannot run them, never sees them)."""
 from __future__ import annotations
 
 import os
