@@ -151,6 +151,9 @@ def test_decoder_prefill_on_the_fused_route(tiny, monkeypatch):
         assert_close(fast.reset(1, 20).prefill(ids, last_only=True), graph.logits(ids)[:, -1:], "the last position's")
     copies = [w for run in fast.fast_prefill.runs.values() for weights in run.fused.values() for w in weights]
     assert copies and len({id(w) for w in copies}) == len(fast.fast_prefill.runs[False].copies) < len(copies)  # one copy, both runs
+    sdpa = [n for run in fast.fast_prefill.runs.values() for gm in run.graphs.values() for n in gm.graph.nodes
+            if n.target is torch.ops.aten.scaled_dot_product_attention.default]
+    assert sdpa and all(n.kwargs.get("enable_gqa") for n in sdpa)  # the kept GQA layer on its own heads (surgery.decode.gqa)
 
 
 @pytest.mark.parametrize("name, use_short_conv", [("llama", True), ("gemma2", False), ("qwen2", None)])
