@@ -197,7 +197,6 @@ def split_state_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_
     return normed(o.to(q.dtype), output_norm), final
 
 
-
 def _entering_states(summaries, layout, initial_state, batch, pieces, heads, dk, dv) -> torch.Tensor:
     """[batch x pieces, HV, K, V] float32: each row's initial state (or zeros), then the merged states."""
     import triton
