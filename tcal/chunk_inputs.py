@@ -17,13 +17,13 @@ forward 3.981 ms against 3.609 without it; bench/RESULTS.md, thirty-ninth sessio
 """
 from __future__ import annotations
 
-import os
 
 import torch
 
 from .chunk_intra import BLOCK, CHUNK, NUM_WARPS
 from .delta_inputs import L2NORM_EPS, kernel_takes as inputs_kernel_takes
 from .pdl import pdl_launch
+from .switches import enabled
 
 try:  # Triton is a CUDA-side extra: CPU installs do not have it
     import triton
@@ -38,7 +38,7 @@ MAX_HEAD_DIM = BLOCK  # one column block holds a whole row
 def chunk_inputs_takes(q, k, v, a, b) -> bool:
     """SURGERY_CHUNK_INPUTS is "on"; the projections are what tcal.delta_inputs' kernel takes (any strides), with
     heads up to MAX_HEAD_DIM."""
-    if triton is None or os.environ.get(SWITCH, "off").strip().lower() != "on":
+    if triton is None or not enabled(SWITCH, False):
         return False
     return inputs_kernel_takes(q, k, v, a, b) and q.shape[-1] <= MAX_HEAD_DIM
 

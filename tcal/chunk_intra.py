@@ -29,11 +29,11 @@ heads: those keep fla's kernels), head sizes up to MAX_HEAD_DIM.
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 
 from .pdl import pdl_launch
+from .switches import enabled
 
 try:  # Triton is a CUDA-side extra: CPU installs do not have it
     import triton
@@ -78,7 +78,7 @@ def chunk_intra_torch(k, v, g, beta, chunk: int = CHUNK):
 def chunk_intra_takes(k, v, g, beta) -> bool:
     """Triton imports; k [B, T, H, K] and v [B, T, H, V] contiguous, of one kernel dtype, K and V up to
     MAX_HEAD_DIM; g and beta [B, T, H] contiguous float32; SURGERY_CHUNK_INTRA is not "off"."""
-    if triton is None or os.environ.get(SWITCH, "auto").strip().lower() == "off":
+    if triton is None or not enabled(SWITCH, True):
         return False
     if k.dim() != 4 or v.dim() != 4 or k.shape[:3] != v.shape[:3] or k.dtype not in KERNEL_DTYPES or v.dtype != k.dtype:
         return False

@@ -26,13 +26,13 @@ SURGERY_CHUNK_STATES=on (tcal.split_state's one-piece path).
 """
 from __future__ import annotations
 
-import os
 
 import torch
 
 from .chunk_intra import CHUNK
 from .gated_norm import OutputNorm, kernel_takes as gated_norm_takes
 from .pdl import pdl_launch
+from .switches import enabled
 
 try:  # Triton is a CUDA-side extra: CPU installs do not have it
     import triton
@@ -77,7 +77,7 @@ def chunk_states_torch(q, k, w, u, g, scale: float, initial_state=None):
 def chunk_states_takes(q, k, w, u, g) -> bool:
     """SURGERY_CHUNK_STATES is "on", Triton imports; q, k, w [B, T, H, K] and u [B, T, H, V] contiguous, of
     one kernel dtype (q/k heads equal to v heads), K and V up to MAX_HEAD_DIM; g [B, T, H] contiguous float32."""
-    if triton is None or os.environ.get(SWITCH, "off").strip().lower() != "on":
+    if triton is None or not enabled(SWITCH, False):
         return False
     if any(x.dim() != 4 for x in (q, k, w, u)) or not q.shape == k.shape == w.shape or u.shape[:3] != q.shape[:3]:
         return False

@@ -33,6 +33,8 @@ from pathlib import Path
 
 import torch
 
+from .switches import enabled
+
 DIRECTORY = Path(__file__).with_name("kernel_configs")
 SWITCH = "SURGERY_KERNEL_CONFIGS"  # "off": let every kernel autotune
 PREFIX = "fla."
@@ -107,7 +109,7 @@ def write(path: Path) -> int:
 
 def shipped_table() -> dict | None:
     """The shipped table for this GPU, Triton and fla, or None."""
-    if os.environ.get(SWITCH, "on").lower() in ("off", "0", "false") or not torch.cuda.is_available():
+    if not enabled(SWITCH, True) or not torch.cuda.is_available():
         return None
     path = DIRECTORY / f"{gpu_label()}.json"
     if not path.exists():

@@ -13,9 +13,10 @@ the default route (3.514; bench/RESULTS.md, thirty-ninth session): off unless SU
 PDL constexpr; off, neither instruction is emitted (and the interpreter, which cannot run them, never sees them)."""
 from __future__ import annotations
 
-import os
 
 import torch
+
+from .switches import enabled
 
 try:  # Triton is a CUDA-side extra: CPU installs do not have it
     import triton
@@ -29,7 +30,7 @@ MIN_CAPABILITY = 9  # griddepcontrol is Hopper's
 
 def pdl_on(device: torch.device) -> bool:
     """SURGERY_PDL=on and a CUDA device of compute capability 9.0 or later."""
-    if triton is None or os.environ.get(SWITCH, "off").strip().lower() != "on" or torch.device(device).type != "cuda":
+    if triton is None or not enabled(SWITCH, False) or torch.device(device).type != "cuda":
         return False
     return torch.cuda.get_device_capability(device)[0] >= MIN_CAPABILITY
 

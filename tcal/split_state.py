@@ -19,7 +19,6 @@ SURGERY_STATE_SPLITS: "auto" (the default, `state_splits` decides), "off", or a 
 from __future__ import annotations
 
 import math
-import os
 from typing import NamedTuple
 
 import torch
@@ -29,6 +28,7 @@ from .chunk_intra import CHUNK, chunk_intra_takes, chunk_intra_triton
 from .chunk_states import chunk_states_takes, chunk_states_triton
 from .gated_norm import normed
 from .state_pass import state_pass
+from .switches import setting
 
 SWITCH = "SURGERY_STATE_SPLITS"
 MAX_SPLITS = 32  # fla's own cap on a merge chain, for its precision
@@ -67,16 +67,12 @@ def state_splits(batch: int, heads: int, n_chunks: int, head_dim: int = 64) -> i
 
 def requested_splits(batch: int, heads: int, seq_len: int, device: torch.device, head_dim: int = 64) -> int:
     """The pieces for this call: SURGERY_STATE_SPLITS if it names a number, 1 if "off", else the model's choice."""
-    setting = os.environ.get(SWITCH, "auto").strip().lower()
+    value = setting(SWITCH, numeric=True)
     n_chunks = math.ceil(seq_len / CHUNK)
-    if setting == "off":
+    if value == "off":
         return 1
-    if setting != "auto":
-        try:
-            forced = int(setting)
-        except ValueError:
-            raise ValueError(f"{SWITCH}={setting!r} is not a setting; use auto, off or a number of pieces") from None
-        return max(1, min(forced, n_chunks))
+    if isinstance(value, int):
+        return max(1, min(value, n_chunks))
     if device.type != "cuda":  # fla's kernels off CUDA run only in Triton's interpreter (tests), never split unasked
         return 1
     return state_splits(batch, heads, n_chunks, head_dim)

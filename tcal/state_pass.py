@@ -21,11 +21,11 @@ width (a block splits the value columns only). SURGERY_STATE_PASS=off leaves fla
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
 from .chunk_intra import CHUNK
+from .switches import enabled
 
 SWITCH = "SURGERY_STATE_PASS"
 HEAD_DIM = 64        # the only head size timed
@@ -37,7 +37,7 @@ LAUNCH = {16: (4, 3), 32: (4, 4), 64: (4, 4)}
 
 def state_pass_config(row_heads: int, k_dim: int, v_dim: int, device: torch.device) -> tuple[int, int, int] | None:
     """(value block, warps, stages) for a state pass over `row_heads` rows x heads, or None: fla's own."""
-    if os.environ.get(SWITCH, "auto").strip().lower() == "off" or device.type != "cuda":
+    if not enabled(SWITCH, True) or device.type != "cuda":
         return None
     if k_dim != HEAD_DIM or v_dim != HEAD_DIM or row_heads > MAX_ROW_HEADS:
         return None

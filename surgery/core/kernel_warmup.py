@@ -25,6 +25,8 @@ from contextlib import contextmanager
 
 import torch
 
+from tcal.switches import enabled
+
 SWITCH = "SURGERY_KERNEL_WARMUP"  # "off": never start the helpers
 MIN_CPUS = 4  # the helpers' imports and compiles want cores of their own, beside the main process's
 MIN_FREE = 16 * 2**30  # device bytes free at the start: each helper holds a CUDA context while the teacher loads
@@ -35,7 +37,7 @@ NOT_MIXERS = ("attention", "split")  # graph.layer_kinds that name no mixer (the
 
 def warmup_wanted(device) -> bool:
     """Whether helpers would pay: CUDA, Triton and fla installed, cores and device memory to spare, not switched off."""
-    if torch.device(device).type != "cuda" or os.environ.get(SWITCH, "").lower() in ("off", "0", "false"):
+    if torch.device(device).type != "cuda" or not enabled(SWITCH, True):
         return False
     if (os.cpu_count() or 1) < MIN_CPUS:
         return False

@@ -16,13 +16,13 @@ MEMORY_SHARE of the device's free memory (an 8B teacher's gate/up alone would co
 from __future__ import annotations
 
 import operator
-import os
 from collections import defaultdict
 
 import torch
 from torch.fx import GraphModule
 
 from tcal.gdn import concatenated, row_aligned
+from tcal.switches import enabled
 
 from ..core.rewrite import fork, prune
 from ..io.memory import available_bytes
@@ -133,7 +133,7 @@ def fused_siblings(gm: GraphModule, device, shared: dict | None = None) -> tuple
     itself when it has none, when SWITCH is off, or when the copies would take more than MEMORY_SHARE of
     the device's free memory (surgery.io.memory.available_bytes)."""
     groups = _siblings(gm)
-    if not groups or os.environ.get(SWITCH, "").lower() == "off":
+    if not groups or not enabled(SWITCH, True):
         return gm, []
     copied = 0
     for nodes in groups:

@@ -18,13 +18,13 @@ or the most programs the kernel may use (at most the SM count)."""
 from __future__ import annotations
 
 import operator
-import os
 
 import torch
 import torch.nn as nn
 from torch.fx import GraphModule, Node
 
 from tcal.gdn import TOKEN_STEP_V_SILU, takes_token_step
+from tcal.switches import setting
 
 from ..core.rewrite import prune, set_submodule
 from ..errors import DecodeError
@@ -42,15 +42,13 @@ ROLES = ("q_proj", "k_proj", "v_proj", "a_proj", "b_proj", "g_proj")
 
 def block_programs(device: torch.device) -> int | None:
     """Programs for the kernel on `device` from SURGERY_GDN_BLOCKS, or None: the region's own calls."""
-    setting = os.environ.get(ENV, "auto").strip().lower()
-    if setting == "off":
+    value = setting(ENV, numeric=True)
+    if value == "off":
         return None
-    if setting != "auto" and not setting.isdigit():
-        raise ValueError(f"{ENV}={setting!r}: use auto, off, or a number of programs (at most the GPU's SMs).")
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    if setting != "auto" and not 1 <= int(setting) <= sms:
-        raise ValueError(f"{ENV}={setting!r}: the kernel's programs must all be resident at once; this GPU has {sms} SMs.")
-    return sms if setting == "auto" else int(setting)
+    if isinstance(value, int) and not 1 <= value <= sms:
+        raise ValueError(f"{ENV}={value}: the kernel's programs must all be resident at once; this GPU has {sms} SMs.")
+    return value if isinstance(value, int) else sms
 
 
 def block_shape(layer: nn.Module, proj_rows: int, inter: int, gate_first: bool) -> BlockShape | None:

@@ -11,10 +11,11 @@ at 2k x 1 against 3.514 without it (2k x 8: 16.35 against 16.80; 8k x 1: 11.51 a
 noise), logits bit-identical: the fast route applies it by default; SURGERY_SDPA_GQA=off keeps the copies."""
 from __future__ import annotations
 
-import os
 
 import torch
 from torch.fx import GraphModule, Node
+
+from tcal.switches import enabled
 
 from ..core.rewrite import rewrite_matches
 from ..core.slice_fill import shape_of
@@ -28,7 +29,7 @@ OPTIONS = ("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 
 def switched_on() -> bool:
     """On unless SURGERY_SDPA_GQA=off."""
-    return os.environ.get(SWITCH, "on").strip().lower() != "off"
+    return enabled(SWITCH, True)
 
 
 def _options(node: Node) -> dict:

@@ -40,6 +40,7 @@ import tcal.mixers.mamba2
 import tcal.mixers.mamba2_kernels
 import tcal.split_state
 import tcal.state_pass
+import tcal.switches
 import tcal.token_step
 
 from ..core.graph import Graph
@@ -58,7 +59,7 @@ GDN_SOURCES = {"gdn.py": Path(tcal.gdn.__file__), "kernels.py": Path(tcal.kernel
                "gated_norm.py": Path(tcal.gated_norm.__file__), "split_state.py": Path(tcal.split_state.__file__),
                "state_pass.py": Path(tcal.state_pass.__file__), "chunk_intra.py": Path(tcal.chunk_intra.__file__),
                "chunk_states.py": Path(tcal.chunk_states.__file__), "pdl.py": Path(tcal.pdl.__file__),
-               "chunk_inputs.py": Path(tcal.chunk_inputs.__file__)}
+               "chunk_inputs.py": Path(tcal.chunk_inputs.__file__), "switches.py": Path(tcal.switches.__file__)}
 # the other layer mixers, exported beside GDN's files: tcal/mixers/ imports tcal's modules one package up
 MIXER_SOURCES = {Path(m.__file__).name: Path(m.__file__) for m in (tcal.mixers.gla, tcal.mixers.gla_kernels, tcal.mixers.kda,
                                                                    tcal.mixers.kda_kernels, tcal.mixers.mamba2, tcal.mixers.mamba2_kernels)}

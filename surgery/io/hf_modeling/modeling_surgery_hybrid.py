@@ -3,7 +3,7 @@
 The teacher's own transformers class is built from this config; each attention module that was
 converted (config.surgery_hybrid["gdn_layers"], keyed by module path) is then swapped for its mixer's
 layer (MIXERS: the project's GatedDeltaNet from gdn.py, kernels.py, split_state.py, state_pass.py, chunk_intra.py,
-chunk_states.py, chunk_inputs.py, pdl.py,
+chunk_states.py, chunk_inputs.py, pdl.py, switches.py,
 token_step.py, delta_inputs.py and gated_norm.py beside this file, copied verbatim by `surgery export`; gla, kda and
 mamba2 from their own files beside it) called the way the teacher's decoder layer calls its attention (SwappedAttention).
 A sliding-window (swa) layer keeps the teacher's attention module, whose 4-D attention mask a
@@ -45,6 +45,7 @@ from .pdl import pdl_launch  # noqa: F401
 from .split_state import split_state_gated_delta_rule  # noqa: F401
 from .state_pass import state_pass  # noqa: F401
 from .surgery_teacher import TEACHER_CONFIG
+from .switches import enabled  # noqa: F401
 from .token_step import gdn_token_step  # noqa: F401
 
 MIN_TRANSFORMERS = (4, 57)  # Cache.layers, which the GDN layers keep their state on
