@@ -4,7 +4,7 @@ Each fast path that can be turned off (or a slower one turned on) is named by an
 They used to be read module by module, and disagreed: "0" turned some off and left others on, and a
 mistyped value was read as on by some and as off by others. Here "off", "0", "false" and "no" mean off;
 "on", "1", "true" and "yes" mean on; "auto" or nothing leaves the module its default; a switch that
-takes a number (programs, pieces) reads digits as that number; anything else raises, naming the
+takes a number (programs, pieces) reads digits other than 0 as that number; anything else raises, naming the
 variable and what it takes. Copied beside the export's modeling file, so it imports only the stdlib.
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ def setting(name: str, numeric: bool = False) -> str | int:
     """The switch `name` as "on", "off", "auto" (unset or empty too), or, where `numeric`, a number."""
     raw = os.environ.get(name, "")
     text = raw.strip().lower() or AUTO
-    if numeric and text.isdigit():
+    if numeric and text.isdigit() and int(text) > 0:  # "0" is off, for these switches too
         return int(text)
     if text in OFF_WORDS:
         return "off"

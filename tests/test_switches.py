@@ -6,7 +6,7 @@ import tcal.chunk_intra as chunk_intra
 import tcal.chunk_states as chunk_states
 import tcal.pdl as pdl
 import tcal.split_state as split_state
-from surgery.decode import gqa
+from surgery.decode import gdn_blocks, gqa
 from tcal.switches import enabled, setting
 
 NAME = "SURGERY_TEST_SWITCH"
@@ -33,7 +33,7 @@ def test_numbers_where_the_switch_takes_one(monkeypatch):
     with pytest.raises(ValueError, match=f"{NAME}='12'.*on, off or auto \\(or unset"):
         setting(NAME)
     monkeypatch.setenv(NAME, "0")
-    assert setting(NAME, numeric=True) == 0 and setting(NAME) == "off"
+    assert setting(NAME, numeric=True) == setting(NAME) == "off"
 
 
 def test_a_mistyped_value_is_refused_with_the_variable_named(monkeypatch):
@@ -53,6 +53,8 @@ def test_every_module_reads_zero_as_off_and_one_as_on(monkeypatch):
     assert not pdl.pdl_on(cuda)
     monkeypatch.setenv(split_state.SWITCH, "no")
     assert split_state.requested_splits(1, 9, 32768, torch.device("cpu")) == 1
+    monkeypatch.setenv(gdn_blocks.ENV, "0")  # a switch that takes a number: 0 is off, not zero programs
+    assert gdn_blocks.block_programs(torch.device("cpu")) is None
     for module in (chunk_intra, chunk_states):
         monkeypatch.setenv(module.SWITCH, "oof")
         if module.triton is not None:  # without Triton the predicates answer no before they read the switch
