@@ -17,7 +17,6 @@ forward 3.981 ms against 3.609 without it; bench/RESULTS.md, thirty-ninth sessio
 """
 from __future__ import annotations
 
-
 import torch
 
 from .chunk_intra import BLOCK, CHUNK, NUM_WARPS

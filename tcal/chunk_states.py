@@ -26,7 +26,6 @@ SURGERY_CHUNK_STATES=on (tcal.split_state's one-piece path).
 """
 from __future__ import annotations
 
-
 import torch
 
 from .chunk_intra import CHUNK

@@ -13,7 +13,6 @@ the default route (3.514; bench/RESULTS.md, thirty-ninth session): off unless SU
 PDL constexpr; off, neither instruction is emitted (and the interpreter, which cannot run them, never sees them)."""
 from __future__ import annotations
 
-
 import torch
 
 from .switches import enabled

@@ -11,7 +11,6 @@ at 2k x 1 against 3.514 without it (2k x 8: 16.35 against 16.80; 8k x 1: 11.51 a
 noise), logits bit-identical: the fast route applies it by default; SURGERY_SDPA_GQA=off keeps the copies."""
 from __future__ import annotations
 
-
 import torch
 from torch.fx import GraphModule, Node
 
