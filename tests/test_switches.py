@@ -48,16 +48,17 @@ def test_every_module_reads_zero_as_off_and_one_as_on(monkeypatch):
     assert not gqa.switched_on()
     monkeypatch.setenv(gqa.SWITCH, "1")
     assert gqa.switched_on()
-    cuda = torch.device("cuda")  # pdl's predicate looks at the device's type first: no GPU needed to reach the switch
-    monkeypatch.setenv(pdl.SWITCH, "0")
-    assert not pdl.pdl_on(cuda)
     monkeypatch.setenv(split_state.SWITCH, "no")
     assert split_state.requested_splits(1, 9, 32768, torch.device("cpu")) == 1
     monkeypatch.setenv(gdn_blocks.ENV, "0")  # a switch that takes a number: 0 is off, not zero programs
     assert gdn_blocks.block_programs(torch.device("cpu")) is None
-    for module in (chunk_intra, chunk_states):
+    shapes = torch.zeros(1, 64, 1, 16)
+    predicates = {pdl: lambda: pdl.pdl_on(torch.device("cuda")), chunk_intra: lambda: chunk_intra.chunk_intra_takes(*[shapes] * 4),
+                  chunk_states: lambda: chunk_states.chunk_states_takes(*[shapes] * 5)}
+    for module, predicate in predicates.items():  # each reads its switch before looking at the device or the inputs
+        monkeypatch.setenv(module.SWITCH, "0")
+        assert not predicate()
         monkeypatch.setenv(module.SWITCH, "oof")
         if module.triton is not None:  # without Triton the predicates answer no before they read the switch
             with pytest.raises(ValueError, match=module.SWITCH):
-                (chunk_intra.chunk_intra_takes if module is chunk_intra else chunk_states.chunk_states_takes)(
-                    *[torch.zeros(1, 64, 1, 16)] * (4 if module is chunk_intra else 5))
+                predicate()
