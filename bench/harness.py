@@ -64,16 +64,18 @@ def timed_s(fn, device) -> tuple[object, float]:
 WARM_SECONDS = 0.5
 
 
-def median_ms(fn, device, repeats: int = 5, warmup: int = 2) -> float:
+def median_ms(fn, device, repeats: int = 5, warmup: int = 2, warm_calls: int | None = None) -> float:
     """Median wall ms of fn() over `repeats` synchronised calls after `warmup` untimed ones (the
     first calls compile, autotune or record CUDA graphs) and, on CUDA, more untimed calls up to
-    WARM_SECONDS of them."""
+    WARM_SECONDS of them, at most `warm_calls` (a call that uses something up, as a decode step uses a
+    position of its cache, reserves that many)."""
     for _ in range(warmup):
         fn()
     if torch.device(device).type == "cuda":
-        start = time.perf_counter()
-        while time.perf_counter() - start < WARM_SECONDS:
+        start, calls = time.perf_counter(), 0
+        while time.perf_counter() - start < WARM_SECONDS and (warm_calls is None or calls < warm_calls):
             timed_s(fn, device)
+            calls += 1
     return 1000 * statistics.median(timed_s(fn, device)[1] for _ in range(repeats))
 
 

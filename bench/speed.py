@@ -102,6 +102,7 @@ FSDP_SHAPES = {  # transformers LlamaConfig fields of the random pairs the fsdp 
                     num_key_value_heads=8, rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False),
 }
 FSDP_MODES = ("plain", "fsdp", "fsdp_offload", "fsdp_teacher")
+WARM_STEPS = 256  # untimed decode steps the harness's warm-up may take before the timed ones (a cache position each)
 LOGITS_BUDGET = 4 << 30  # bytes of logits one Decoder.prefill call may return (a 64k x 16 prompt is prefilled in pieces)
 # the caches a cold `surgery apply` starts without: Triton's kernels (fla's autotuning too), Inductor's, surgery's tokens
 COLD_CACHES = ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "SURGERY_CACHE")
@@ -203,7 +204,7 @@ class Setup:
         self.args, self.work = args, work
         self.device, self.dtype = placement(args)
         self.limit = max([l for l, _ in pairs(args.shapes)] + [int(x) + 2 for x in args.generate_lengths.split(",")]
-                         + [args.decode_context + args.decode_steps + 8]
+                         + [args.decode_context + step_positions(args)]
                          + [int(x) + args.new_tokens + 2 for x in args.export_contexts.split(",")]
                          + [pairs(args.distill_shape)[0][1]])
         source = random_smollm2(self.limit) if args.random else args.model
@@ -506,9 +507,15 @@ def host_profile(fn, label: str, top: int = 25) -> None:
         print(f"| {name[:120]} | {nc} | {tt * 1000:.2f} |", flush=True)
 
 
+def step_positions(args) -> int:
+    """Cache positions a timed decode takes past its prompt: the warm-up's steps (at most WARM_STEPS of
+    harness.WARM_SECONDS), the timed ones and a margin."""
+    return 3 + WARM_STEPS + args.decode_steps + 8
+
+
 def prefilled(s: Setup, decoder: Decoder, batch: int, ids: torch.Tensor) -> Decoder:
     """decoder reset for the prompt and the timed steps, the prompt prefilled in pieces whose logits fit."""
-    decoder.reset(batch, ids.shape[1] + s.args.decode_steps + 8)
+    decoder.reset(batch, ids.shape[1] + step_positions(s.args))
     chunk = max(256, LOGITS_BUDGET // (batch * s.vocab * 2))
     with torch.no_grad():
         for start in range(0, ids.shape[1], chunk):
@@ -523,7 +530,7 @@ def decoder_step_ms(s: Setup, graph, batch: int, ids: torch.Tensor, fuse: bool |
     decoder = prefilled(s, decoder_of(graph, a.decode_compile, fuse), batch, ids)
     token = ids[:, :1]
     with torch.no_grad():
-        ms = median_ms(lambda: decoder.step(token), s.device, a.decode_steps, warmup=3)
+        ms = median_ms(lambda: decoder.step(token), s.device, a.decode_steps, warmup=3, warm_calls=WARM_STEPS)
     if state is not None:
         state.update(decoder.cache_bytes())
     decoder.reset()

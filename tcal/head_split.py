@@ -104,6 +104,10 @@ class HeadSplitLayer(nn.Module):
         """That share in the teacher: the converted heads' context (of ctx [N, T, H, D]) times o_weight."""
         return F.linear(ctx[:, :, self.converted_heads].flatten(-2).to(o_weight.dtype), o_weight)
 
+    def recomputed(self) -> nn.Module:
+        """What gradient checkpointing recomputes: the GDN (a graph calls this layer in parts)."""
+        return self.gdn
+
     def param_groups(self) -> dict:
         return {role: [(f"gdn.{n}", p) for n, p in items] for role, items in self.gdn.param_groups().items()}
 

@@ -101,6 +101,17 @@ def in_process_cli(*args: str, env=None) -> dict:
     return json.loads(lines[-1]) if lines else {}
 
 
+def test_the_cuda_warm_up_takes_at_most_the_calls_a_caller_reserves(monkeypatch):
+    """A decode step uses a cache position a call: the warm-up before the timed steps (up to WARM_SECONDS on
+    CUDA) must stop at the positions the bench reserved for it (on the GPU it ran past a 64k cache's end)."""
+    calls = []
+    monkeypatch.setattr(harness, "sync", lambda device: None)
+    monkeypatch.setattr(harness, "WARM_SECONDS", 60.0)
+    harness.median_ms(lambda: calls.append(1), "cuda", repeats=5, warmup=3, warm_calls=7)
+    assert len(calls) == 3 + 7 + 5
+    assert speed.step_positions(speed.arguments(["--random", "--decode-steps", "32"])) >= 3 + speed.WARM_STEPS + 32
+
+
 def test_speed_smoke(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(speed, "surgery_cli", in_process_cli)
     out = tmp_path / "speed.jsonl"

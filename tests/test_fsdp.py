@@ -303,3 +303,19 @@ def test_bad_fsdp_options_fail_with_a_fix(hybrid, train_file, tmp_path):
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout.strip().splitlines()[-1])["steps"] == 1
     assert json.loads((tmp_path / "run" / "distill.json").read_text())["config"]["fsdp_offload"] is True
+
+
+def test_a_head_split_hybrid_trains_sharded_as_it_trains_plain(stories, train_file, stories_teacher, tmp_path):
+    """select.granularity=head (layers 1 and 3 keep some KV heads): stage l2 shards each split's module and
+    fits its GDN to the converted heads' share, stage kl shards the decoder layers, which call the split's
+    parts; with per-layer checkpointing, the same numbers as the plain run."""
+    graph = stories()
+    heads = {"0": [0, 1, 2, 3], "1": [0, 3], "2": [0, 1, 2, 3], "3": [1], "4": [0, 1, 2, 3]}
+    PassManager(["select", "replace"], {"select": {"granularity": "head", "policy": "keep", "heads": heads}})(graph)
+    assert graph.layer_kinds == ["attention", "split", "attention", "split", "attention"]
+    plain, sharded = tmp_path / "plain", tmp_path / "fsdp"
+    distill(fresh(graph), [train_file], plain, config(), teacher=stories_teacher, progress=False, device="cpu")
+    result = distill(fresh(graph), [train_file], sharded, config(fsdp=True, grad_checkpoint=True), teacher=stories_teacher,
+                     progress=False, device="cpu")
+    assert result["complete"]
+    assert_same_run(sharded, plain, rel=1e-6, rtol=1e-5)

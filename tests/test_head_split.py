@@ -7,19 +7,23 @@ weights (save/load), the teacher's statistics read independently with tcal.stats
 bytes of K and V per kept KV head (the cache)."""
 from __future__ import annotations
 
+import contextlib
+import copy
+import dataclasses
 import json
 
 import pytest
 import torch
 
 import surgery
-from surgery import PassManager
+from surgery import DistillConfig, PassManager
 from surgery.decode import Decoder
-from surgery.errors import CheckpointError, DistillError, ExportError, PassConfigError
+from surgery.errors import CheckpointError, ExportError, PassConfigError
 from surgery.data.windows import calibration_ids
 from surgery.eval.diff import diff
 from surgery.cli.layer_table import layer_rows, title
-from surgery.train.models import open_student
+from surgery.train.placement import Placement
+from surgery.train.stages import Layers, stage_l2
 from tcal.head_split import HeadSplitLayer, head_stats
 from tcal.stats import AttentionStats
 
@@ -195,7 +199,7 @@ def test_heads_take_the_clis_json_spelling():
     assert config.heads == {"1": [0, 2]}
 
 
-def test_split_is_gdn_only_and_exports_and_distill_refuse_it_by_name(stories, tmp_path):
+def test_split_is_gdn_only_and_exports_refuse_it_by_name(stories, tmp_path):
     graph = stories()
     with pytest.raises(PassConfigError, match="replace.mixer=swa converts whole layers only"):
         PassManager(["select", "replace"], {"select": {"granularity": "head", "policy": "keep", "heads": HEADS}, "replace": {"mixer": "swa"}})(graph)
@@ -204,11 +208,62 @@ def test_split_is_gdn_only_and_exports_and_distill_refuse_it_by_name(stories, tm
         with pytest.raises(ExportError, match=f"--format {fmt} cannot hold a layer split by heads, and this hybrid keeps some heads of layer\\(s\\) 1, 3"):
             surgery.export(graph, tmp_path / fmt, format=fmt)
         assert not (tmp_path / fmt).exists()
-    with pytest.raises(DistillError, match="keeps some heads of layers \\[1, 3\\] as attention"):
-        open_student(graph, None, None)
     surgery.save(graph, tmp_path / "h")
     recipe = json.loads((tmp_path / "h" / "recipe.json").read_text())
     recipe["decisions"]["replace"]["modules"]["1"]["gdn_config"]["kept_heads"] = list(range(8))
     (tmp_path / "h" / "recipe.json").write_text(json.dumps(recipe))
     with pytest.raises(CheckpointError, match=r"decisions.replace.modules\['1'\].gdn_config.kept_heads = \[0, 1, .*is not some but not all"):
         surgery.load(tmp_path / "h")
+
+
+def test_stage_l2_fits_a_splits_converted_heads_to_their_share_of_the_teachers_layer_output(stories, stories_teacher, record):
+    """distill's per-layer stage on a head split: the GDN, fed the teacher's input at the site, against the
+    converted heads' share of the teacher's attention output (their context through the teacher's o_proj
+    columns of those heads), read here from the teacher's recorded nodes and weights; whole layers as before."""
+    graph = split(stories())  # layers 1 and 3 split
+    stage = stage_l2(graph, stories_teacher, Placement(), contextlib.nullcontext)
+    assert isinstance(stage.module, Layers)
+    ids = torch.randint(3, 512, (2, 21), generator=torch.Generator().manual_seed(3))
+    sites = stories_teacher.sites
+    seen = record(stories_teacher.gm, ids, [n for l in (1, 3) for n in (sites[l].input_node, sites[l].attn_node)])
+    losses = []
+    for layer in (1, 3):
+        module, d = graph.gdn_modules()[layer], sites[layer].head_dim
+        columns = torch.tensor([h * d + i for h in module.converted_heads for i in range(d)])
+        w = stories_teacher.gm.get_parameter(sites[layer].o.weight).index_select(1, columns)
+        context = seen[sites[layer].attn_node][:, module.converted_heads].transpose(1, 2).flatten(-2)
+        with torch.no_grad():
+            mine = module.gdn(seen[sites[layer].input_node]) @ w.T
+        losses.append(torch.nn.functional.mse_loss(mine, context @ w.T))
+    with torch.no_grad():
+        got = stage.loss(ids)
+    torch.testing.assert_close(got, torch.stack(losses).mean(), rtol=1e-5, atol=1e-7)
+    assert got > 0
+
+
+def test_distill_trains_a_split_hybrid_through_both_stages_and_it_reloads(stories, stories_teacher, tmp_path):
+    """Both stages run on a head-split hybrid (with gradient checkpointing, which recomputes each split's
+    GDN): stage l2 moves only the converted heads' GDN, the kept heads stay the teacher's attention, and the
+    checkpoint reloads as the same split hybrid with the same logits."""
+    graph = split(stories())
+    graph = dataclasses.replace(graph, gm=copy.deepcopy(graph.gm))  # stage kl trains every weight: not the session teacher's
+    before = {n: p.detach().clone() for n, p in graph.gm.named_parameters()}
+    teacher = {n: p.detach().clone() for n, p in stories_teacher.gm.named_parameters()}
+    text = tmp_path / "train.txt"
+    text.write_text(" ".join(f"Once upon a time there was a cat number {i} who liked the sun." for i in range(200)))
+    step = 4 * 32
+    config = DistillConfig(tokens=4 * step, l2_tokens=2 * step, stage="both", seq_len=32, global_batch=4, warmup=0.0,
+                           schedule="constant", lr_l2_new=3e-3, lr_l2_copied=3e-3, lr_kl_new=1e-3, lr_kl_copied=1e-3,
+                           lr_kl_rest=1e-4, grad_checkpoint=True)
+    result = surgery.distill(graph, [text], tmp_path / "run", config, teacher=stories_teacher, progress=False)
+    log = [json.loads(line) for line in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
+    stages = [r["stage"] for r in log if "loss" in r]
+    assert stages == ["l2", "l2", "kl", "kl"] and all(r["loss"] > 0 for r in log if "loss" in r)
+    moved = {n for n, p in graph.gm.named_parameters() if not torch.equal(p.detach(), before[n])}
+    targets = graph.gdn_targets()
+    assert any(n.startswith(f"{targets[1]}.gdn.") for n in moved) and any(n.startswith(f"{targets[3]}.gdn.") for n in moved)
+    assert all(torch.equal(p, teacher[n]) for n, p in stories_teacher.gm.named_parameters())
+    reloaded = surgery.load(result["checkpoint"])
+    assert reloaded.layer_kinds == ["attention", "split", "attention", "split", "attention"]
+    ids = torch.randint(3, 512, (1, 19), generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(reloaded.logits(ids), graph.logits(ids), rtol=0, atol=0)

@@ -27,11 +27,6 @@ def open_student(model, device, dtype) -> tuple[Graph, str]:
         graph, name = open_model(path, device=device, dtype=dtype), str(path.resolve())
     if not graph.gdn_targets():
         raise DistillError(f"'{name}' has no GDN layers: its recipe converts nothing.", "Run `surgery apply` with select and replace first.")
-    split = [l for l, kind in enumerate(graph.layer_kinds) if kind == "split"]
-    if split:
-        raise DistillError(f"'{name}' keeps some heads of layers {split} as attention (select.granularity=head): distill's per-layer "
-                           "stage trains whole converted layers and does not train a head split yet.",
-                           "Use the hybrid as calibrate and align left it, or select with granularity=layer to distill.")
     windowed = [l for l, m in graph.gdn_modules().items() if not m.param_groups()]
     if windowed:
         raise DistillError(f"'{name}' converted layers {windowed} to a mixer with nothing to train (swa): distill trains converted layers.",

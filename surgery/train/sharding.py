@@ -43,7 +43,7 @@ from ..core.graph import Graph
 from ..errors import DistillError
 from .layer_split import split_by_layer, unit_names
 from .placement import Placement
-from .stages import Layers
+from .stages import Layers, split_columns
 
 
 def precision(mixed: bool | None, autocast: bool) -> MixedPrecisionPolicy:
@@ -174,7 +174,7 @@ def shard_student(student: Graph, stage: str, place: Placement, config, autocast
     if stage == "l2":
         targets = student.gdn_targets()
         copies = {layer: copy.deepcopy(m) for layer, m in student.gdn_modules().items()}
-        root, units = Layers(copies), list(copies.values())
+        root, units = Layers(copies, split_columns(student)), list(copies.values())
         names = {f"layers.{layer}.{n}": f"{targets[layer]}.{n}" for layer, m in copies.items() for n, _ in m.named_parameters()}
     else:
         root = split_by_layer(copy.deepcopy(student.gm), student.sites)

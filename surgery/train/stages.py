@@ -15,6 +15,7 @@ from ..core.graph import Graph
 from ..core.rewrite import graph_module, prune
 from ..core.run import graph_logits, placeholder_values
 from ..errors import DistillError
+from ..passes.head_split import converted_columns
 from .losses import chunk_terms, kl_divergence
 from .placement import Placement
 
@@ -98,19 +99,40 @@ def forward_params(gm: torch.nn.Module) -> int:
     return sum(p.numel() for key, p in unique.items() if not lookup_only.get(key, False))
 
 
-class Layers(torch.nn.Module):
-    """The GDN modules as one module, so DDP sees exactly stage 1's trainable parameters."""
+def split_columns(graph: Graph) -> dict[int, torch.Tensor]:
+    """For each layer split by heads (select.granularity=head), the o_proj columns that read its converted
+    heads, from the graph's own weights (float32, no gradient): stage l2 fits those heads' share of the
+    layer output through them, as align does (tcal.head_split), since the kept heads are exact."""
+    params = dict(graph.gm.named_parameters(remove_duplicate=False))
+    kinds = graph.layer_kinds
+    return {l: converted_columns(m, graph.sites[l], params).detach().float()
+            for l, m in graph.gdn_modules().items() if kinds[l] == "split"}
 
-    def __init__(self, modules: dict[int, torch.nn.Module]):
+
+class Layers(torch.nn.Module):
+    """The GDN modules as one module, so DDP sees exactly stage 1's trainable parameters. A head split
+    (a layer in `columns`) gives its converted heads' share of the layer output through those columns."""
+
+    def __init__(self, modules: dict[int, torch.nn.Module], columns: dict[int, torch.Tensor] | None = None):
         super().__init__()
         self.layers = torch.nn.ModuleDict({str(l): m for l, m in modules.items()})
+        self.split = [str(l) for l in (columns or {})]
+        for l, w in (columns or {}).items():
+            self.register_buffer(f"columns_{l}", w, persistent=False)
 
     def forward(self, xs: list[torch.Tensor]) -> list[torch.Tensor]:
-        return [m(x) for m, x in zip(self.layers.values(), xs)]
+        return [m(x, self.get_buffer(f"columns_{key}")) if key in self.split else m(x)
+                for (key, m), x in zip(self.layers.items(), xs)]
 
 
-def checkpointed_forward(module, x):
-    return torch.utils.checkpoint.checkpoint(type(module).forward, module, x, use_reentrant=False)
+def checkpointed_forward(module, *args):
+    return torch.utils.checkpoint.checkpoint(type(module).forward, module, *args, use_reentrant=False)
+
+
+def recomputed(module: torch.nn.Module) -> torch.nn.Module:
+    """What gradient checkpointing wraps of a converted layer: its GDN; a head split's graph calls its
+    parts (the kept heads' attention, the GDN, the merge), and only the GDN has internals worth dropping."""
+    return getattr(module, "recomputed", lambda: module)()
 
 
 @contextlib.contextmanager
@@ -120,8 +142,8 @@ def gradient_checkpointing(modules, enabled: bool):
     patched = []
     try:
         if enabled:
-            for m in modules:
-                m.forward = lambda x, m=m: checkpointed_forward(m, x)
+            for m in map(recomputed, modules):
+                m.forward = lambda *args, m=m: checkpointed_forward(m, *args)
                 patched.append(m)
         yield
     finally:
@@ -147,18 +169,27 @@ def stage_l2(student: Graph, teacher: Graph, place: Placement, autocast: Callabl
     GDN layers (default: Layers of them, under DDP with several processes)."""
     gdn = student.gdn_modules()
     sites = teacher.sites
-    names = [n for l in student.gdn_targets() for n in (sites[l].input_node, sites[l].output_node)]
+    columns = split_columns(student)
+    # a head split's target is its converted heads' share: the teacher's per-head context there (the attention op's output)
+    names = [n for l in gdn for n in (sites[l].input_node, sites[l].attn_node if l in columns else sites[l].output_node)]
     taps = tap_module(teacher.gm, names)
-    wrapped = wrapped if wrapped is not None else place.wrap(Layers(gdn))
+    wrapped = wrapped if wrapped is not None else place.wrap(Layers(gdn, columns))
     run_taps = maybe_compiled(taps, compile, place.device, use="train", label="teacher up to the last GDN site", prepare=prepare)
     run_layers = maybe_compiled(wrapped, compile, place.device, use="train", label="GDN layers")
+
+    def target(layer, out):
+        if layer not in columns:
+            return out
+        w = columns[layer]
+        return gdn[layer].converted_target(out.transpose(1, 2).float(), w.to(out.device))
 
     def loss(ids):
         with torch.no_grad(), autocast():
             outs = run_taps(*placeholder_values(taps, ids))
+            targets = [target(l, out) for l, out in zip(gdn, outs[1::2])]
         with autocast():
             preds = run_layers(list(outs[0::2]))
-        return torch.stack([F.mse_loss(p.float(), t.float()) for p, t in zip(preds, outs[1::2])]).mean()
+        return torch.stack([F.mse_loss(p.float(), t.float()) for p, t in zip(preds, targets)]).mean()
 
     gdn_params = sum(p.numel() for m in gdn.values() for p in m.parameters())
     return Stage(wrapped, loss, 6 * gdn_params + 2 * forward_params(taps))
