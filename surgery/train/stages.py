@@ -101,11 +101,11 @@ def forward_params(gm: torch.nn.Module) -> int:
 
 def split_columns(graph: Graph) -> dict[int, torch.Tensor]:
     """For each layer split by heads (select.granularity=head), the o_proj columns that read its converted
-    heads, from the graph's own weights (float32, no gradient): stage l2 fits those heads' share of the
-    layer output through them, as align does (tcal.head_split), since the kept heads are exact."""
+    heads, copied from the graph's own weights (float32, no gradient): stage l2 fits those heads' share of
+    the layer output through them, as align does (tcal.head_split), since the kept heads are exact."""
     params = dict(graph.gm.named_parameters(remove_duplicate=False))
     kinds = graph.layer_kinds
-    return {l: converted_columns(m, graph.sites[l], params).detach().float()
+    return {l: converted_columns(m, graph.sites[l], params).detach().float().clone()
             for l, m in graph.gdn_modules().items() if kinds[l] == "split"}
 
 
