@@ -15,7 +15,7 @@ from ..core.graph import Graph
 from ..core.rewrite import graph_module, prune
 from ..core.run import graph_logits, placeholder_values
 from ..errors import DistillError
-from ..passes.head_split import converted_columns
+from ..passes.head_split import split_columns as head_split_columns
 from .losses import chunk_terms, kl_divergence
 from .placement import Placement
 
@@ -101,12 +101,9 @@ def forward_params(gm: torch.nn.Module) -> int:
 
 def split_columns(graph: Graph) -> dict[int, torch.Tensor]:
     """For each layer split by heads (select.granularity=head), the o_proj columns that read its converted
-    heads, copied from the graph's own weights (float32, no gradient): stage l2 fits those heads' share of
-    the layer output through them, as align does (tcal.head_split), since the kept heads are exact."""
-    params = dict(graph.gm.named_parameters(remove_duplicate=False))
-    kinds = graph.layer_kinds
-    return {l: converted_columns(m, graph.sites[l], params).detach().float().clone()
-            for l, m in graph.gdn_modules().items() if kinds[l] == "split"}
+    heads (the align pass's, copied: float32, no gradient): stage l2 fits those heads' share of the layer
+    output through them, as align does (tcal.head_split), since the kept heads are exact."""
+    return {l: head_split_columns(graph, l).detach().float().clone() for l, kind in enumerate(graph.layer_kinds) if kind == "split"}
 
 
 class Layers(torch.nn.Module):
