@@ -89,6 +89,8 @@ from surgery.core.run import run_graph  # noqa: E402
 from surgery.decode.fast import FastGraph  # noqa: E402
 from surgery.decode.gdn_block import STEP_ROWS  # noqa: E402
 from surgery.decode.gdn_blocks import ENV as BLOCKS_ENV  # noqa: E402
+from surgery.decode.gdn_tail import ENV as TAIL_ENV  # noqa: E402
+from surgery.decode.gdn_tail import MAX_ROWS as TAIL_ROWS  # noqa: E402
 from surgery.errors import SurgeryError  # noqa: E402
 from surgery.train.placement import local_device  # noqa: E402
 
@@ -557,6 +559,12 @@ def decode(s: Setup, rows: Rows) -> None:
             with env_setting(BLOCKS_ENV, "off"):
                 separate = decoder_step_ms(s, s.hybrid, batch, ids)
             rows.add(f"{s.label()}: Decoder, {BLOCKS_ENV}=off", config, "decode step", separate, "ms", ("default", hybrid))
+            free(s.device)
+        if STEP_ROWS < batch <= TAIL_ROWS and s.device.type == "cuda":  # the GDN layers' tail kernel (surgery.decode.gdn_tail), not yet on by default
+            with env_setting(TAIL_ENV, "on"):
+                tail = decoder_step_ms(s, s.hybrid, batch, ids)
+            rows.add(f"{s.label()}: Decoder, {TAIL_ENV}=on", config, "decode step", tail, "ms", ("default", hybrid))
+            rows.add(f"{s.label()}: Decoder, {TAIL_ENV}=on", config, "decode step", tail, "ms", ("teacher Decoder", teacher))
             free(s.device)
         if a.profile:
             for label, graph in (("teacher graph", s.teacher), (s.label(), s.hybrid)):

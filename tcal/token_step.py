@@ -77,13 +77,13 @@ def per_channel(a: torch.Tensor, state: torch.Tensor) -> bool:
 if triton is not None:
 
     @triton.jit
-    def token_step_tile(q, k, v, a, b, gate, A_log, dt_bias, norm_weight, state, out, n, h,
-                        stride_q, stride_k, stride_v, stride_a, stride_b, stride_gate, stride_out,
-                        scale, norm_eps, H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
-                        V_SILU: tl.constexpr, CHANNEL_DECAY: tl.constexpr, CACHE: tl.constexpr):
-        """Row n, head h: its [D, D] state tile in registers, read once, written once (this kernel's
-        body, and one phase of surgery.decode.gdn_block's layer kernel, which reads inputs that other
-        programs of the same launch wrote: CACHE ".cg" reads them from L2, past this SM's L1)."""
+    def token_step_normed(q, k, v, a, b, gate, A_log, dt_bias, norm_weight, state, n, h,
+                          stride_q, stride_k, stride_v, stride_a, stride_b, stride_gate,
+                          scale, norm_eps, H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
+                          V_SILU: tl.constexpr, CHANNEL_DECAY: tl.constexpr, CACHE: tl.constexpr):
+        """Row n, head h: its [D, D] state tile in registers, read once, written once; returns the
+        gated-normed output, float32 [BD] (zeros past D), for the caller to store or use (inputs that
+        other programs of the same launch wrote: CACHE ".cg" reads them from L2, past this SM's L1)."""
         d = tl.arange(0, BD)
         inside = d < D
         vec = h * D + d
@@ -116,8 +116,20 @@ if triton is not None:
         tl.store(tile, s, mask=both)
         rms = tl.sqrt(tl.sum(o * o) / D + norm_eps)
         weight = tl.load(norm_weight + d, mask=inside, other=0).to(tl.float32)
-        normed = o / rms * weight * (b_gate * tl.sigmoid(b_gate))
-        tl.store(out + n * stride_out + vec, normed.to(out.dtype.element_ty), mask=inside)
+        return o / rms * weight * (b_gate * tl.sigmoid(b_gate))
+
+    @triton.jit
+    def token_step_tile(q, k, v, a, b, gate, A_log, dt_bias, norm_weight, state, out, n, h,
+                        stride_q, stride_k, stride_v, stride_a, stride_b, stride_gate, stride_out,
+                        scale, norm_eps, H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
+                        V_SILU: tl.constexpr, CHANNEL_DECAY: tl.constexpr, CACHE: tl.constexpr):
+        """Row n, head h: token_step_normed, stored to out (this kernel's body, and one phase of
+        surgery.decode.gdn_block's layer kernel)."""
+        normed = token_step_normed(q, k, v, a, b, gate, A_log, dt_bias, norm_weight, state, n, h,
+                                   stride_q, stride_k, stride_v, stride_a, stride_b, stride_gate,
+                                   scale, norm_eps, H, D, BD, V_SILU, CHANNEL_DECAY, CACHE)
+        d = tl.arange(0, BD)
+        tl.store(out + n * stride_out + h * D + d, normed.to(out.dtype.element_ty), mask=d < D)
 
     @triton.jit
     def _token_step_kernel(q, k, v, a, b, gate, A_log, dt_bias, norm_weight, state, out,

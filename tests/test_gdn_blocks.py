@@ -192,22 +192,34 @@ def test_one_launch_matches_the_composed_kernels_on_cuda(rows):
         counted()  # the capture itself launched nothing
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or not HAS_TRITON, reason="needs CUDA and Triton")
-def test_a_cuda_decoder_with_blocks_decodes_as_without(monkeypatch):
-    """A tiny Llama hybrid captured in bf16 on CUDA, CUDA-graph steps: the kernel runs, and the greedy tokens
-    are those of SURGERY_GDN_BLOCKS=off."""
+def cuda_llama_hybrid():
+    """A tiny Llama hybrid captured in bf16 on CUDA (test_generate.hybrid's layers converted)."""
     import surgery
-    import surgery.decode.gdn_blocks as gdn_blocks
     from archs import build
     from surgery.sites import find_sites
 
     torch.manual_seed(0)
     captured = surgery.capture(build("llama").to("cuda", torch.bfloat16), find=False)
     captured.sites = find_sites(captured)
-    graph = hybrid(captured)
+    return hybrid(captured)
+
+
+def counted_launches(monkeypatch, name: str) -> list:
+    """A list that gains an item at each call of surgery.decode.gdn_blocks' `name` (a kernel's launcher)."""
+    import surgery.decode.gdn_blocks as gdn_blocks
+
+    kernel = getattr(gdn_blocks, name)
     launches = []
-    kernel = gdn_blocks.gdn_block_triton
-    monkeypatch.setattr(gdn_blocks, "gdn_block_triton", lambda *a, **k: launches.append(1) or kernel(*a, **k))
+    monkeypatch.setattr(gdn_blocks, name, lambda *a, **k: launches.append(1) or kernel(*a, **k))
+    return launches
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not HAS_TRITON, reason="needs CUDA and Triton")
+def test_a_cuda_decoder_with_blocks_decodes_as_without(monkeypatch):
+    """A tiny Llama hybrid captured in bf16 on CUDA, CUDA-graph steps: the kernel runs, and the greedy tokens
+    are those of SURGERY_GDN_BLOCKS=off."""
+    graph = cuda_llama_hybrid()
+    launches = counted_launches(monkeypatch, "gdn_block_triton")
     runs = {}
     for setting in ("auto", "off"):
         monkeypatch.setenv("SURGERY_GDN_BLOCKS", setting)

@@ -11,9 +11,12 @@ read from the graph (any architecture whose layer is pre-norm RMSNorm, a GDN mix
 a layer of another form keeps its kernels. GDNBlock runs the kernel where it applies (CUDA, bf16 or
 fp16, gdn_block.STEP_ROWS rows, a layer the token step takes, widths the kernel holds) and the region's
 own calls everywhere else, so a CPU step computes what it computed before the rewrite; `declined` says
-why the last call did not take the kernel.
+why the last call did not take the kernel. Where the one-launch layer declines a CUDA call it could
+otherwise take (more rows than it serves, or switched off), up to gdn_tail.MAX_ROWS rows may take the
+tail kernel instead: the token step, o_proj and the post norm as one launch (surgery.decode.gdn_tail;
+SURGERY_GDN_TAIL=on, not yet the default).
 
-SURGERY_GDN_BLOCKS: "auto" (the default: at most one program per SM), "off" (the region's own calls),
+SURGERY_GDN_BLOCKS: "auto" (the default: at most one program per SM), "off" (not the one-launch layer),
 or the most programs the kernel may use (at most the SM count)."""
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ import operator
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from torch.fx import GraphModule, Node
 
 from tcal.gdn import TOKEN_STEP_V_SILU, takes_token_step
@@ -33,6 +37,8 @@ from .fused_norms import is_call, single_user
 from .gdn_block import (STEP_ROWS, BlockShape, block_tiles, gdn_block_torch, gdn_block_triton, new_sync, sync_failed,
                         triton)
 from .gdn_state import GDNState
+from .gdn_tail import MAX_ROWS as TAIL_ROWS
+from .gdn_tail import gdn_tail_triton, new_arrivals, tail_enabled, tail_fits
 from .residual_norm import add_rms_norm
 from .swiglu import silu_mul
 
@@ -85,20 +91,24 @@ class GDNBlock(nn.Module):
         self.declined: str | None = None        # why the last call composed the kernels instead, if it did
         self.failed = False                     # the kernel's first launch timed out waiting (see forward)
         self.shape: BlockShape | bool | None = None  # the kernel's shape once known (False: the layer has none)
+        self.arrivals: torch.Tensor | None = None  # the tail kernel's row counters (gdn_tail.new_arrivals)
 
     def forward(self, a, b, w0, w1, w_gu, b_gu, w_d, b_d):
         st = self.gdn_state
-        found = self.kernel_inputs(a, w_gu, w_d)
-        if isinstance(found, str):
-            self.declined = found
+        found = self.step_inputs(a, w_gu, w_d)
+        limit = self.block_limit(a, found[0]) if not isinstance(found, str) else found
+        if isinstance(limit, str):
+            self.declined = limit
+            if not isinstance(found, str) and a.shape[0] <= TAIL_ROWS and tail_enabled():
+                return self.tail(a, b, w0, w1, w_gu, b_gu, w_d, b_d, *found)
             return gdn_block_torch(a, b, w0, self.eps0, st, w1, self.eps1, w_gu, b_gu, w_d, b_d, self.inter, self.gate_first)
         self.declined = None
-        shape, programs, (w_in, bias_in) = found
+        shape, (w_in, bias_in) = found
         first = self.sync is None or self.sync.device != a.device
         if first:
             self.sync = new_sync(a.device)
         out = gdn_block_triton(a, b, w0, self.eps0, st.gdn, st.cache.recurrent, w_in, bias_in, w1, self.eps1, w_gu, b_gu,
-                               w_d, b_d, shape, self.sync, programs)
+                               w_d, b_d, shape, self.sync, limit)
         if first and not torch.cuda.is_current_stream_capturing() and sync_failed(self.sync):
             self.failed = True  # a wait timed out: the programs were not all resident (a GPU shared with other work?)
             raise DecodeError("The one-kernel GDN decoder layer's programs could not all run at once on this GPU; this "
@@ -106,15 +116,26 @@ class GDNBlock(nn.Module):
                               "separate kernels.", f"Reset the decoder and decode again, or set {ENV}=off.")
         return out
 
-    def kernel_inputs(self, a: torch.Tensor, w_gu: torch.Tensor, w_d: torch.Tensor):
-        """(shape, program limit, the fused input projection) where the kernel takes this call, else why not."""
+    def tail(self, a, b, w0, w1, w_gu, b_gu, w_d, b_d, shape, projection):
+        """The layer's kernels with the token step, o_proj and the post norm as one (surgery.decode.gdn_tail)."""
+        h, n = add_rms_norm(a, b, w0, self.eps0)
+        rows = a.shape[0]
+        if self.arrivals is None or self.arrivals.device != a.device or self.arrivals.numel() < rows:
+            self.arrivals = new_arrivals(rows, a.device)
+        st = self.gdn_state
+        h2, n2 = gdn_tail_triton(F.linear(n, *projection), shape, st.gdn, st.cache.recurrent, h, w1, self.eps1,
+                                 self.arrivals)
+        gate, up = F.linear(n2, w_gu, b_gu).split_with_sizes([self.inter, self.inter], -1)
+        return h2, F.linear(silu_mul(gate, up) if self.gate_first else silu_mul(up, gate), w_d, b_d)
+
+    def step_inputs(self, a: torch.Tensor, w_gu: torch.Tensor, w_d: torch.Tensor):
+        """(shape, the fused input projection) where a fused kernel (the one-launch layer, or the tail) can
+        take this call, else why not."""
         st, layer = self.gdn_state, self.gdn_state.gdn
         if triton is None or not a.is_cuda:
             return "not CUDA with Triton"
-        if self.failed:
-            return "the kernel's programs could not all run at once on this GPU"
-        if a.dtype not in (torch.float16, torch.bfloat16) or a.dim() != 3 or a.shape[0] > STEP_ROWS:
-            return f"rows {tuple(a.shape)} {a.dtype}: the step takes the kernel for {STEP_ROWS} bf16/fp16 row(s) of one token"
+        if a.dtype not in (torch.float16, torch.bfloat16) or a.dim() != 3 or a.shape[1] != 1:
+            return f"rows {tuple(a.shape)} {a.dtype}: the fused kernels take bf16/fp16 rows of one token"
         projection = st.static_projection()
         if projection is None:
             return "not a static step"
@@ -125,15 +146,22 @@ class GDNBlock(nn.Module):
             return "a weight of another dtype, or not contiguous"
         if self.shape is None:  # fixed once the projection is fused: its rows are refreshed in place
             self.shape = block_shape(layer, projection[0].shape[0], self.inter, self.gate_first) or False
-        shape = self.shape
-        if not shape:
-            return "the layer's projections are not GDN's q, k, v, a (one decay per head), b, g"
+        if not self.shape or not tail_fits(self.shape.hidden, self.shape.head_dim):
+            return "the layer's projections are not GDN's q, k, v, a (one decay per head), b, g, or too wide"
+        return self.shape, projection
+
+    def block_limit(self, a: torch.Tensor, shape: BlockShape):
+        """The one-launch layer's program limit where it takes this call, else why not."""
+        if self.failed:
+            return "the kernel's programs could not all run at once on this GPU"
+        if a.shape[0] > STEP_ROWS:
+            return f"{a.shape[0]} rows: the one-launch layer takes {STEP_ROWS}"
         limit = block_programs(a.device)
         if limit is None:
             return f"{ENV}=off"
         if block_tiles(shape, limit) is None:
             return "too wide for one program's registers"
-        return shape, limit, projection
+        return limit
 
 
 def _getitems(node: Node) -> dict[int, Node] | None:

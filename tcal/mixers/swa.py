@@ -65,7 +65,7 @@ class SlidingWindowAttention(nn.Module):
         k, v = (x.repeat_interleave(heads // x.shape[1], dim=1) if x.shape[1] != heads else x for x in (k, v))
         i = torch.arange(s - t, s, device=q.device)[:, None]  # queries sit at the end of the keys
         j = torch.arange(s, device=q.device)[None, :]
-        allowed = (j <= i) & (i - j < int(self.window))
+        allowed = (j <= i) & (i - j < self.window)  # the buffer itself: int() would end a compiled graph
         if self.softcap is None:
             return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=self.scale)
         scores = torch.matmul(q, k.transpose(-1, -2)) * self.scale
