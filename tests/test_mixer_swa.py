@@ -91,6 +91,17 @@ def test_module_matches_a_float64_loop(softcap, transposed):
     torch.testing.assert_close(got.double(), naive_window_attention(q, k, v, 3, 0.4, softcap), atol=1e-5, rtol=1e-5)
 
 
+def test_the_module_traces_into_one_graph():
+    """The window is a buffer (Phase 1 sets it, checkpoints keep it): reading it as a Python int broke a
+    compiled graph at the kept heads of every head-split layer (forty-second session)."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 7, 8, generator=g) for _ in range(3))
+    module = SlidingWindowAttention(2, 8, window=3, scale=0.4)
+    explained = torch._dynamo.explain(module)(q, k, v)
+    assert explained.graph_break_count == 0 and explained.graph_count == 1, explained.break_reasons
+    torch.testing.assert_close(module(q, k, v).double(), naive_window_attention(q, k, v, 3, 0.4, None), atol=1e-5, rtol=1e-5)
+
+
 def test_window_from_mass_keeps_the_quantile():
     mass = torch.tensor([[0.5, 0.3, 0.1, 0.1], [0.05, 0.05, 0.1, 0.8]])  # per head, by distance 0, 1, 2, 3
     assert maps.window_from_mass(mass, 0.8).tolist() == [2, 4]
