@@ -57,6 +57,7 @@ def run(rows) -> None:
             rows.add("F.linear (cuBLAS)", config, "kernel", us, "us")
             rows.add("F.linear (cuBLAS)", config, "weight read", n * k * 2 / us / 1e3, "GB/s")
     gdn_layer_rows(rows)
+    tail_rows(rows)
 
 
 def gdn_layer_rows(rows) -> None:
@@ -100,6 +101,46 @@ def gdn_layer_rows(rows) -> None:
             if m == 1:
                 hbm_rows(rows, layer, w_in, b_in, a, b, w0, w1, w_gu, w_d, cache, shape, sync, sms)
     barrier_rows(rows, sorted({16, 32, programs, sms}))
+
+
+def tail_rows(rows, device: str = "cuda") -> None:
+    """A SmolLM2-shaped GDN mixer's decoded token and the post norm after it (the input projection, the token
+    step, o_proj, add_rms_norm: what surgery.decode.gdn_tail takes at 2-16 rows) composed against the input
+    projection and the tail kernel; us per layer, CALLS layers in one graph, each with its own copy of the
+    weights (read from HBM, as a step's layers are)."""
+    import copy
+
+    from surgery.decode.fused_linears import FusedWeight
+    from surgery.decode.gdn_blocks import block_shape
+    from surgery.decode.gdn_tail import gdn_tail_triton, new_arrivals
+    from tcal.gdn import GatedDeltaNet, GDNCache
+
+    torch.manual_seed(0)
+    layer = GatedDeltaNet(576, 9, 64).to(device, torch.bfloat16).eval()
+    twins = [copy.deepcopy(layer) for _ in range(CALLS)]
+    fused = [FusedWeight([t.get_submodule(n).weight for n in t.INPUT_PROJECTIONS],
+                         [t.get_submodule(n).bias for n in t.INPUT_PROJECTIONS], align_rows=True).pair() for t in twins]
+    w1 = torch.ones(576, device=device, dtype=torch.bfloat16)
+    shape = block_shape(layer, fused[0][0].shape[0], 1536, True)
+    for m in (1, 4, 16):
+        n, h = torch.randn(2, m, 1, 576, device=device, dtype=torch.bfloat16)
+        cache = GDNCache(in_place=True)
+        cache.recurrent = torch.zeros(m, 9, 64, 64, device=device)
+        arrivals = new_arrivals(m, device)
+
+        def composed():
+            for twin, proj in zip(twins, fused):
+                add_rms_norm_triton(h, twin(n, cache=cache, projection=proj), w1, 1e-5)
+
+        def tail():
+            for twin, proj in zip(twins, fused):
+                gdn_tail_triton(F.linear(n, *proj), shape, twin, cache.recurrent, h, w1, 1e-5, arrivals)
+
+        with torch.no_grad():
+            base = graph_ms(composed, replays=40) * 1000 / CALLS
+            rows.add("GDN mixer + post norm, composed (projection, token step, o_proj, add_rms_norm)", f"{m} x 576", "layer", base, "us")
+            rows.add("GDN mixer + post norm, projection + tail kernel (surgery.decode.gdn_tail)", f"{m} x 576", "layer",
+                     graph_ms(tail, replays=40) * 1000 / CALLS, "us", ("composed", base))
 
 
 def hbm_rows(rows, layer, w_in, b_in, a, b, w0, w1, w_gu, w_d, cache, shape, sync, sms) -> None:
