@@ -103,6 +103,10 @@ def gdn_layer_rows(rows) -> None:
     barrier_rows(rows, sorted({16, 32, programs, sms}))
 
 
+# the tail kernel's launch forms timed: (o_proj's columns fetched before the token step, warps); the first is the default
+TAIL_FORMS = ((True, 8), (False, 8), (False, 4))
+
+
 def tail_rows(rows, device: str = "cuda") -> None:
     """A SmolLM2-shaped GDN mixer's decoded token and the post norm after it (the input projection, the token
     step, o_proj, add_rms_norm: what surgery.decode.gdn_tail takes at 2-16 rows) composed against the input
@@ -132,15 +136,18 @@ def tail_rows(rows, device: str = "cuda") -> None:
             for twin, proj in zip(twins, fused):
                 add_rms_norm_triton(h, twin(n, cache=cache, projection=proj), w1, 1e-5)
 
-        def tail():
+        def tail(**form):
             for twin, proj in zip(twins, fused):
-                gdn_tail_triton(F.linear(n, *proj), shape, twin, cache.recurrent, h, w1, 1e-5, arrivals)
+                gdn_tail_triton(F.linear(n, *proj), shape, twin, cache.recurrent, h, w1, 1e-5, arrivals, **form)
 
         with torch.no_grad():
             base = graph_ms(composed, replays=40) * 1000 / CALLS
             rows.add("GDN mixer + post norm, composed (projection, token step, o_proj, add_rms_norm)", f"{m} x 576", "layer", base, "us")
-            rows.add("GDN mixer + post norm, projection + tail kernel (surgery.decode.gdn_tail)", f"{m} x 576", "layer",
-                     graph_ms(tail, replays=40) * 1000 / CALLS, "us", ("composed", base))
+            for prefetch, warps in TAIL_FORMS:
+                form = f"o_proj columns {'before' if prefetch else 'after'} the token step, {warps} warps"
+                rows.add(f"GDN mixer + post norm, projection + tail kernel ({form})", f"{m} x 576", "layer",
+                         graph_ms(lambda: tail(prefetch=prefetch, warps=warps), replays=40) * 1000 / CALLS, "us",
+                         ("composed", base))
 
 
 def hbm_rows(rows, layer, w_in, b_in, a, b, w0, w1, w_gu, w_d, cache, shape, sync, sms) -> None:

@@ -146,10 +146,13 @@ def tail_fits(hidden: int, head_dim: int) -> bool:
     return triton is not None and hidden <= MAX_HIDDEN and head_dim <= MAX_TRITON_HEAD_DIM
 
 
-def gdn_tail_triton(proj, shape: BlockShape, layer, state, h, w1, eps1: float, arrivals: torch.Tensor):
+def gdn_tail_triton(proj, shape: BlockShape, layer, state, h, w1, eps1: float, arrivals: torch.Tensor,
+                    prefetch: bool | None = None, warps: int = NUM_WARPS):
     """The kernel: (h2, n2) shaped like h ([B, 1, hidden] or [B, hidden]) from the fused input projection's
     output `proj` (q, k, v, a, b, g at shape.offsets, one decay input per head), the layer's parameters and its
-    float32 state [B, H, D, D] (written in place). `arrivals`: new_arrivals(B or more), kept between calls."""
+    float32 state [B, H, D, D] (written in place). `arrivals`: new_arrivals(B or more), kept between calls.
+    `prefetch` (None: where the slice is at most PREFETCHED weights) and `warps`: the launch's form, which
+    bench/kernel_floors.py times side by side."""
     if triton is None:
         raise RuntimeError("gdn_tail_triton needs Triton; use gdn_tail_torch.")
     rows, heads, dim = state.shape[:3]
@@ -168,7 +171,7 @@ def gdn_tail_triton(proj, shape: BlockShape, layer, state, h, w1, eps1: float, a
         proj2.stride(0), float(eps1), float(dim ** -0.5), float(layer.o_norm.eps),
         Q=q, K_=k, V=v, A=a, B=b, G=g, H=heads, D=dim, BD=bd, HID=hidden, BH=triton.next_power_of_2(hidden),
         BJ=max(16, 4096 // bd), **dict(zip(("P0", "P1", "P2"), parts)), V_SILU=shape.v_silu,
-        PREFETCH=sum(parts) * bd <= PREFETCHED,
-        HAS_BIAS_O=o.bias is not None, HAS_W1=w1 is not None, num_warps=NUM_WARPS,
+        PREFETCH=sum(parts) * bd <= PREFETCHED if prefetch is None else prefetch,
+        HAS_BIAS_O=o.bias is not None, HAS_W1=w1 is not None, num_warps=warps,
     )
     return h2.reshape(h.shape), n2.reshape(h.shape)
