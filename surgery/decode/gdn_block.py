@@ -70,8 +70,13 @@ def gdn_block_torch(a, b, w0, eps0, gdn_state, w1, eps1, w_gu, b_gu, w_d, b_d, i
     """The reference: the layer's kernels as the step graph ran them, returning (h2, d)."""
     h, n = add_rms_norm(a, b, w0, eps0)
     h2, n2 = add_rms_norm(h, gdn_state(n), w1, eps1)
+    return h2, swiglu_mlp(n2, w_gu, b_gu, w_d, b_d, inter, gate_first)
+
+
+def swiglu_mlp(n2, w_gu, b_gu, w_d, b_d, inter: int, gate_first: bool) -> torch.Tensor:
+    """The layer's MLP as the step graph runs it: gate/up as one matmul, the SwiGLU product, down."""
     gate, up = F.linear(n2, w_gu, b_gu).split_with_sizes([inter, inter], -1)
-    return h2, F.linear(silu_mul(gate, up) if gate_first else silu_mul(up, gate), w_d, b_d)
+    return F.linear(silu_mul(gate, up) if gate_first else silu_mul(up, gate), w_d, b_d)
 
 
 if triton is not None:

@@ -34,11 +34,10 @@ from ..core.rewrite import prune, set_submodule
 from ..errors import DecodeError
 from .fused_linears import LINEAR
 from .fused_norms import is_call, single_user
-from .gdn_block import (STEP_ROWS, BlockShape, block_tiles, gdn_block_torch, gdn_block_triton, new_sync, sync_failed,
-                        triton)
+from .gdn_block import (STEP_ROWS, BlockShape, block_tiles, gdn_block_torch, gdn_block_triton, new_sync, swiglu_mlp,
+                        sync_failed, triton)
 from .gdn_state import GDNState
-from .gdn_tail import MAX_ROWS as TAIL_ROWS
-from .gdn_tail import gdn_tail_triton, new_arrivals, tail_enabled, tail_fits
+from .gdn_tail import gdn_tail_triton, new_arrivals, tail_takes
 from .residual_norm import add_rms_norm
 from .swiglu import silu_mul
 
@@ -99,7 +98,7 @@ class GDNBlock(nn.Module):
         limit = self.block_limit(a, found[0]) if not isinstance(found, str) else found
         if isinstance(limit, str):
             self.declined = limit
-            if not isinstance(found, str) and a.shape[0] <= TAIL_ROWS and tail_enabled():
+            if not isinstance(found, str) and tail_takes(a.shape[0], found[0]):
                 return self.tail(a, b, w0, w1, w_gu, b_gu, w_d, b_d, *found)
             return gdn_block_torch(a, b, w0, self.eps0, st, w1, self.eps1, w_gu, b_gu, w_d, b_d, self.inter, self.gate_first)
         self.declined = None
@@ -125,8 +124,7 @@ class GDNBlock(nn.Module):
         st = self.gdn_state
         h2, n2 = gdn_tail_triton(F.linear(n, *projection), shape, st.gdn, st.cache.recurrent, h, w1, self.eps1,
                                  self.arrivals)
-        gate, up = F.linear(n2, w_gu, b_gu).split_with_sizes([self.inter, self.inter], -1)
-        return h2, F.linear(silu_mul(gate, up) if self.gate_first else silu_mul(up, gate), w_d, b_d)
+        return h2, swiglu_mlp(n2, w_gu, b_gu, w_d, b_d, self.inter, self.gate_first)
 
     def step_inputs(self, a: torch.Tensor, w_gu: torch.Tensor, w_d: torch.Tensor):
         """(shape, the fused input projection) where a fused kernel (the one-launch layer, or the tail) can
@@ -146,8 +144,8 @@ class GDNBlock(nn.Module):
             return "a weight of another dtype, or not contiguous"
         if self.shape is None:  # fixed once the projection is fused: its rows are refreshed in place
             self.shape = block_shape(layer, projection[0].shape[0], self.inter, self.gate_first) or False
-        if not self.shape or not tail_fits(self.shape.hidden, self.shape.head_dim):
-            return "the layer's projections are not GDN's q, k, v, a (one decay per head), b, g, or too wide"
+        if not self.shape:
+            return "the layer's projections are not GDN's q, k, v, a (one decay per head), b, g"
         return self.shape, projection
 
     def block_limit(self, a: torch.Tensor, shape: BlockShape):

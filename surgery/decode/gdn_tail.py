@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from tcal.switches import enabled
-from tcal.token_step import MAX_TRITON_HEAD_DIM, token_step_torch
+from tcal.token_step import token_step_torch
 
 from .gdn_block import BlockShape, pieces
 from .residual_norm import add_rms_norm_torch
@@ -141,9 +141,10 @@ if triton is not None:
             tl.store(n2 + n * HID + j, normed.to(dt), mask=inside)
 
 
-def tail_fits(hidden: int, head_dim: int) -> bool:
-    """Whether the kernel holds a layer of these widths (a row of the output; the token step's head)."""
-    return triton is not None and hidden <= MAX_HIDDEN and head_dim <= MAX_TRITON_HEAD_DIM
+def tail_takes(rows: int, shape: BlockShape) -> bool:
+    """Whether a step of `rows` rows through a layer of `shape` (one the token step already takes, on CUDA
+    with Triton) runs the kernel: switched on, at most MAX_ROWS rows, a row of the output in one program."""
+    return rows <= MAX_ROWS and shape.hidden <= MAX_HIDDEN and tail_enabled()
 
 
 def gdn_tail_triton(proj, shape: BlockShape, layer, state, h, w1, eps1: float, arrivals: torch.Tensor,
