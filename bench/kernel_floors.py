@@ -103,13 +103,14 @@ def gdn_layer_rows(rows) -> None:
     barrier_rows(rows, sorted({16, 32, programs, sms}))
 
 
-# the tail kernel's launch forms timed: (o_proj's columns fetched before the token step, warps); the first is the default
-TAIL_FORMS = ((True, 8), (False, 8), (False, 4))
+# the tail kernel's launch forms timed: (o_proj's columns fetched before the token step, warps, a thread's register
+# cap); the first is the default
+TAIL_FORMS = ((True, 8, 128), (True, 8, None), (False, 8, None))
 
 
 def tail_rows(rows, device: str = "cuda") -> None:
     """A SmolLM2-shaped GDN mixer's decoded token and the post norm after it (the input projection, the token
-    step, o_proj, add_rms_norm: what surgery.decode.gdn_tail takes at 2-16 rows) composed against the input
+    step, o_proj, add_rms_norm: what surgery.decode.gdn_tail takes at 2-8 rows) composed against the input
     projection and the tail kernel; us per layer, CALLS layers in one graph, each with its own copy of the
     weights (read from HBM, as a step's layers are)."""
     import copy
@@ -126,7 +127,7 @@ def tail_rows(rows, device: str = "cuda") -> None:
                          [t.get_submodule(n).bias for n in t.INPUT_PROJECTIONS], align_rows=True).pair() for t in twins]
     w1 = torch.ones(576, device=device, dtype=torch.bfloat16)
     shape = block_shape(layer, fused[0][0].shape[0], 1536, True)
-    for m in (1, 4, 16):
+    for m in (1, 2, 4, 8, 16):
         n, h = torch.randn(2, m, 1, 576, device=device, dtype=torch.bfloat16)
         cache = GDNCache(in_place=True)
         cache.recurrent = torch.zeros(m, 9, 64, 64, device=device)
@@ -143,10 +144,12 @@ def tail_rows(rows, device: str = "cuda") -> None:
         with torch.no_grad():
             base = graph_ms(composed, replays=40) * 1000 / CALLS
             rows.add("GDN mixer + post norm, composed (projection, token step, o_proj, add_rms_norm)", f"{m} x 576", "layer", base, "us")
-            for prefetch, warps in TAIL_FORMS:
-                form = f"o_proj columns {'before' if prefetch else 'after'} the token step, {warps} warps"
+            for prefetch, warps, registers in TAIL_FORMS:
+                form = (f"o_proj columns {'before' if prefetch else 'after'} the token step, {warps} warps, "
+                        f"{registers or 'uncapped'} registers")
                 rows.add(f"GDN mixer + post norm, projection + tail kernel ({form})", f"{m} x 576", "layer",
-                         graph_ms(lambda: tail(prefetch=prefetch, warps=warps), replays=40) * 1000 / CALLS, "us",
+                         graph_ms(lambda: tail(prefetch=prefetch, warps=warps, registers=registers), replays=40)
+                         * 1000 / CALLS, "us",
                          ("composed", base))
 
 

@@ -555,16 +555,16 @@ def decode(s: Setup, rows: Rows) -> None:
         rows.add(f"{s.label()}: Decoder (surgery.load)", config, "decode step", hybrid, "ms", ("teacher Decoder", teacher))
         rows.add(f"{s.label()}: Decoder (surgery.load)", config, "decode step", hybrid, "ms", ("transformers", hf))
         free(s.device)
-        if batch <= STEP_ROWS and s.device.type == "cuda":  # the one-kernel GDN layers (surgery.decode.gdn_blocks) against none
-            with env_setting(BLOCKS_ENV, "off"):
+        if batch <= STEP_ROWS and s.device.type == "cuda":  # the one-kernel GDN layers (surgery.decode.gdn_blocks) against the eight
+            with env_setting(BLOCKS_ENV, "off"), env_setting(TAIL_ENV, "off"):
                 separate = decoder_step_ms(s, s.hybrid, batch, ids)
-            rows.add(f"{s.label()}: Decoder, {BLOCKS_ENV}=off", config, "decode step", separate, "ms", ("default", hybrid))
+            rows.add(f"{s.label()}: Decoder, {BLOCKS_ENV}=off {TAIL_ENV}=off", config, "decode step", separate, "ms", ("default", hybrid))
             free(s.device)
-        if STEP_ROWS < batch <= TAIL_ROWS and s.device.type == "cuda":  # the GDN layers' tail kernel (surgery.decode.gdn_tail), not yet on by default
-            with env_setting(TAIL_ENV, "on"):
-                tail = decoder_step_ms(s, s.hybrid, batch, ids)
-            rows.add(f"{s.label()}: Decoder, {TAIL_ENV}=on", config, "decode step", tail, "ms", ("default", hybrid))
-            rows.add(f"{s.label()}: Decoder, {TAIL_ENV}=on", config, "decode step", tail, "ms", ("teacher Decoder", teacher))
+        if STEP_ROWS < batch <= TAIL_ROWS and s.device.type == "cuda":  # the GDN layers' tail kernel (surgery.decode.gdn_tail) against none
+            with env_setting(TAIL_ENV, "off"):
+                composed = decoder_step_ms(s, s.hybrid, batch, ids)
+            rows.add(f"{s.label()}: Decoder, {TAIL_ENV}=off", config, "decode step", composed, "ms", ("default", hybrid))
+            rows.add(f"{s.label()}: Decoder, {TAIL_ENV}=off", config, "decode step", composed, "ms", ("teacher Decoder", teacher))
             free(s.device)
         if a.profile:
             for label, graph in (("teacher graph", s.teacher), (s.label(), s.hybrid)):

@@ -217,9 +217,10 @@ def counted_launches(monkeypatch, name: str) -> list:
 @pytest.mark.skipif(not torch.cuda.is_available() or not HAS_TRITON, reason="needs CUDA and Triton")
 def test_a_cuda_decoder_with_blocks_decodes_as_without(monkeypatch):
     """A tiny Llama hybrid captured in bf16 on CUDA, CUDA-graph steps: the kernel runs, and the greedy tokens
-    are those of SURGERY_GDN_BLOCKS=off."""
+    are those of SURGERY_GDN_BLOCKS=off (with the tail kernel off too: the eight kernels)."""
     graph = cuda_llama_hybrid()
     launches = counted_launches(monkeypatch, "gdn_block_triton")
+    monkeypatch.setenv("SURGERY_GDN_TAIL", "off")
     runs = {}
     for setting in ("auto", "off"):
         monkeypatch.setenv("SURGERY_GDN_BLOCKS", setting)

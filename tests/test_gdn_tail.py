@@ -37,16 +37,30 @@ def test_the_reference_is_the_layers_token_then_the_post_norm(bias):
     assert not torch.equal(mine, block_inputs(torch.float32, 3, bias, seed=5)[-1])  # the step wrote it
 
 
-def test_the_setting_is_off_unless_set_on_and_checked(monkeypatch):
+def test_the_setting_is_on_unless_set_off_and_checked(monkeypatch):
     from surgery.decode.gdn_tail import tail_enabled
 
     monkeypatch.delenv("SURGERY_GDN_TAIL", raising=False)
-    assert not tail_enabled()
-    monkeypatch.setenv("SURGERY_GDN_TAIL", "1")
     assert tail_enabled()
+    monkeypatch.setenv("SURGERY_GDN_TAIL", "0")
+    assert not tail_enabled()
     monkeypatch.setenv("SURGERY_GDN_TAIL", "fast")
     with pytest.raises(ValueError, match="SURGERY_GDN_TAIL=.fast"):
         tail_enabled()
+
+
+def test_only_the_prefetching_form_is_capped_and_explicit_forms_are_kept():
+    """SmolLM2's [576, 64] slice of o_proj is fetched before the token step and capped (two programs an SM); a
+    2048-wide layer loops over its columns uncapped (the cap raised its 79 registers to 128, and 128-wide heads
+    spill under it, compiled for sm_90a)."""
+    from surgery.decode.gdn_tail import REGISTERS, launch_form
+
+    assert launch_form(576, 64) == (True, REGISTERS)
+    assert launch_form(2048, 64) == (False, None)
+    assert launch_form(576, 128) == (False, None)
+    assert launch_form(576, 64, prefetch=False) == (False, None)
+    assert launch_form(576, 64, registers=None) == (True, None)
+    assert launch_form(2048, 64, prefetch=True, registers=96) == (True, 96)
 
 
 def test_a_cpu_step_keeps_the_layers_calls_with_the_tail_on(monkeypatch):
@@ -128,15 +142,15 @@ def test_the_kernel_matches_the_reference_on_cuda(rows):
 
 @pytest.mark.skipif(not torch.cuda.is_available() or not HAS_TRITON, reason="needs CUDA and Triton")
 def test_a_cuda_decoder_at_batch_4_takes_the_tail_and_decodes_as_without(monkeypatch):
-    """A tiny Llama hybrid in bf16 on CUDA, CUDA-graph steps of 4 rows: with SURGERY_GDN_TAIL=on the tail runs,
-    and each row's greedy tokens are those of the default (off)."""
+    """A tiny Llama hybrid in bf16 on CUDA, CUDA-graph steps of 4 rows: by default the tail runs, and each row's
+    greedy tokens are those of SURGERY_GDN_TAIL=off (the composed kernels)."""
     from surgery.decode import Decoder
 
     graph = cuda_llama_hybrid()
     launches = counted_launches(monkeypatch, "gdn_tail_triton")
     ids = torch.tensor([prompt(graph, seed) for seed in range(4)], device="cuda")
     runs = {}
-    for setting in ("on", "auto"):
+    for setting in ("auto", "off"):
         monkeypatch.setenv("SURGERY_GDN_TAIL", setting)
         decoder = Decoder(graph, verify=False)
         assert blocks(decoder)
@@ -146,7 +160,7 @@ def test_a_cuda_decoder_at_batch_4_takes_the_tail_and_decodes_as_without(monkeyp
             tokens.append(last.argmax(-1))
             last = decoder.step(tokens[-1][:, None])[:, -1]
         runs[setting] = (torch.stack(tokens, 1), last)
-        assert bool(launches) == (setting == "on"), [m.declined for m in blocks(decoder)]
+        assert bool(launches) == (setting == "auto"), [m.declined for m in blocks(decoder)]
         launches.clear()
-    assert torch.equal(runs["on"][0], runs["auto"][0])
-    torch.testing.assert_close(runs["on"][1].float(), runs["auto"][1].float(), rtol=5e-2, atol=5e-2)
+    assert torch.equal(runs["auto"][0], runs["off"][0])
+    torch.testing.assert_close(runs["auto"][1].float(), runs["off"][1].float(), rtol=5e-2, atol=5e-2)

@@ -14,7 +14,7 @@ own calls everywhere else, so a CPU step computes what it computed before the re
 why the last call did not take the kernel. Where the one-launch layer declines a CUDA call it could
 otherwise take (more rows than it serves, or switched off), up to gdn_tail.MAX_ROWS rows may take the
 tail kernel instead: the token step, o_proj and the post norm as one launch (surgery.decode.gdn_tail;
-SURGERY_GDN_TAIL=on, not yet the default).
+SURGERY_GDN_TAIL=off turns it off).
 
 SURGERY_GDN_BLOCKS: "auto" (the default: at most one program per SM), "off" (not the one-launch layer),
 or the most programs the kernel may use (at most the SM count)."""

@@ -33,18 +33,24 @@ except Exception:  # a broken install raises more than ImportError
 
 ENV = "SURGERY_GDN_TAIL"
 # Rows a step sends through the kernel: each (row, head) program reads its head's o_proj columns, so the
-# bytes it moves grow with the rows where a GEMM's do not
-MAX_ROWS = 16
+# bytes it moves grow with the rows where a GEMM's do not. On an H100 it won at 1-8 rows and lost at 16
+# (bench/RESULTS.md, forty-third session)
+MAX_ROWS = 8
 MAX_HIDDEN = 16384   # the last program holds a row of the layer's output
 PREFETCHED = 40960   # o_proj weights a program loads before its token step (more: a loop after it)
 NUM_WARPS = 8
+# Registers a thread may use: uncapped the default form took 157 (sm_90a), one program an SM, so 16 rows x 9 heads
+# (144 programs) ran in two waves on an H100's 132 SMs (16.97 us a layer against 11.52 at 4 rows); at 128 (no
+# spills) two programs fit an SM (14.66 us at 16 rows, the same at 1-8; forty-third session). Only that form holds
+# o_proj's columns in registers: the loop form takes fewer uncapped (79 at 32 heads of 64), and its 128-wide
+# heads spill under the cap
+REGISTERS = 128
 
 
 def tail_enabled() -> bool:
-    """SURGERY_GDN_TAIL: off unless set on. Not yet the default: its first form (o_proj's columns loaded
-    after the token step, 64 rows at a time) made the 64k batch-16 step slower on an H100 (3.133 ms against
-    3.064 without it; bench/RESULTS.md, forty-second session), and this one has not been timed on a GPU."""
-    return enabled(ENV, False)
+    """SURGERY_GDN_TAIL: on unless set off. On an H100 (forty-third session) projection + tail took 11.4-11.7 us a
+    SmolLM2-shaped layer at 1-8 rows against 13.0-13.2 composed; at 16 rows 14.66 against 13.91 (MAX_ROWS)."""
+    return enabled(ENV, True)
 
 
 def gdn_tail_torch(proj, shape: BlockShape, layer, state, h, w1, eps1: float):
@@ -147,12 +153,24 @@ def tail_takes(rows: int, shape: BlockShape) -> bool:
     return rows <= MAX_ROWS and shape.hidden <= MAX_HIDDEN and tail_enabled()
 
 
+def launch_form(hidden: int, head_dim: int, prefetch: bool | None = None,
+                registers: int | str | None = "auto") -> tuple[bool, int | None]:
+    """(prefetch, register cap) of a launch: o_proj's columns fetched before the token step where the head's
+    slice is at most PREFETCHED weights, and only that form capped at REGISTERS; explicit values are kept."""
+    if prefetch is None:
+        prefetch = sum(pieces(hidden)) * (1 << (head_dim - 1).bit_length()) <= PREFETCHED  # the padded head
+    if registers == "auto":
+        registers = REGISTERS if prefetch else None
+    return prefetch, registers
+
+
 def gdn_tail_triton(proj, shape: BlockShape, layer, state, h, w1, eps1: float, arrivals: torch.Tensor,
-                    prefetch: bool | None = None, warps: int = NUM_WARPS):
+                    prefetch: bool | None = None, warps: int = NUM_WARPS, registers: int | str | None = "auto"):
     """The kernel: (h2, n2) shaped like h ([B, 1, hidden] or [B, hidden]) from the fused input projection's
     output `proj` (q, k, v, a, b, g at shape.offsets, one decay input per head), the layer's parameters and its
     float32 state [B, H, D, D] (written in place). `arrivals`: new_arrivals(B or more), kept between calls.
-    `prefetch` (None: where the slice is at most PREFETCHED weights) and `warps`: the launch's form, which
+    `prefetch` (None: where the slice is at most PREFETCHED weights), `warps` and `registers` (a thread's cap;
+    None: the compiler's choice; "auto": REGISTERS where the columns are prefetched): the launch's form, which
     bench/kernel_floors.py times side by side."""
     if triton is None:
         raise RuntimeError("gdn_tail_triton needs Triton; use gdn_tail_torch.")
@@ -166,13 +184,14 @@ def gdn_tail_triton(proj, shape: BlockShape, layer, state, h, w1, eps1: float, a
     q, k, v, a, b, g = shape.offsets
     bd = triton.next_power_of_2(dim)
     parts = pieces(hidden)
+    prefetch, registers = launch_form(hidden, dim, prefetch, registers)
     _gdn_tail_kernel[(rows * heads,)](
         proj2, layer.A_log, layer.dt_bias, layer.o_norm.weight, state, o.weight,
         o.bias if o.bias is not None else o.weight, partial, arrivals, h_rows, w1 if w1 is not None else h_rows, h2, n2,
         proj2.stride(0), float(eps1), float(dim ** -0.5), float(layer.o_norm.eps),
         Q=q, K_=k, V=v, A=a, B=b, G=g, H=heads, D=dim, BD=bd, HID=hidden, BH=triton.next_power_of_2(hidden),
         BJ=max(16, 4096 // bd), **dict(zip(("P0", "P1", "P2"), parts)), V_SILU=shape.v_silu,
-        PREFETCH=sum(parts) * bd <= PREFETCHED if prefetch is None else prefetch,
-        HAS_BIAS_O=o.bias is not None, HAS_W1=w1 is not None, num_warps=warps,
+        PREFETCH=prefetch,
+        HAS_BIAS_O=o.bias is not None, HAS_W1=w1 is not None, num_warps=warps, maxnreg=registers,
     )
     return h2.reshape(h.shape), n2.reshape(h.shape)
