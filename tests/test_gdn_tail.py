@@ -49,6 +49,21 @@ def test_the_setting_is_on_unless_set_off_and_checked(monkeypatch):
         tail_enabled()
 
 
+def test_the_tail_takes_up_to_max_rows_unless_switched_off(monkeypatch):
+    """1-8 rows by default (it lost to the composed kernels at 16 on an H100); none with the switch off."""
+    from types import SimpleNamespace
+
+    from surgery.decode.gdn_tail import MAX_ROWS, tail_takes
+
+    shape = SimpleNamespace(hidden=576)
+    monkeypatch.delenv("SURGERY_GDN_TAIL", raising=False)
+    assert MAX_ROWS == 8 and tail_takes(1, shape) and tail_takes(MAX_ROWS, shape)
+    assert not tail_takes(MAX_ROWS + 1, shape) and not tail_takes(16, shape)
+    assert not tail_takes(2, SimpleNamespace(hidden=32768))  # a row of the output must fit one program
+    monkeypatch.setenv("SURGERY_GDN_TAIL", "off")
+    assert not tail_takes(2, shape)
+
+
 def test_only_the_prefetching_form_is_capped_and_explicit_forms_are_kept():
     """SmolLM2's [576, 64] slice of o_proj is fetched before the token step and capped (two programs an SM); a
     2048-wide layer loops over its columns uncapped (the cap raised its 79 registers to 128, and 128-wide heads
