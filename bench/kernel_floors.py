@@ -56,8 +56,31 @@ def run(rows) -> None:
             config = f"{m} x {k} @ {k} x {n} ({n * k * 2 / 1e6:.2f} MB)"
             rows.add("F.linear (cuBLAS)", config, "kernel", us, "us")
             rows.add("F.linear (cuBLAS)", config, "weight read", n * k * 2 / us / 1e3, "GB/s")
+    row_linear_rows(rows)
     gdn_layer_rows(rows)
     tail_rows(rows)
+
+
+# a SmolLM2 decode step's matmuls (n, k): q/k/v fused, o_proj, gate/up fused, down, a GDN layer's fused projection
+STEP_WEIGHTS = ((960, 576), (576, 576), (3072, 576), (576, 1536), (2368, 576))
+
+
+def row_linear_rows(rows) -> None:
+    """surgery.decode.row_linear's kernel against cuBLAS at 1, 8 and 16 rows over a step's weight shapes, each call
+    with its own weight (CALLS of them, read from HBM as a step's layers are); us per call."""
+    import itertools
+
+    from surgery.decode.row_linear import row_linear_triton
+
+    for m in (1, 8, 16):
+        for n, k in STEP_WEIGHTS:
+            a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(CALLS)]
+            config = f"{m} x {k} @ {k} x {n}, {CALLS} weights"
+            base = per_call_us(lambda it=itertools.cycle(ws): F.linear(a, next(it)))
+            rows.add("F.linear (cuBLAS), weights from HBM", config, "kernel", base, "us")
+            rows.add("row_linear (surgery.decode.row_linear)", config, "kernel",
+                     per_call_us(lambda it=itertools.cycle(ws): row_linear_triton(a, next(it))), "us", ("cuBLAS", base))
 
 
 def gdn_layer_rows(rows) -> None:

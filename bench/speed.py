@@ -91,6 +91,7 @@ from surgery.decode.gdn_block import STEP_ROWS  # noqa: E402
 from surgery.decode.gdn_blocks import ENV as BLOCKS_ENV  # noqa: E402
 from surgery.decode.gdn_tail import ENV as TAIL_ENV  # noqa: E402
 from surgery.decode.gdn_tail import MAX_ROWS as TAIL_ROWS  # noqa: E402
+from surgery.decode.row_linear import SWITCH as ROW_LINEAR_ENV  # noqa: E402
 from surgery.errors import SurgeryError  # noqa: E402
 from surgery.train.placement import local_device  # noqa: E402
 
@@ -566,6 +567,8 @@ def decode(s: Setup, rows: Rows) -> None:
             rows.add(f"{s.label()}: Decoder, {TAIL_ENV}=off", config, "decode step", composed, "ms", ("default", hybrid))
             rows.add(f"{s.label()}: Decoder, {TAIL_ENV}=off", config, "decode step", composed, "ms", ("teacher Decoder", teacher))
             free(s.device)
+        if s.device.type == "cuda":  # the few-row linears (surgery.decode.row_linear) against cuBLAS's, both models
+            row_linear_off(s, rows, batch, ids, config, teacher, hybrid)
         if a.profile:
             for label, graph in (("teacher graph", s.teacher), (s.label(), s.hybrid)):
                 step_profile(s, graph, batch, ids, f"{label}: {PROFILED_STEPS} static decode steps (not replayed), {config}")
@@ -576,6 +579,18 @@ def decode(s: Setup, rows: Rows) -> None:
         mixer_decode(s, rows, batch, ids, config, teacher, teacher_state["total"])
         del ids
         free(s.device)
+
+
+def row_linear_off(s: Setup, rows: Rows, batch: int, ids: torch.Tensor, config: str, teacher: float, hybrid: float) -> None:
+    """The teacher's and the hybrid's Decoder with every linear on cuBLAS (ROW_LINEAR_ENV=off)."""
+    with env_setting(ROW_LINEAR_ENV, "off"):
+        t_off = decoder_step_ms(s, s.teacher, batch, ids)
+        free(s.device)
+        h_off = decoder_step_ms(s, s.hybrid, batch, ids)
+        free(s.device)
+    rows.add(f"teacher graph: Decoder, {ROW_LINEAR_ENV}=off", config, "decode step", t_off, "ms", ("default", teacher))
+    rows.add(f"{s.label()}: Decoder, {ROW_LINEAR_ENV}=off", config, "decode step", h_off, "ms", ("default", hybrid))
+    rows.add(f"{s.label()}: Decoder, {ROW_LINEAR_ENV}=off", config, "decode step", h_off, "ms", (f"teacher, {ROW_LINEAR_ENV}=off", t_off))
 
 
 PROFILED_STEPS = 4

@@ -226,12 +226,14 @@ class RecurrentLayer(nn.Module):
         return (f"hidden_size={self.hidden_size}, num_heads={self.num_heads}, head_dim={self.head_dim}, "
                 f"use_short_conv={self.use_short_conv}, backend={self.backend}, layer_idx={self.layer_idx}")
 
-    def forward(self, hidden_states: torch.Tensor, cache: GDNCache | None = None, projection=None) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, cache: GDNCache | None = None, projection=None,
+                linear=F.linear) -> torch.Tensor:
         """[B, T, hidden] -> [B, T, hidden]; with a GDNCache, continue the sequence it holds
         (projection: see _input_projections). One decoded token of a TOKEN_STEP layer into an in-place
-        cache takes the fused token step (tcal.token_step: one kernel from the projections to the output norm)."""
+        cache takes the fused token step (tcal.token_step: one kernel from the projections to the output norm),
+        its input and output projections through `linear` (F.linear's arguments: a decoder's few-row kernel)."""
         if cache is not None and takes_token_step(self, hidden_states, cache):
-            return token_step_forward(self, hidden_states, cache, projection)
+            return token_step_forward(self, hidden_states, cache, projection, linear)
         return self.forward_out(hidden_states, cache, projection)
 
     def forward_out(self, hidden_states: torch.Tensor, cache: GDNCache | None = None, projection=None) -> torch.Tensor:
@@ -316,7 +318,7 @@ class RecurrentLayer(nn.Module):
     def _split_heads(self, x: torch.Tensor) -> torch.Tensor:
         return x.unflatten(-1, (self.num_heads, self.head_dim))
 
-    def _input_projections(self, x: torch.Tensor, projection=None) -> dict[str, torch.Tensor]:
+    def _input_projections(self, x: torch.Tensor, projection=None, linear=F.linear) -> dict[str, torch.Tensor]:
         """All INPUT_PROJECTIONS of x as ONE matmul (weights concatenated): at short lengths the layer is
         launch-bound, and one GEMM replaces six (GDN's). `projection` (weight, bias): that concatenation made
         by the caller (a decoder's static step keeps one, since compiling cannot use the cache)."""
@@ -329,7 +331,7 @@ class RecurrentLayer(nn.Module):
         else:
             weight, bias = fused_weight(self, layers)
         sizes = [l.out_features for l in layers]
-        out = F.linear(x, weight, bias)
+        out = linear(x, weight, bias)
         pad = out.shape[-1] - sum(sizes)  # row_aligned's zero rows: split off as one more part, then dropped by zip
         return dict(zip(self.INPUT_PROJECTIONS, out.split_with_sizes(sizes + [pad] if pad else sizes, dim=-1)))
 
@@ -489,15 +491,17 @@ def takes_token_step(layer: RecurrentLayer, x: torch.Tensor, cache: GDNCache) ->
             and token_step_fits(layer.head_dim, s.device.type, layer.backend))
 
 
-def token_step_forward(layer: RecurrentLayer, x: torch.Tensor, cache: GDNCache, projection=None) -> torch.Tensor:
-    """A TOKEN_STEP layer's forward of one token through tcal.token_step (the state written in place)."""
-    p = layer._input_projections(x, projection)
+def token_step_forward(layer: RecurrentLayer, x: torch.Tensor, cache: GDNCache, projection=None,
+                       linear=F.linear) -> torch.Tensor:
+    """A TOKEN_STEP layer's forward of one token through tcal.token_step (the state written in place), the fused
+    input projection and o_proj through `linear`."""
+    p = layer._input_projections(x, projection, linear)
     normed = gdn_token_step(
         p["q_proj"], p["k_proj"], p["v_proj"], layer.token_decay_input(p), p["b_proj"], p["g_proj"], layer.A_log,
         layer.dt_bias, layer.o_norm.weight, cache.recurrent, layer.head_dim**-0.5, layer.o_norm.eps,
         TOKEN_STEP_V_SILU[layer.v_activation], layer.backend,
     )
-    return layer.o_proj(normed)
+    return linear(normed, layer.o_proj.weight, layer.o_proj.bias)
 
 
 def constructor_options(annotation: str, cls: type | None = None) -> tuple[str, ...]:

@@ -70,6 +70,26 @@ def test_token_step_is_taken_only_where_it_applies(monkeypatch):
     assert len(calls) == 1
 
 
+def test_a_token_step_runs_its_fused_projection_and_o_proj_through_the_given_linear():
+    """`linear` (a decoder's few-row kernel) takes the fused input projection and o_proj, with the same output."""
+    import torch.nn.functional as F
+
+    m = layer()
+    x = torch.randn(2, 5, 24, dtype=torch.float64)
+    parts = [m.get_submodule(n) for n in m.INPUT_PROJECTIONS]
+    projection = (torch.cat([p.weight for p in parts]), torch.cat([p.bias if p.bias is not None else
+                                                                    torch.zeros(p.out_features, dtype=x.dtype) for p in parts]))
+    seen = []
+    counted = lambda x, w, b=None: seen.append(tuple(w.shape)) or F.linear(x, w, b)  # noqa: E731
+    a, b = prefilled(m, x[:, :4], True), prefilled(m, x[:, :4], True)
+    with torch.no_grad():
+        want = m(x[:, 4:], cache=a, projection=projection)
+        got = m(x[:, 4:], cache=b, projection=projection, linear=counted)
+    assert seen == [tuple(projection[0].shape), tuple(m.o_proj.weight.shape)]
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    torch.testing.assert_close(b.recurrent, a.recurrent, rtol=0, atol=0)
+
+
 def test_kda_takes_the_token_step_with_a_decay_per_channel(monkeypatch):
     """A KDA layer (GDN's recurrence with a decay per key channel) decodes a token through the same
     fused step: equal to its own composition and to full recomputation, its state in place; the per-channel

@@ -28,9 +28,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from .residual_norm import add_rms_norm
+from .row_linear import row_linear
 from .swiglu import silu_mul
 
 try:  # Triton is a CUDA-side extra: CPU installs do not have it
@@ -75,8 +75,8 @@ def gdn_block_torch(a, b, w0, eps0, gdn_state, w1, eps1, w_gu, b_gu, w_d, b_d, i
 
 def swiglu_mlp(n2, w_gu, b_gu, w_d, b_d, inter: int, gate_first: bool) -> torch.Tensor:
     """The layer's MLP as the step graph runs it: gate/up as one matmul, the SwiGLU product, down."""
-    gate, up = F.linear(n2, w_gu, b_gu).split_with_sizes([inter, inter], -1)
-    return F.linear(silu_mul(gate, up) if gate_first else silu_mul(up, gate), w_d, b_d)
+    gate, up = row_linear(n2, w_gu, b_gu).split_with_sizes([inter, inter], -1)
+    return row_linear(silu_mul(gate, up) if gate_first else silu_mul(up, gate), w_d, b_d)
 
 
 if triton is not None:

@@ -24,7 +24,6 @@ import operator
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from torch.fx import GraphModule, Node
 
 from tcal.gdn import TOKEN_STEP_V_SILU, takes_token_step
@@ -39,6 +38,7 @@ from .gdn_block import (STEP_ROWS, BlockShape, block_tiles, gdn_block_torch, gdn
 from .gdn_state import GDNState
 from .gdn_tail import gdn_tail_triton, new_arrivals, tail_takes
 from .residual_norm import add_rms_norm
+from .row_linear import row_linear
 from .swiglu import silu_mul
 
 ENV = "SURGERY_GDN_BLOCKS"
@@ -122,7 +122,7 @@ class GDNBlock(nn.Module):
         if self.arrivals is None or self.arrivals.device != a.device or self.arrivals.numel() < rows:
             self.arrivals = new_arrivals(rows, a.device)
         st = self.gdn_state
-        h2, n2 = gdn_tail_triton(F.linear(n, *projection), shape, st.gdn, st.cache.recurrent, h, w1, self.eps1,
+        h2, n2 = gdn_tail_triton(row_linear(n, *projection), shape, st.gdn, st.cache.recurrent, h, w1, self.eps1,
                                  self.arrivals)
         return h2, swiglu_mlp(n2, w_gu, b_gu, w_d, b_d, self.inter, self.gate_first)
 

@@ -6,6 +6,7 @@ import torch
 import torch.nn as nn
 
 from .fused_linears import FusedWeight
+from .row_linear import row_linear
 
 
 class GDNState(nn.Module):
@@ -53,7 +54,11 @@ class GDNState(nn.Module):
         held the old one (when shapes agree), so their memory stays where a captured step reads it;
         a one-token step the layer takes in place (tcal.token_step) needs no copy."""
         work = self.step_cache()
-        out = self.gdn(hidden_states, cache=work, projection=self.static_projection())
+        projection = self.static_projection()
+        if projection is None:
+            out = self.gdn(hidden_states, cache=work)
+        else:  # a static step: its linears as few-row kernels where they win (surgery.decode.row_linear)
+            out = self.gdn(hidden_states, cache=work, projection=projection, linear=row_linear)
         if work.recurrent is self.cache.recurrent and not work.conv:  # the layer wrote the state itself
             return out
         if self.in_place and self.cache.recurrent is not None and self.cache.recurrent.shape == work.recurrent.shape:

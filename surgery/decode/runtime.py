@@ -36,6 +36,7 @@ from .plan import DecodePlan, plan_decode
 from .positions import rewrite_positions
 from .prefill import Prefill
 from .regimes import History
+from .row_linear import fuse_row_linears
 from .self_check import self_check
 from .static_step import StaticStep
 
@@ -82,13 +83,14 @@ def static_step_graph(gm, gdn: dict, fuse: bool | None, compiled: bool):
     """(the static steps' own fork of gm, its fused projections): sibling linears as one matmul, each GDN
     layer's input projections as one, and (fuse; None: FUSED_BY_DEFAULT; not when compiled,
     inductor fuses them itself) each RMSNorm and SwiGLU product as one kernel, then each GDN decoder layer as
-    one call (surgery.decode.gdn_blocks)."""
+    one call (surgery.decode.gdn_blocks), and the linears left as few-row kernels (surgery.decode.row_linear)."""
     step_gm = fork(gm)
     fused = fuse_sibling_linears(step_gm) + [m.fuse_projection() for m in gdn.values()]
     if (FUSED_BY_DEFAULT if fuse is None else fuse) and not compiled:
         fuse_elementwise(step_gm, in_place=True)
         fuse_gdn_blocks(step_gm)
         hoist_tables(step_gm)  # the RoPE / position tables once per capacity, not at every step
+        fuse_row_linears(step_gm, in_place=True)  # after the blocks, which read the MLPs' aten.linear calls
     return step_gm, fused
 
 
