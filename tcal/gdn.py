@@ -501,7 +501,8 @@ def token_step_forward(layer: RecurrentLayer, x: torch.Tensor, cache: GDNCache, 
         layer.dt_bias, layer.o_norm.weight, cache.recurrent, layer.head_dim**-0.5, layer.o_norm.eps,
         TOKEN_STEP_V_SILU[layer.v_activation], layer.backend,
     )
-    return linear(normed, layer.o_proj.weight, layer.o_proj.bias)
+    o_proj = layer.o_proj  # a head split's layer has a plain function here (tcal.head_split)
+    return linear(normed, o_proj.weight, o_proj.bias) if isinstance(o_proj, nn.Linear) else o_proj(normed)
 
 
 def constructor_options(annotation: str, cls: type | None = None) -> tuple[str, ...]:
