@@ -85,9 +85,9 @@ def kernel_takes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     weight within the measured widths with unit last stride, and the switch not off."""
     if triton is None or not x.is_cuda or x.dtype not in (torch.float16, torch.bfloat16) or weight.dim() != 2:
         return False
-    if weight.dtype != x.dtype or (bias is not None and (bias.dtype != x.dtype or bias.dim() != 1)):
-        return False
     n, k = weight.shape
+    if weight.dtype != x.dtype or (bias is not None and (bias.dtype != x.dtype or bias.shape != (n,) or bias.stride(0) != 1)):
+        return False
     if x.shape[-1] != k or weight.stride(-1) != 1 or not measured(x.numel() // max(k, 1), n, k):
         return False
     return enabled(SWITCH, True)
