@@ -3,7 +3,7 @@
 At one token per row a step's matmuls read each weight once and are bound by latency: cuBLAS's kernels
 for 16 x 576 @ 576 x 3,072 and the like took 3.0-5.1 us each (weights from HBM, 50 in a CUDA graph),
 and they are 120 of a SmolLM2 step's kernels. One program per BN output columns, the rows padded to 16
-for tl.dot, the reduction in float32 and one rounding (as cuBLAS), took 0.4-0.8 us less a call on the
+for tl.dot, the reduction in float32 and one rounding (as cuBLAS), took 0.35-0.83 us less a call on the
 H200 at 1, 8 and 16 rows over every SmolLM2 shape (bench/RESULTS.md, forty-fourth session; the
 constants below are that probe's best per shape). Outside the measured widths (K <= MAX_K, N <= MAX_N),
 above MAX_ROWS rows, off CUDA or in another dtype, row_linear is F.linear itself. `fuse_row_linears`
