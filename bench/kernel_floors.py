@@ -61,19 +61,15 @@ def run(rows) -> None:
     tail_rows(rows)
 
 
-# a SmolLM2 decode step's matmuls (n, k): q/k/v fused, o_proj, gate/up fused, down, a GDN layer's fused projection
-STEP_WEIGHTS = ((960, 576), (576, 576), (3072, 576), (576, 1536), (2368, 576))
-
-
 def row_linear_rows(rows) -> None:
-    """surgery.decode.row_linear's kernel against cuBLAS at 1, 8 and 16 rows over a step's weight shapes, each call
-    with its own weight (CALLS of them, read from HBM as a step's layers are); us per call."""
+    """surgery.decode.row_linear's kernel against cuBLAS at 1, 8 and 16 rows over the WEIGHTS it takes (its measured
+    widths), each call with its own weight (CALLS of them, read from HBM as a step's layers are); us per call."""
     import itertools
 
-    from surgery.decode.row_linear import row_linear_triton
+    from surgery.decode.row_linear import measured, row_linear_triton
 
     for m in (1, 8, 16):
-        for n, k in STEP_WEIGHTS:
+        for n, k in (w for w in WEIGHTS if measured(m, *w)):
             a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(CALLS)]
             config = f"{m} x {k} @ {k} x {n}, {CALLS} weights"

@@ -77,8 +77,7 @@ def test_a_token_step_runs_its_fused_projection_and_o_proj_through_the_given_lin
     m = layer()
     x = torch.randn(2, 5, 24, dtype=torch.float64)
     parts = [m.get_submodule(n) for n in m.INPUT_PROJECTIONS]
-    projection = (torch.cat([p.weight for p in parts]), torch.cat([p.bias if p.bias is not None else
-                                                                    torch.zeros(p.out_features, dtype=x.dtype) for p in parts]))
+    projection = tcal.gdn.concatenated([p.weight for p in parts], [p.bias for p in parts])
     seen = []
     counted = lambda x, w, b=None: seen.append(tuple(w.shape)) or F.linear(x, w, b)  # noqa: E731
     a, b = prefilled(m, x[:, :4], True), prefilled(m, x[:, :4], True)

@@ -17,6 +17,7 @@ from torch.fx import GraphModule, Node
 from tcal.switches import enabled
 
 from ..core.rewrite import call_in_place_of, rewrite_matches
+from .fused_linears import LINEAR
 
 try:  # Triton is a CUDA-side extra: CPU installs do not have it
     import triton
@@ -27,7 +28,6 @@ except Exception:  # a broken install raises more than ImportError
 SWITCH = "SURGERY_ROW_LINEAR"  # "off": a decode step's linears stay cuBLAS's
 MAX_ROWS = 16  # tl.dot's smallest tile: the rows are padded to it
 MAX_K, MAX_N = 1536, 3072  # the widest input and output measured (SmolLM2's down and fused gate/up)
-LINEAR = torch.ops.aten.linear.default
 
 
 def launch_config(n: int, k: int) -> tuple[int, int, int, int]:
