@@ -95,8 +95,6 @@ if triton is not None:
         b_k = b_k * tl.sigmoid(b_k)
         if V_SILU:
             b_v = b_v * tl.sigmoid(b_v)
-        b_q = b_q / tl.sqrt(tl.sum(b_q * b_q) + 1e-6) * scale
-        b_k = b_k / tl.sqrt(tl.sum(b_k * b_k) + 1e-6)
         b_beta = tl.sigmoid(tl.load(b + n * stride_b + h, cache_modifier=CACHE).to(tl.float32))
         if CHANNEL_DECAY:  # a decay per key channel: a [B, H*D], dt_bias [H*D]
             x = tl.load(a + n * stride_a + vec, mask=inside, other=0, cache_modifier=CACHE).to(tl.float32) + tl.load(dt_bias + vec, mask=inside, other=0).to(tl.float32)
@@ -106,13 +104,23 @@ if triton is not None:
         decay = tl.exp(-tl.exp(tl.load(A_log + h).to(tl.float32)) * softplus)
         tile = state + (n * H + h) * D * D + d[:, None] * D + d[None, :]
         both = inside[:, None] & inside[None, :]
+        s = tl.load(tile, mask=both, other=0)
+        # Every reduction the output needs, at one level (they read only the loads): with the decayed state
+        # S' = decay S, delta = beta (v - S'^T k) and o = (S' + k delta^T)^T q = S'^T q + (k.q) delta, so
+        # the output waits for one round of sums, not three (S'^T k, then the update, then the new S'^T q);
+        # q and k are normalised after the sums (scalars), as the reference normalises them before.
+        rk = 1 / tl.sqrt(tl.sum(b_k * b_k) + 1e-6)
+        rq = scale / tl.sqrt(tl.sum(b_q * b_q) + 1e-6)
+        qk = tl.sum(b_q * b_k) * rq * rk
+        k_decayed = b_k * decay
+        q_decayed = b_q * decay
+        delta = b_beta * (b_v - tl.sum(s * k_decayed[:, None], 0) * rk)
+        o = tl.sum(s * q_decayed[:, None], 0) * rq + qk * delta
         if CHANNEL_DECAY:
-            s = tl.load(tile, mask=both, other=0) * decay[:, None]
+            s = s * decay[:, None]
         else:
-            s = tl.load(tile, mask=both, other=0) * decay
-        delta = b_beta * (b_v - tl.sum(s * b_k[:, None], 0))
-        s += b_k[:, None] * delta[None, :]
-        o = tl.sum(s * b_q[:, None], 0)
+            s = s * decay
+        s += (b_k * rk)[:, None] * delta[None, :]
         tl.store(tile, s, mask=both)
         rms = tl.sqrt(tl.sum(o * o) / D + norm_eps)
         weight = tl.load(norm_weight + d, mask=inside, other=0).to(tl.float32)
