@@ -10,6 +10,7 @@ import os
 import runpy
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -67,7 +68,27 @@ def test_gpu_wait_brings_back_what_the_run_wrote(tmp_path):
     done = subprocess.run(["bash", script, "wait", "rec", "20", str(records), str(tmp_path / "absent")],
                           capture_output=True, text=True, env=env, timeout=60)
     assert done.returncode == 0, done.stderr
-    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["rec.log", "records.jsonl"]
+    assert sorted(p.name for p in (tmp_path / "out").iterdir() if p.suffix != ".gpu") == ["rec.log", "records.jsonl"]
+
+
+def test_gpu_start_samples_the_gpu_while_the_run_lasts(tmp_path):
+    """Where there is an nvidia-smi, `start` runs its dmon beside the job into NAME.gpu, stops it when the job
+    ends, and `wait` brings the samples back (a figure read while the SM clock had dropped shows in them)."""
+    tools = tmp_path / "bin"
+    tools.mkdir()
+    (tools / "nvidia-smi").write_text('#!/usr/bin/env bash\necho "# args: $*"\nwhile true; do echo sample; sleep 0.1; done\n')
+    (tools / "nvidia-smi").chmod(0o755)
+    env = {**os.environ, "BG_DIR": str(tmp_path / "bg"), "OUT": str(tmp_path / "out"), "PATH": f"{tools}{os.pathsep}{os.environ['PATH']}"}
+    (tmp_path / "out").mkdir()
+    script = str(ROOT / "bench/gpu.sh")
+    subprocess.run(["bash", script, "start", "rec", "sleep", "0.5"], env=env, check=True, capture_output=True)
+    done = subprocess.run(["bash", script, "wait", "rec", "20"], capture_output=True, text=True, env=env, timeout=60)
+    assert done.returncode == 0 and "rec ended with status 0" in done.stdout, done.stderr
+    samples = (tmp_path / "out" / "rec.gpu").read_text()
+    assert "# args: dmon -s pc -d 1 -o T" in samples and "sample" in samples
+    written = (tmp_path / "bg" / "rec.gpu").stat().st_size
+    time.sleep(0.5)
+    assert (tmp_path / "bg" / "rec.gpu").stat().st_size == written  # the sampler stopped with the job
 
 
 def check_rows(rows, path: Path) -> None:
