@@ -12,8 +12,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from bench.harness import env_setting
 from bench.step_attention_bench import graph_ms
-from surgery.decode.gdn_block import new_sync
+from surgery.decode.gdn_block import PREFETCH_ENV, new_sync
 from surgery.decode.residual_norm import add_rms_norm_triton
 
 CALLS = 50
@@ -195,8 +196,11 @@ def hbm_rows(rows, layer, w_in, b_in, a, b, w0, w1, w_gu, w_d, cache, shape, syn
 
     base = graph_ms(composed, replays=40) * 1000 / CALLS
     rows.add("GDN layer, composed kernels, weights from HBM (a copy per layer)", "1 x 576", "layer", base, "us")
-    rows.add("GDN layer, one kernel, weights from HBM (a copy per layer)", "1 x 576", "layer",
-             graph_ms(kernel, replays=40) * 1000 / CALLS, "us", ("composed", base))
+    one = graph_ms(kernel, replays=40) * 1000 / CALLS
+    rows.add("GDN layer, one kernel, weights from HBM (a copy per layer)", "1 x 576", "layer", one, "us", ("composed", base))
+    with env_setting(PREFETCH_ENV, "on"):  # phases 3-5's tiles asked of L2 at the start (off by default: this row decides)
+        asked = graph_ms(kernel, replays=40) * 1000 / CALLS
+    rows.add(f"GDN layer, one kernel, weights from HBM, {PREFETCH_ENV}=on", "1 x 576", "layer", asked, "us", ("default", one))
 
 
 def barrier_rows(rows, counts) -> None:

@@ -1,4 +1,4 @@
-"""Registers and spills of tcal's GDN prefill kernels for sm_90a, on any machine (no GPU: Triton compiles to PTX
+"""Registers and spills of tcal's GDN prefill kernels and the one-launch GDN decode layer for sm_90a, on any machine (no GPU: Triton compiles to PTX
 and the ptxas it runs for sm_90 assembles it), at SmolLM2-135M's GDN shapes (9 heads of 64, bf16) and the launch each
 wrapper uses (its warps; launched as a programmatic dependent, tcal.pdl, when `pdl`). What a CPU-only session
 can check of a kernel before a GPU times it: a spill is local-memory traffic in the kernel's inner loop.
@@ -52,13 +52,34 @@ def kernels() -> dict:
     }
 
 
+def layer_kernels() -> dict:
+    """surgery.decode.gdn_block's one-launch GDN layer at one row (SmolLM2's widths, its launcher's constants), with
+    and without the L2 requests for phases 3-5's weight tiles (gdn_block.PREFETCH_ENV)."""
+    import surgery.decode.gdn_block as gb
+
+    shape = gb.BlockShape(576, 2368, (0, 576, 1152, 1728, 1744, 1760), 9, 64, 1536, True, False)
+    tiles, programs = gb.block_tiles(shape, 132), gb.block_programs(shape, 132)  # an H100's or H200's 132 SMs
+    names = ("a", "b", "w0", "w_in", "bias_in", "proj", "h", "A_log", "dt_bias", "o_norm_w", "state", "core", "w_o",
+             "bias_o", "y", "w1", "w_gu", "bias_gu", "h2", "m", "w_d", "bias_d", "d_out")
+    signature = {**dict.fromkeys(names, BF16), "state": F32, "sync": "*i64", **dict.fromkeys(("eps0", "eps1", "scale", "norm_eps"), "fp32")}
+    q, k, v, a, b, g = shape.offsets
+    constexprs = dict(HID=576, N_IN=2368, Q=q, K_=k, V=v, A=a, B=b, G=g, H=9, D=64, BD=64, V_SILU=False, INTER=1536,
+                      GATE_FIRST=True, **{f"BN_{key}": bn for key, (_, bn) in tiles.items()},
+                      **dict(zip(("HP0", "HP1", "HP2"), gb.pieces(576))), **dict(zip(("IP0", "IP1", "IP2"), gb.pieces(576))),
+                      **dict(zip(("XP0", "XP1", "XP2"), gb.pieces(1536))), HAS_W0=True, HAS_W1=True, HAS_BIAS_IN=False,
+                      HAS_BIAS_O=False, HAS_BIAS_GU=False, HAS_BIAS_D=False, FIRST=1, LAST=5, ROWS=1, nprog=programs,
+                      IT_TS=1, **gb.line_counts(shape))
+    return {f"surgery.decode.gdn_block (one row{', L2 requests' if on else ''})":
+            (gb._gdn_block_kernel, signature, {**constexprs, "PREFETCH": on}, gb.NUM_WARPS) for on in (False, True)}
+
+
 def compile_sm90(kernel, signature: dict, constexprs: dict, warps: int, pdl: bool) -> tuple[str, str]:
     """(the kernel's PTX for sm_90, ptxas -v's report of it for sm_90a)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    constexprs = {**constexprs, "PDL": pdl}
+    constexprs = {**constexprs, "PDL": pdl} if "PDL" in kernel.arg_names else constexprs
     signature = {**signature, **dict.fromkeys(constexprs, "constexpr")}
     # as the JIT specialises a launch: every pointer from torch's allocator 16-byte aligned, a 2k prompt's length too
     aligned = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]]
@@ -83,7 +104,7 @@ def reported(report: str, pattern: str) -> int:
 
 
 def run(rows, pdl: bool = False) -> None:
-    for name, (kernel, signature, constexprs, warps) in kernels().items():
+    for name, (kernel, signature, constexprs, warps) in {**kernels(), **layer_kernels()}.items():
         _, report = compile_sm90(kernel, signature, constexprs, warps, pdl)
         config = f"sm_90a, {warps} warps, 9 heads of 64, bf16" + (", launched as a dependent" if pdl else "")
         rows.add(name, config, "registers", reported(report, r"Used (\d+) registers"), "per thread")

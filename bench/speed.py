@@ -43,6 +43,7 @@ so it measures whatever the library's default paths are. Rows: bench.harness.Row
     python bench/speed.py --random --sections prefill --casts                  # + its copies and dtype conversions (bench/casts.py)
     python bench/speed.py --random --sections prefill --shapes 2048x1 --prefill-off SURGERY_CHUNK_INTRA   # + the default without a kernel, same process
     python bench/speed.py --random --sections prefill --shapes 2048x1 --prefill-off SURGERY_CHUNK_STATES=on  # + with a kernel not on by default
+    python bench/speed.py --random --sections decode --decode-batches 1 --decode-off SURGERY_GDN_BLOCKS  # + the hybrid with a switch set
     python bench/speed.py --sections fsdp --fsdp-modes fsdp_offload,plain --fsdp-batches 4,8,16,32 --fsdp-micro 4 --json fsdp.jsonl
     python bench/speed.py --sections fsdp --fsdp-shape smollm2 --keep-ratio 0.5 --fsdp-batches 16 --fsdp-lr-rest 7e-6
     python bench/speed.py --sections fsdp --fsdp-modes fsdp,fsdp_teacher --fsdp-procs 1,2 --fsdp-batches 8,16 --json fsdp2.jsonl   # 2 GPUs
@@ -147,6 +148,8 @@ def arguments(argv=None) -> argparse.Namespace:
     ap.add_argument("--prefill-off", default="", help="prefill: switches (e.g. SURGERY_CHUNK_INTRA,SURGERY_STATE_PASS) each set "
                     "to off (or NAME=value: to that value, e.g. SURGERY_CHUNK_STATES=on; A=on+B=on: both in one row) for one "
                     "more hybrid default-route row in the same process (its own replay graph), beside the default")
+    ap.add_argument("--decode-off", default="", help="decode: switches, as --prefill-off takes them (e.g. "
+                    "SURGERY_GDN_BLOCKS=off), each one more hybrid Decoder row in the same process, beside the default")
     ap.add_argument("--profile", action="store_true", help="prefill: torch.profiler on one hybrid eager forward per shape; "
                     "decode: on a few static steps of teacher and hybrid, not replayed; "
                     "the top 15 CUDA kernels (CPU ops on the CPU) by total time; export: cProfile on one generate "
@@ -300,9 +303,9 @@ def prefill(s: Setup, rows: Rows) -> None:
                 rows.add(f"{s.label()}: fast_logits, compiled", config, "prefill", hybrid_c, "ms", ("compiled teacher", teacher_c))
             applied_default(s, rows, ids, config, default)
             reference = fast_logits(s.hybrid, ids).float() if a.prefill_off else None
-            for switch in filter(None, (x.strip() for x in a.prefill_off.split(","))):
-                setting = "+".join(part if "=" in part else f"{part}=off" for part in switch.split("+"))
-                runner = switched_runner(s.hybrid, dict(part.split("=", 1) for part in setting.split("+")))
+            for settings in switch_settings(a.prefill_off):
+                setting = settings_label(settings)
+                runner = switched_runner(s.hybrid, settings)
                 try:  # a switch's kernels may fail on a device they never ran on: the other rows still come
                     agreement = logits_agreement(runner(ids).float(), reference)
                     off = time_of(lambda: runner(ids))
@@ -379,15 +382,33 @@ def default_eager_runner(graph):
     return lambda ids: run_graph(graph, ids, fast)
 
 
+def switch_settings(text: str) -> list[dict]:
+    """--prefill-off / --decode-off: each comma-separated item as {switch: value} ("NAME" is NAME=off; A=on+B=on
+    sets both)."""
+    items = filter(None, (x.strip() for x in text.split(",")))
+    return [dict((part if "=" in part else f"{part}=off").split("=", 1) for part in item.split("+")) for item in items]
+
+
+def settings_label(settings: dict) -> str:
+    return "+".join(f"{k}={v}" for k, v in settings.items())
+
+
+@contextlib.contextmanager
+def env_settings(settings: dict):
+    """Every switch of `settings` set to its value inside the block."""
+    with contextlib.ExitStack() as stack:
+        for switch, value in settings.items():
+            stack.enter_context(env_setting(switch, value))
+        yield
+
+
 def switched_runner(graph, settings: dict):
     """ids -> logits on the default route (its own replay graph) with each environment switch of `settings`
     set to its value around each call: the route with those kernel choices, timed in the same process as the default."""
     fast = own_route(graph, "graph, " + ", ".join(f"{k}={v}" for k, v in settings.items()))
 
     def run(ids):
-        with contextlib.ExitStack() as stack:
-            for switch, value in settings.items():
-                stack.enter_context(env_setting(switch, value))
+        with env_settings(settings):
             return run_graph(graph, ids, fast)
     return run
 
@@ -556,6 +577,12 @@ def decode(s: Setup, rows: Rows) -> None:
         rows.add(f"{s.label()}: Decoder (surgery.load)", config, "decode step", hybrid, "ms", ("teacher Decoder", teacher))
         rows.add(f"{s.label()}: Decoder (surgery.load)", config, "decode step", hybrid, "ms", ("transformers", hf))
         free(s.device)
+        for settings in switch_settings(a.decode_off):  # the hybrid with other kernel choices, in the same process
+            with env_settings(settings):
+                switched = decoder_step_ms(s, s.hybrid, batch, ids)
+            rows.add(f"{s.label()}: Decoder, {settings_label(settings)}", config, "decode step", switched, "ms", ("default", hybrid))
+            rows.add(f"{s.label()}: Decoder, {settings_label(settings)}", config, "decode step", switched, "ms", ("teacher Decoder", teacher))
+            free(s.device)
         if batch <= STEP_ROWS and s.device.type == "cuda":  # the one-kernel GDN layers (surgery.decode.gdn_blocks) against the eight
             with env_setting(BLOCKS_ENV, "off"), env_setting(TAIL_ENV, "off"):
                 separate = decoder_step_ms(s, s.hybrid, batch, ids)

@@ -139,7 +139,8 @@ def test_speed_smoke(tmp_path, capsys, monkeypatch):
     rows = speed.main(["--smoke", "--sections", "prefill,generate,decode,host", "--shapes", "24x1", "--decode-batches", "1",
                        "--decode-compile", "off", "--decode-context", "16", "--generate-lengths", "16", "--repeats", "1",
                        "--decode-mixers", "mamba2", "--profile", "--casts", "--prefill-off",
-                       "SURGERY_STATE_SPLITS,SURGERY_CHUNK_STATES=on+SURGERY_PDL=on", "--json", str(out)])
+                       "SURGERY_STATE_SPLITS,SURGERY_CHUNK_STATES=on+SURGERY_PDL=on", "--decode-off", "SURGERY_GDN_TAIL=off",
+                       "--json", str(out)])
     check_rows(rows, out)
     names = {(r["name"], r["metric"]) for r in rows.rows}
     assert ("transformers forward (teacher)", "prefill") in names
@@ -155,6 +156,8 @@ def test_speed_smoke(tmp_path, capsys, monkeypatch):
     assert applied["anchor"] == "surgery.save -> load"
     assert ("hybrid 75% GDN: surgery.generate (surgery.load)", "time to first token") in names
     assert ("hybrid 75% GDN: Decoder (surgery.load)", "decode step") in names
+    switched = [r for r in rows.rows if r["name"] == "hybrid 75% GDN: Decoder, SURGERY_GDN_TAIL=off"]  # --decode-off
+    assert {r["anchor"] for r in switched} == {"default", "teacher Decoder"} and "SURGERY_GDN_TAIL" not in os.environ
     assert ("hybrid 75% GDN: default route without the fusions", "prefill") in names and ("teacher graph: Decoder without the fusions", "decode step") in names
     caches = next(r for r in rows.rows if r["name"] == "hybrid 75% mamba2: Decoder caches")  # --decode-mixers
     assert caches["anchor"] == "teacher" and caches["ratio"] > 1 and ("hybrid 75% mamba2: Decoder (surgery.load)", "decode step") in names
@@ -324,9 +327,14 @@ def test_stochastic_matmuls_round_to_a_neighbouring_bf16_value():
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed (a CUDA-side extra)")
 def test_speed_registers_section():
-    """tcal's GDN prefill kernels compiled for sm_90a without a GPU: a row of registers and spills for each, no tile spilled."""
+    """tcal's GDN prefill kernels and the one-launch decode layer compiled for sm_90a without a GPU: a row of registers
+    and spills for each, no tile spilled."""
     rows = speed.main(["--sections", "registers", "--registers-pdl"])
     registers = {r["name"]: r["value"] for r in rows.rows if r["metric"] == "registers"}
     spills = {r["name"]: r["value"] for r in rows.rows if r["metric"] == "spill stores"}
-    assert len(registers) == len(spills) == 8 and all(0 < n <= 255 for n in registers.values()), registers
+    assert len(registers) == len(spills) == 10 and all(0 < n <= 255 for n in registers.values()), registers
     assert all(n <= 8 for n in spills.values()), spills  # a register or two at the 255 cap is ptxas' choice; a spilled tile is hundreds
+    from bench.kernel_registers import compile_sm90, layer_kernels
+
+    asked = [compile_sm90(*spec, False)[0].count("prefetch.global.L2") for spec in layer_kernels().values()]
+    assert asked[0] == 0 and asked[1] >= 4, asked  # the layer's L2 requests only where switched on: one or more a tile
