@@ -53,22 +53,22 @@ def kernels() -> dict:
 
 
 def layer_kernels() -> dict:
-    """surgery.decode.gdn_block's one-launch GDN layer at one row (SmolLM2's widths, its launcher's constants), with
-    and without the L2 requests for phases 3-5's weight tiles (gdn_block.PREFETCH_ENV)."""
+    """surgery.decode.gdn_block's one-launch GDN layer at one row (a SmolLM2-shaped GDN layer, the launcher's
+    constants for 132 SMs, an H100's or H200's), with and without the L2 requests for phases 3-5's weight tiles
+    (gdn_block.PREFETCH_ENV)."""
     import surgery.decode.gdn_block as gb
+    from surgery.decode.fused_linears import FusedWeight
+    from surgery.decode.gdn_blocks import block_shape
+    from tcal.gdn import GatedDeltaNet
 
-    shape = gb.BlockShape(576, 2368, (0, 576, 1152, 1728, 1744, 1760), 9, 64, 1536, True, False)
-    tiles, programs = gb.block_tiles(shape, 132), gb.block_programs(shape, 132)  # an H100's or H200's 132 SMs
+    layer = GatedDeltaNet(576, 9, 64)
+    parts = [layer.get_submodule(n) for n in layer.INPUT_PROJECTIONS]
+    w_in, _ = FusedWeight([p.weight for p in parts], [p.bias for p in parts], align_rows=True).pair()  # as a Decoder's
+    constexprs = dict(gb.shape_constants(block_shape(layer, w_in.shape[0], 1536, True), 1, 132), HAS_W0=True, HAS_W1=True,
+                      HAS_BIAS_IN=False, HAS_BIAS_O=False, HAS_BIAS_GU=False, HAS_BIAS_D=False, FIRST=1, LAST=5)
     names = ("a", "b", "w0", "w_in", "bias_in", "proj", "h", "A_log", "dt_bias", "o_norm_w", "state", "core", "w_o",
              "bias_o", "y", "w1", "w_gu", "bias_gu", "h2", "m", "w_d", "bias_d", "d_out")
     signature = {**dict.fromkeys(names, BF16), "state": F32, "sync": "*i64", **dict.fromkeys(("eps0", "eps1", "scale", "norm_eps"), "fp32")}
-    q, k, v, a, b, g = shape.offsets
-    constexprs = dict(HID=576, N_IN=2368, Q=q, K_=k, V=v, A=a, B=b, G=g, H=9, D=64, BD=64, V_SILU=False, INTER=1536,
-                      GATE_FIRST=True, **{f"BN_{key}": bn for key, (_, bn) in tiles.items()},
-                      **dict(zip(("HP0", "HP1", "HP2"), gb.pieces(576))), **dict(zip(("IP0", "IP1", "IP2"), gb.pieces(576))),
-                      **dict(zip(("XP0", "XP1", "XP2"), gb.pieces(1536))), HAS_W0=True, HAS_W1=True, HAS_BIAS_IN=False,
-                      HAS_BIAS_O=False, HAS_BIAS_GU=False, HAS_BIAS_D=False, FIRST=1, LAST=5, ROWS=1, nprog=programs,
-                      IT_TS=1, **gb.line_counts(shape))
     return {f"surgery.decode.gdn_block (one row{', L2 requests' if on else ''})":
             (gb._gdn_block_kernel, signature, {**constexprs, "PREFETCH": on}, gb.NUM_WARPS) for on in (False, True)}
 

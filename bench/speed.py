@@ -405,7 +405,7 @@ def env_settings(settings: dict):
 def switched_runner(graph, settings: dict):
     """ids -> logits on the default route (its own replay graph) with each environment switch of `settings`
     set to its value around each call: the route with those kernel choices, timed in the same process as the default."""
-    fast = own_route(graph, "graph, " + ", ".join(f"{k}={v}" for k, v in settings.items()))
+    fast = own_route(graph, "graph, " + settings_label(settings))
 
     def run(ids):
         with env_settings(settings):

@@ -357,12 +357,6 @@ def tile_width(columns: int, limit: int) -> int | None:
     return width
 
 
-def line_counts(shape: BlockShape) -> dict:
-    """The 128-byte lines of a weight row (a power of two) per reduction width: the kernel's HL, IL and XL."""
-    widths = dict(H=shape.hidden, I=shape.heads * shape.head_dim, X=shape.inter)
-    return {f"{key}L": triton.next_power_of_2(-(-width // 64)) for key, width in widths.items()}
-
-
 def block_tiles(shape: BlockShape, limit: int) -> dict | None:
     """Each matmul phase's (columns, tile width), every phase within `limit` tiles and each tile within
     MAX_TILE_ELEMENTS of weights; None where a layer is too wide for that."""
@@ -383,6 +377,21 @@ def block_programs(shape: BlockShape, limit: int) -> int:
     return max(-(-n // bn) for n, bn in block_tiles(shape, limit).values())
 
 
+def shape_constants(shape: BlockShape, rows: int, limit: int) -> dict:
+    """The kernel's constants that follow from the layer's shape, the rows and the program limit (the launcher adds
+    which weights and biases there are, and the L2 requests' switch): widths, offsets, tiles, reduction pieces,
+    programs, and the 128-byte lines of a weight row per reduction width (HL, IL, XL; 2-byte elements)."""
+    q, k, v, a, b, g = shape.offsets
+    programs = block_programs(shape, limit)
+    widths = dict(H=shape.hidden, I=shape.heads * shape.head_dim, X=shape.inter)
+    return dict(HID=shape.hidden, N_IN=shape.proj, Q=q, K_=k, V=v, A=a, B=b, G=g, H=shape.heads, D=shape.head_dim,
+                BD=triton.next_power_of_2(shape.head_dim), V_SILU=shape.v_silu, INTER=shape.inter,
+                GATE_FIRST=shape.gate_first, **{f"BN_{key}": bn for key, (_, bn) in block_tiles(shape, limit).items()},
+                **{f"{key}P{i}": p for key, width in widths.items() for i, p in enumerate(pieces(width))},
+                **{f"{key}L": triton.next_power_of_2(-(-width // 64)) for key, width in widths.items()},
+                ROWS=rows, nprog=programs, IT_TS=-(-rows * shape.heads // programs))
+
+
 def gdn_block_triton(a, b, w0, eps0, layer, state, w_in, bias_in, w1, eps1, w_gu, b_gu, w_d, b_d,
                      shape: BlockShape, sync: torch.Tensor, limit: int, phased: bool = False, last: int = 5):
     """The kernel: (h2, d) of rows [B, 1, hidden] (or [B, hidden]); `state` written in place. At most
@@ -400,26 +409,16 @@ def gdn_block_triton(a, b, w0, eps0, layer, state, w_in, bias_in, w1, eps1, w_gu
     proj, h, core, y, h2, m, d = (scratch(w) for w in (shape.proj, shape.hidden, shape.heads * shape.head_dim,
                                                         shape.hidden, shape.hidden, shape.inter, shape.hidden))
     o = layer.o_proj
-    tiles = block_tiles(shape, limit)
-    programs = block_programs(shape, limit)
     args = (a2, b2, w0 if w0 is not None else a2, w_in, bias_in if bias_in is not None else w_in, proj, h,
             layer.A_log, layer.dt_bias, layer.o_norm.weight, state, core,
             o.weight, o.bias if o.bias is not None else o.weight, y,
             w1 if w1 is not None else a2, w_gu, b_gu if b_gu is not None else w_gu, h2, m,
             w_d, b_d if b_d is not None else w_d, d, sync,
             float(eps0), float(eps1), float(layer.head_dim ** -0.5), float(layer.o_norm.eps))
-    q, k, v, a_off, b_off, g = shape.offsets
-    consts = dict(HID=shape.hidden, N_IN=shape.proj, Q=q, K_=k, V=v, A=a_off, B=b_off, G=g, H=shape.heads,
-                  D=shape.head_dim, BD=triton.next_power_of_2(shape.head_dim), V_SILU=shape.v_silu, INTER=shape.inter,
-                  GATE_FIRST=shape.gate_first, **{f"BN_{key}": bn for key, (_, bn) in tiles.items()},
-                  **dict(zip(("HP0", "HP1", "HP2"), pieces(shape.hidden))),
-                  **dict(zip(("IP0", "IP1", "IP2"), pieces(shape.heads * shape.head_dim))),
-                  **dict(zip(("XP0", "XP1", "XP2"), pieces(shape.inter))),
+    consts = dict(shape_constants(shape, rows, limit), num_warps=NUM_WARPS,
                   HAS_W0=w0 is not None, HAS_W1=w1 is not None, HAS_BIAS_IN=bias_in is not None,
                   HAS_BIAS_O=o.bias is not None, HAS_BIAS_GU=b_gu is not None, HAS_BIAS_D=b_d is not None,
-                  ROWS=rows, nprog=programs, IT_TS=-(-rows * shape.heads // programs), num_warps=NUM_WARPS,
-                  PREFETCH=a.is_cuda and torch.version.hip is None and a.element_size() == 2 and enabled(PREFETCH_ENV, False),
-                  **line_counts(shape))
+                  PREFETCH=a.is_cuda and torch.version.hip is None and a.element_size() == 2 and enabled(PREFETCH_ENV, False))
     for first, upto in ([(p, p) for p in range(1, last + 1)] if phased else [(1, last)]):
-        _gdn_block_kernel[(programs,)](*args, FIRST=first, LAST=upto, **consts)
+        _gdn_block_kernel[(consts["nprog"],)](*args, FIRST=first, LAST=upto, **consts)
     return h2.reshape(a.shape), d.reshape(a.shape)
