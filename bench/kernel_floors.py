@@ -12,10 +12,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from bench.harness import env_setting
 from bench.step_attention_bench import graph_ms
-from surgery.decode.gdn_block import PREFETCH_ENV, new_sync
+from surgery.decode.gdn_block import new_sync
 from surgery.decode.residual_norm import add_rms_norm_triton
+from surgery.decode.row_linear import row_linear
 
 CALLS = 50
 
@@ -104,8 +104,8 @@ def gdn_layer_rows(rows) -> None:
         cache.recurrent = torch.zeros(m, 9, 64, 64, device="cuda")
 
         def composed():
-            step = lambda n: layer(n, cache=cache, projection=(w_in, b_in))  # noqa: E731
-            return gdn_block_torch(a, b, w0, 1e-5, step, w1, 1e-5, w_gu, None, w_d, None, 1536, True)
+            return gdn_block_torch(a, b, w0, 1e-5, static_step(layer, cache, w_in, b_in), w1, 1e-5, w_gu, None, w_d, None,
+                                   1536, True)
 
         with torch.no_grad():
             base = per_call_us(composed)
@@ -118,8 +118,7 @@ def gdn_layer_rows(rows) -> None:
                                                           w_gu, None, w_d, None, shape, sync, sms, last=last))
                 rows.add(f"GDN layer, one kernel, phases 1-{last} ({programs} programs)", f"{m} x 576", "layer", us, "us",
                          ("composed", base))
-            if m == 1:
-                hbm_rows(rows, layer, w_in, b_in, a, b, w0, w1, w_gu, w_d, cache, shape, sync, sms)
+            hbm_rows(rows, layer, w_in, b_in, a, b, w0, w1, w_gu, w_d, cache, shape, sync, sms)
     barrier_rows(rows, sorted({16, 32, programs, sms}))
 
 
@@ -173,9 +172,15 @@ def tail_rows(rows, device: str = "cuda") -> None:
                          ("composed", base))
 
 
+def static_step(layer, cache, w_in, b_in):
+    """GDNState's call in a static step: the layer's token step on `cache`, its input projection and o_proj through
+    row_linear (as a Decoder's static step runs them)."""
+    return lambda n: layer(n, cache=cache, projection=(w_in, b_in), linear=row_linear)
+
+
 def hbm_rows(rows, layer, w_in, b_in, a, b, w0, w1, w_gu, w_d, cache, shape, sync, sms) -> None:
     """The layer again with a different copy of every weight for each of the CALLS layers (as a step's
-    layers: read from HBM, where the rows above read one L2-resident set), composed against the kernel."""
+    layers: read from HBM, where the rows above read one L2-resident set), composed against the kernel (one row)."""
     import copy
 
     from surgery.decode.gdn_block import gdn_block_torch, gdn_block_triton
@@ -187,20 +192,18 @@ def hbm_rows(rows, layer, w_in, b_in, a, b, w0, w1, w_gu, w_d, cache, shape, syn
 
     def composed():
         for twin, wi, wgu, wd in sets:
-            step = lambda n: twin(n, cache=cache, projection=(wi, b_in))  # noqa: E731
-            gdn_block_torch(a, b, w0, 1e-5, step, w1, 1e-5, wgu, None, wd, None, 1536, True)
+            gdn_block_torch(a, b, w0, 1e-5, static_step(twin, cache, wi, b_in), w1, 1e-5, wgu, None, wd, None, 1536, True)
 
     def kernel():
         for twin, wi, wgu, wd in sets:
             gdn_block_triton(a, b, w0, 1e-5, twin, cache.recurrent, wi, b_in, w1, 1e-5, wgu, None, wd, None, shape, sync, sms)
 
+    config = f"{a.shape[0]} x 576"
     base = graph_ms(composed, replays=40) * 1000 / CALLS
-    rows.add("GDN layer, composed kernels, weights from HBM (a copy per layer)", "1 x 576", "layer", base, "us")
-    one = graph_ms(kernel, replays=40) * 1000 / CALLS
-    rows.add("GDN layer, one kernel, weights from HBM (a copy per layer)", "1 x 576", "layer", one, "us", ("composed", base))
-    with env_setting(PREFETCH_ENV, "on"):  # phases 3-5's tiles asked of L2 at the start (off by default: this row decides)
-        asked = graph_ms(kernel, replays=40) * 1000 / CALLS
-    rows.add(f"GDN layer, one kernel, weights from HBM, {PREFETCH_ENV}=on", "1 x 576", "layer", asked, "us", ("default", one))
+    rows.add("GDN layer, composed kernels, weights from HBM (a copy per layer)", config, "layer", base, "us")
+    if a.shape[0] == 1:
+        one = graph_ms(kernel, replays=40) * 1000 / CALLS
+        rows.add("GDN layer, one kernel, weights from HBM (a copy per layer)", config, "layer", one, "us", ("composed", base))
 
 
 def barrier_rows(rows, counts) -> None:

@@ -332,9 +332,5 @@ def test_speed_registers_section():
     rows = speed.main(["--sections", "registers", "--registers-pdl"])
     registers = {r["name"]: r["value"] for r in rows.rows if r["metric"] == "registers"}
     spills = {r["name"]: r["value"] for r in rows.rows if r["metric"] == "spill stores"}
-    assert len(registers) == len(spills) == 10 and all(0 < n <= 255 for n in registers.values()), registers
+    assert len(registers) == len(spills) == 9 and all(0 < n <= 255 for n in registers.values()), registers
     assert all(n <= 8 for n in spills.values()), spills  # a register or two at the 255 cap is ptxas' choice; a spilled tile is hundreds
-    from bench.kernel_registers import compile_sm90, layer_kernels
-
-    asked = [compile_sm90(*spec, False)[0].count("prefetch.global.L2") for spec in layer_kernels().values()]
-    assert asked[0] == 0 and asked[1] >= 4, asked  # the layer's L2 requests only where switched on: one or more a tile

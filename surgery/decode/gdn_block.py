@@ -29,7 +29,6 @@ from dataclasses import dataclass
 
 import torch
 
-from tcal.switches import enabled
 
 from .residual_norm import add_rms_norm
 from .row_linear import row_linear
@@ -52,10 +51,6 @@ MAX_TILE_ELEMENTS = 32768  # weight elements one program holds for a phase (64 K
 MAX_SPIN = 1 << 22   # polls of a phase counter before a program gives up (a non-resident grid): flags an error
 SYNC_WORDS = 8       # per block, int64: four phase counters (words 0-3), the error flag (ERROR_WORD)
 ERROR_WORD = 5
-# "on": each program asks L2 for its phase 3-5 weight tiles at the kernel's start, so that those phases read them from
-# L2 (the layer took 16.5 us with every weight in L2 against 18.3 from HBM on an H100; bench/RESULTS.md, forty-eighth
-# session). Off until a GPU times it: written and compiled for sm_90a, not yet measured.
-PREFETCH_ENV = "SURGERY_GDN_BLOCK_PREFETCH"
 
 
 @dataclass(frozen=True)
@@ -113,18 +108,6 @@ if triton is not None:
         # 0, but only known once the wait is over: added to the next phase's input pointers, it keeps the
         # compiler from moving their loads above the wait
         return (seen >= goal).to(tl.int32) - 1
-
-    @triton.jit
-    def _prefetch(W, n0, N, K: tl.constexpr, BN: tl.constexpr, LINES: tl.constexpr):
-        """Ask L2 for rows [n0, n0 + BN) of W [N, K] (2-byte elements), one request per 128-byte line (LINES
-        a row, a power of two: the ones past the row's end ask for its first line again), not waiting for
-        them: a later phase's tile, read from L2 when its phase comes (a program without one asks nothing)."""
-        if n0 < N:
-            n = tl.minimum(n0 + tl.arange(0, BN), N - 1)
-            c = tl.arange(0, LINES) * 64
-            c = tl.where(c < K, c, 0)
-            tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [W + n[:, None] * K + c[None, :]],
-                                      dtype=tl.int32, is_pure=False, pack=1)
 
     @triton.jit
     def _w_piece(W, n0, N, k0, P: tl.constexpr, K: tl.constexpr, BN: tl.constexpr):
@@ -253,8 +236,7 @@ if triton is not None:
                           HAS_W0: tl.constexpr, HAS_W1: tl.constexpr, HAS_BIAS_IN: tl.constexpr,
                           HAS_BIAS_O: tl.constexpr, HAS_BIAS_GU: tl.constexpr, HAS_BIAS_D: tl.constexpr,
                           FIRST: tl.constexpr, LAST: tl.constexpr, ROWS: tl.constexpr,
-                          nprog: tl.constexpr, IT_TS: tl.constexpr, PREFETCH: tl.constexpr, HL: tl.constexpr,
-                          IL: tl.constexpr, XL: tl.constexpr):
+                          nprog: tl.constexpr, IT_TS: tl.constexpr):
         """Phases FIRST..LAST of the layer (module docstring), the programs meeting between phases.
         Program pid owns output tile pid of each matmul phase (the launcher sizes tiles so that every
         tile has a program), loads its weight tile once and applies it to every row, and loads the next
@@ -263,14 +245,6 @@ if triton is not None:
         dt = proj.dtype.element_ty
         if FIRST <= 1 and LAST >= 1:  # the residual add, the input norm and the fused input projection
             wi0, wi1, wi2 = _fetch(w_in, pid * BN_IN, N_IN, HID, BN_IN, HP0, HP1, HP2)
-            if PREFETCH:  # the later phases' tiles on their way to L2 while phases 1-2 run
-                if LAST >= 3:
-                    _prefetch(w_o, pid * BN_O, HID, H * D, BN_O, IL)
-                if LAST >= 4:
-                    _prefetch(w_gu, pid * BN_GU, INTER, HID, BN_GU, HL)
-                    _prefetch(w_gu + INTER * HID, pid * BN_GU, INTER, HID, BN_GU, HL)
-                if LAST >= 5:
-                    _prefetch(w_d, pid * BN_D, HID, INTER, BN_D, XL)
             for r in tl.static_range(ROWS):
                 x0, x1, x2 = _normed_row3(a, b, w0, h, pid == 0, r, eps0, HID, HP0, HP1, HP2, HAS_W0)
                 _store_row(proj, _mv3(x0, x1, x2, wi0, wi1, wi2, HP1, HP2), bias_in, r, pid * BN_IN, N_IN, BN_IN,
@@ -379,8 +353,7 @@ def block_programs(shape: BlockShape, limit: int) -> int:
 
 def shape_constants(shape: BlockShape, rows: int, limit: int) -> dict:
     """The kernel's constants that follow from the layer's shape, the rows and the program limit (the launcher adds
-    which weights and biases there are, and the L2 requests' switch): widths, offsets, tiles, reduction pieces,
-    programs, and the 128-byte lines of a weight row per reduction width (HL, IL, XL; 2-byte elements)."""
+    which weights and biases there are): widths, offsets, tiles, reduction pieces and programs."""
     q, k, v, a, b, g = shape.offsets
     programs = block_programs(shape, limit)
     widths = dict(H=shape.hidden, I=shape.heads * shape.head_dim, X=shape.inter)
@@ -388,7 +361,6 @@ def shape_constants(shape: BlockShape, rows: int, limit: int) -> dict:
                 BD=triton.next_power_of_2(shape.head_dim), V_SILU=shape.v_silu, INTER=shape.inter,
                 GATE_FIRST=shape.gate_first, **{f"BN_{key}": bn for key, (_, bn) in block_tiles(shape, limit).items()},
                 **{f"{key}P{i}": p for key, width in widths.items() for i, p in enumerate(pieces(width))},
-                **{f"{key}L": triton.next_power_of_2(-(-width // 64)) for key, width in widths.items()},
                 ROWS=rows, nprog=programs, IT_TS=-(-rows * shape.heads // programs))
 
 
@@ -417,8 +389,7 @@ def gdn_block_triton(a, b, w0, eps0, layer, state, w_in, bias_in, w1, eps1, w_gu
             float(eps0), float(eps1), float(layer.head_dim ** -0.5), float(layer.o_norm.eps))
     consts = dict(shape_constants(shape, rows, limit), num_warps=NUM_WARPS,
                   HAS_W0=w0 is not None, HAS_W1=w1 is not None, HAS_BIAS_IN=bias_in is not None,
-                  HAS_BIAS_O=o.bias is not None, HAS_BIAS_GU=b_gu is not None, HAS_BIAS_D=b_d is not None,
-                  PREFETCH=a.is_cuda and torch.version.hip is None and a.element_size() == 2 and enabled(PREFETCH_ENV, False))
+                  HAS_BIAS_O=o.bias is not None, HAS_BIAS_GU=b_gu is not None, HAS_BIAS_D=b_d is not None)
     for first, upto in ([(p, p) for p in range(1, last + 1)] if phased else [(1, last)]):
         _gdn_block_kernel[(consts["nprog"],)](*args, FIRST=first, LAST=upto, **consts)
     return h2.reshape(a.shape), d.reshape(a.shape)
