@@ -29,7 +29,6 @@ from dataclasses import dataclass
 
 import torch
 
-
 from .residual_norm import add_rms_norm
 from .row_linear import row_linear
 from .swiglu import silu_mul
