@@ -130,8 +130,8 @@ TAIL_FORMS = ((True, 8, 128), (True, 8, None), (False, 8, None))
 def tail_rows(rows, device: str = "cuda") -> None:
     """A SmolLM2-shaped GDN mixer's decoded token and the post norm after it (the input projection, the token
     step, o_proj, add_rms_norm: what surgery.decode.gdn_tail takes at 2-8 rows) composed against the input
-    projection and the tail kernel; us per layer, CALLS layers in one graph, each with its own copy of the
-    weights (read from HBM, as a step's layers are)."""
+    projection and the tail kernel (the linears through row_linear, as a Decoder's static step runs them); us per
+    layer, CALLS layers in one graph, each with its own copy of the weights (read from HBM, as a step's layers are)."""
     import copy
 
     from surgery.decode.fused_linears import FusedWeight
@@ -154,11 +154,11 @@ def tail_rows(rows, device: str = "cuda") -> None:
 
         def composed():
             for twin, proj in zip(twins, fused):
-                add_rms_norm_triton(h, twin(n, cache=cache, projection=proj), w1, 1e-5)
+                add_rms_norm_triton(h, static_step(twin, cache, *proj)(n), w1, 1e-5)
 
         def tail(**form):
             for twin, proj in zip(twins, fused):
-                gdn_tail_triton(F.linear(n, *proj), shape, twin, cache.recurrent, h, w1, 1e-5, arrivals, **form)
+                gdn_tail_triton(row_linear(n, *proj), shape, twin, cache.recurrent, h, w1, 1e-5, arrivals, **form)
 
         with torch.no_grad():
             base = graph_ms(composed, replays=40) * 1000 / CALLS
