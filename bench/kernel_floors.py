@@ -85,7 +85,8 @@ def gdn_layer_rows(rows) -> None:
     the composed kernels a static step ran (add_rms_norm, the fused input projection, the token step,
     o_proj, add_rms_norm, gate/up, silu_mul, down) against surgery.decode.gdn_block's one kernel, at each
     program count; us per layer, CALLS layers in one graph."""
-    from surgery.decode.gdn_block import block_programs, gdn_block_torch, gdn_block_triton
+    from surgery.decode.flagged_words import new_exchange
+    from surgery.decode.gdn_block import block_programs, exchange_words, gdn_block_torch, gdn_block_triton
     from surgery.decode.gdn_blocks import block_shape
     from surgery.decode.fused_linears import FusedWeight
     from tcal.gdn import GatedDeltaNet, GDNCache
@@ -113,12 +114,15 @@ def gdn_layer_rows(rows) -> None:
             shape = block_shape(layer, w_in.shape[0], 1536, True)
             sync = new_sync("cuda")
             programs = block_programs(shape, sms)
-            for last in range(1, 6):  # phases 1..last in one launch: what each phase (and its wait) adds
-                us = per_call_us(lambda: gdn_block_triton(a, b, w0, 1e-5, layer, cache.recurrent, w_in, b_in, w1, 1e-5,
-                                                          w_gu, None, w_d, None, shape, sync, sms, last=last))
-                rows.add(f"GDN layer, one kernel, phases 1-{last} ({programs} programs)", f"{m} x 576", "layer", us, "us",
-                         ("composed", base))
-            hbm_rows(rows, layer, w_in, b_in, a, b, w0, w1, w_gu, w_d, cache, shape, sync, sms)
+            exchange = new_exchange(exchange_words(shape, m), "cuda")
+            for form, ex in (("", None), (", flagged words", exchange)):  # grid barriers, or flagged words handed over
+                for last in range(1, 6):  # phases 1..last in one launch: what each phase (and its hand-over) adds
+                    us = per_call_us(lambda: gdn_block_triton(a, b, w0, 1e-5, layer, cache.recurrent, w_in, b_in, w1,
+                                                              1e-5, w_gu, None, w_d, None, shape, sync, sms, last=last,
+                                                              exchange=ex))
+                    rows.add(f"GDN layer, one kernel{form}, phases 1-{last} ({programs} programs)", f"{m} x 576", "layer",
+                             us, "us", ("composed", base))
+            hbm_rows(rows, layer, w_in, b_in, a, b, w0, w1, w_gu, w_d, cache, shape, sync, sms, exchange)
     barrier_rows(rows, sorted({16, 32, programs, sms}))
 
 
@@ -178,9 +182,10 @@ def static_step(layer, cache, w_in, b_in):
     return lambda n: layer(n, cache=cache, projection=(w_in, b_in), linear=row_linear)
 
 
-def hbm_rows(rows, layer, w_in, b_in, a, b, w0, w1, w_gu, w_d, cache, shape, sync, sms) -> None:
+def hbm_rows(rows, layer, w_in, b_in, a, b, w0, w1, w_gu, w_d, cache, shape, sync, sms, exchange) -> None:
     """The layer again with a different copy of every weight for each of the CALLS layers (as a step's
-    layers: read from HBM, where the rows above read one L2-resident set), composed against the kernel (one row)."""
+    layers: read from HBM, where the rows above read one L2-resident set), composed against the kernel (one row),
+    its phases meeting at grid barriers or handing flagged words over (`exchange`)."""
     import copy
 
     from surgery.decode.gdn_block import gdn_block_torch, gdn_block_triton
@@ -194,16 +199,19 @@ def hbm_rows(rows, layer, w_in, b_in, a, b, w0, w1, w_gu, w_d, cache, shape, syn
         for twin, wi, wgu, wd in sets:
             gdn_block_torch(a, b, w0, 1e-5, static_step(twin, cache, wi, b_in), w1, 1e-5, wgu, None, wd, None, 1536, True)
 
-    def kernel():
+    def kernel(ex=None):
         for twin, wi, wgu, wd in sets:
-            gdn_block_triton(a, b, w0, 1e-5, twin, cache.recurrent, wi, b_in, w1, 1e-5, wgu, None, wd, None, shape, sync, sms)
+            gdn_block_triton(a, b, w0, 1e-5, twin, cache.recurrent, wi, b_in, w1, 1e-5, wgu, None, wd, None, shape, sync, sms,
+                             exchange=ex)
 
     config = f"{a.shape[0]} x 576"
     base = graph_ms(composed, replays=40) * 1000 / CALLS
     rows.add("GDN layer, composed kernels, weights from HBM (a copy per layer)", config, "layer", base, "us")
     if a.shape[0] == 1:
-        one = graph_ms(kernel, replays=40) * 1000 / CALLS
-        rows.add("GDN layer, one kernel, weights from HBM (a copy per layer)", config, "layer", one, "us", ("composed", base))
+        for form, ex in (("", None), (", flagged words", exchange)):
+            one = graph_ms(lambda: kernel(ex), replays=40) * 1000 / CALLS
+            rows.add(f"GDN layer, one kernel{form}, weights from HBM (a copy per layer)", config, "layer", one, "us",
+                     ("composed", base))
 
 
 def barrier_rows(rows, counts) -> None:

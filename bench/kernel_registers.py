@@ -54,7 +54,7 @@ def kernels() -> dict:
 
 def layer_kernels() -> dict:
     """surgery.decode.gdn_block's one-launch GDN layer at one row (a SmolLM2-shaped GDN layer, the launcher's
-    constants for 132 SMs, an H100's or H200's)."""
+    constants for 132 SMs, an H100's or H200's), its phases meeting at grid barriers or handing flagged words over."""
     import surgery.decode.gdn_block as gb
     from surgery.decode.fused_linears import FusedWeight
     from surgery.decode.gdn_blocks import block_shape
@@ -67,8 +67,10 @@ def layer_kernels() -> dict:
                       HAS_BIAS_IN=False, HAS_BIAS_O=False, HAS_BIAS_GU=False, HAS_BIAS_D=False, FIRST=1, LAST=5)
     names = ("a", "b", "w0", "w_in", "bias_in", "proj", "h", "A_log", "dt_bias", "o_norm_w", "state", "core", "w_o",
              "bias_o", "y", "w1", "w_gu", "bias_gu", "h2", "m", "w_d", "bias_d", "d_out")
-    signature = {**dict.fromkeys(names, BF16), "state": F32, "sync": "*i64", **dict.fromkeys(("eps0", "eps1", "scale", "norm_eps"), "fp32")}
-    return {"surgery.decode.gdn_block (one row)": (gb._gdn_block_kernel, signature, constexprs, gb.NUM_WARPS)}
+    signature = {**dict.fromkeys(names, BF16), "state": F32, "sync": "*i64", "ex": "*i64",
+                 **dict.fromkeys(("eps0", "eps1", "scale", "norm_eps"), "fp32")}
+    return {f"surgery.decode.gdn_block (one row{', flagged words' if flags else ''})":
+            (gb._gdn_block_kernel, signature, dict(constexprs, FLAGS=flags), gb.NUM_WARPS) for flags in (False, True)}
 
 
 def compile_sm90(kernel, signature: dict, constexprs: dict, warps: int, pdl: bool) -> tuple[str, str]:

@@ -91,15 +91,32 @@ if triton is not None:
         b_k = tl.load(k + n * stride_k + vec, mask=inside, other=0, cache_modifier=CACHE).to(tl.float32)
         b_v = tl.load(v + n * stride_v + vec, mask=inside, other=0, cache_modifier=CACHE).to(tl.float32)
         b_gate = tl.load(gate + n * stride_gate + vec, mask=inside, other=0, cache_modifier=CACHE).to(tl.float32)
+        b_raw = tl.load(b + n * stride_b + h, cache_modifier=CACHE).to(tl.float32)
+        if CHANNEL_DECAY:  # a decay per key channel: a [B, H*D], dt_bias [H*D]
+            a_raw = tl.load(a + n * stride_a + vec, mask=inside, other=0, cache_modifier=CACHE).to(tl.float32)
+        else:
+            a_raw = tl.load(a + n * stride_a + h, cache_modifier=CACHE).to(tl.float32)
+        return token_step_values(b_q, b_k, b_v, b_gate, b_raw, a_raw, A_log, dt_bias, norm_weight, state, n, h, scale,
+                                 norm_eps, H, D, BD, V_SILU, CHANNEL_DECAY)
+
+    @triton.jit
+    def token_step_values(b_q, b_k, b_v, b_gate, b_raw, a_raw, A_log, dt_bias, norm_weight, state, n, h, scale,
+                          norm_eps, H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, V_SILU: tl.constexpr,
+                          CHANNEL_DECAY: tl.constexpr):
+        """token_step_normed from its inputs already read, float32: q, k, v and gate [BD] (zeros past D), b_raw a
+        scalar, a_raw a scalar or (CHANNEL_DECAY) [BD] (for a caller that reads them its own way)."""
+        d = tl.arange(0, BD)
+        inside = d < D
+        vec = h * D + d
         b_q = b_q * tl.sigmoid(b_q)
         b_k = b_k * tl.sigmoid(b_k)
         if V_SILU:
             b_v = b_v * tl.sigmoid(b_v)
-        b_beta = tl.sigmoid(tl.load(b + n * stride_b + h, cache_modifier=CACHE).to(tl.float32))
-        if CHANNEL_DECAY:  # a decay per key channel: a [B, H*D], dt_bias [H*D]
-            x = tl.load(a + n * stride_a + vec, mask=inside, other=0, cache_modifier=CACHE).to(tl.float32) + tl.load(dt_bias + vec, mask=inside, other=0).to(tl.float32)
+        b_beta = tl.sigmoid(b_raw)
+        if CHANNEL_DECAY:
+            x = a_raw + tl.load(dt_bias + vec, mask=inside, other=0).to(tl.float32)
         else:
-            x = tl.load(a + n * stride_a + h, cache_modifier=CACHE).to(tl.float32) + tl.load(dt_bias + h).to(tl.float32)
+            x = a_raw + tl.load(dt_bias + h).to(tl.float32)
         softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
         decay = tl.exp(-tl.exp(tl.load(A_log + h).to(tl.float32)) * softplus)
         tile = state + (n * H + h) * D * D + d[:, None] * D + d[None, :]

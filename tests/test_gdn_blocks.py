@@ -118,25 +118,32 @@ def block_inputs(dtype, rows, bias, hidden=40, heads=3, dim=24, inter=56, seed=0
 def test_kernel_phases_match_the_composed_kernels_in_the_interpreter():
     """Each phase as its own launch under Triton's CPU interpreter (which runs programs one after another,
     so they cannot meet): float32 and float16 (the interpreter's bf16 matmul is wrong), 1, 3 and 16 rows,
-    with and without biases, SiLU on either half of gate/up, the state written in place."""
+    with and without biases, SiLU on either half of gate/up, the state written in place; the phases handing
+    their outputs over as flagged words too, two launches on one exchange buffer (the second must not take
+    the first's words)."""
     script = textwrap.dedent("""
         import torch
-        from surgery.decode.gdn_block import gdn_block_torch, gdn_block_triton
+        from surgery.decode.flagged_words import new_exchange
+        from surgery.decode.gdn_block import exchange_words, gdn_block_torch, gdn_block_triton
         from surgery.decode.gdn_blocks import block_shape
         import tests.test_gdn_blocks as t
         for dtype, tol in ((torch.float32, 1e-4), (torch.float16, 1e-2)):
-            for rows, bias, gate_first in ((1, False, True), (3, True, False), (16, True, True)):
+            for rows, bias, gate_first, flagged in ((1, False, True, False), (3, True, False, False),
+                                                    (16, True, True, False), (3, True, True, True)):
                 layer, proj, a, b, w0, w1, w_gu, b_gu, w_d, b_d, state = t.block_inputs(dtype, rows, bias, seed=rows)
                 mine = state.clone()
                 shape = block_shape(layer, proj[0].shape[0], 56, gate_first)
-                with torch.no_grad():
-                    want = gdn_block_torch(a, b, w0, 1e-6, t.TokenStep(layer, state, proj), w1, 1e-5, w_gu, b_gu, w_d,
-                                           b_d, 56, gate_first)
-                    got = gdn_block_triton(a, b, w0, 1e-6, layer, mine, *proj, w1, 1e-5, w_gu, b_gu, w_d, b_d, shape,
-                                           torch.zeros(8, dtype=torch.int32), 16, phased=True)
-                for x, y in zip(got, want):
-                    torch.testing.assert_close(x.float(), y.float(), rtol=tol, atol=tol)
-                torch.testing.assert_close(mine, state, rtol=tol, atol=tol)
+                exchange = new_exchange(exchange_words(shape, rows), "cpu") if flagged else None
+                for step in range(2 if flagged else 1):
+                    with torch.no_grad():
+                        want = gdn_block_torch(a, b, w0, 1e-6, t.TokenStep(layer, state, proj), w1, 1e-5, w_gu, b_gu,
+                                               w_d, b_d, 56, gate_first)
+                        got = gdn_block_triton(a, b, w0, 1e-6, layer, mine, *proj, w1, 1e-5, w_gu, b_gu, w_d, b_d, shape,
+                                               torch.zeros(8, dtype=torch.int32), 16, phased=True, exchange=exchange)
+                    for x, y in zip(got, want):
+                        torch.testing.assert_close(x.float(), y.float(), rtol=tol, atol=tol)
+                    torch.testing.assert_close(mine, state, rtol=tol, atol=tol)
+                    a, b = got  # the next launch's inputs differ, so a word the first left would show
         print("ok")
     """)
     here = os.path.dirname(os.path.abspath(__file__))
@@ -156,34 +163,40 @@ def assert_near(got, want, state, want_state):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or not HAS_TRITON, reason="needs CUDA and Triton")
-@pytest.mark.parametrize("rows", [1, 16])
-def test_one_launch_matches_the_composed_kernels_on_cuda(rows):
-    """The programs meeting between phases, at SmolLM2's widths in bf16: three steps in a row (the counters
-    count on for the next launch), then the same steps replayed from a CUDA graph."""
-    from surgery.decode.gdn_block import block_programs, gdn_block_triton, new_sync, sync_failed
+@pytest.mark.parametrize("rows,flagged", [(1, False), (16, False), (1, True), (16, True)])
+def test_one_launch_matches_the_composed_kernels_on_cuda(rows, flagged):
+    """The programs meeting between phases (or handing flagged words over), at SmolLM2's widths in bf16: three
+    steps in a row (the counters count on for the next launch), then the same steps replayed from a CUDA graph."""
+    from surgery.decode.flagged_words import new_exchange
+    from surgery.decode.gdn_block import block_programs, exchange_words, gdn_block_triton, new_sync, sync_failed
     from surgery.decode.gdn_blocks import block_shape
 
     layer, proj, a, b, w0, w1, w_gu, b_gu, w_d, b_d, state = block_inputs(
         torch.bfloat16, rows, False, hidden=576, heads=9, dim=64, inter=1536, device="cuda")
     shape = block_shape(layer, proj[0].shape[0], 1536, True)
     sync = new_sync("cuda")
+    exchange = new_exchange(exchange_words(shape, rows), "cuda") if flagged else None
     programs = torch.cuda.get_device_properties(0).multi_processor_count
     launches = 0
 
-    def counted():  # each launch's programs all arrived at each of the four meetings, and none timed out
-        assert sync[:4].tolist() == [launches * block_programs(shape, programs)] * 4 and not sync_failed(sync), sync
+    def counted():  # each launch's programs all arrived at each of the four meetings (the flagged form: at its
+        count = launches * block_programs(shape, programs)  # launch counter, never meeting), and none timed out
+        assert sync[:4].tolist() == [0 if flagged else count] * 4 and not sync_failed(sync), sync
+        assert not flagged or exchange[0].item() == count, exchange[:1]
 
     mine = state.clone()
     with torch.no_grad():
         for _ in range(3):
             want = gdn_block_torch(a, b, w0, 1e-6, TokenStep(layer, state, proj), w1, 1e-5, w_gu, b_gu, w_d, b_d, 1536, True)
-            got = gdn_block_triton(a, b, w0, 1e-6, layer, mine, *proj, w1, 1e-5, w_gu, b_gu, w_d, b_d, shape, sync, programs)
+            got = gdn_block_triton(a, b, w0, 1e-6, layer, mine, *proj, w1, 1e-5, w_gu, b_gu, w_d, b_d, shape, sync, programs,
+                                   exchange=exchange)
             launches += 1
             assert_near(got, want, mine, state)
             counted()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            out = gdn_block_triton(a, b, w0, 1e-6, layer, mine, *proj, w1, 1e-5, w_gu, b_gu, w_d, b_d, shape, sync, programs)
+            out = gdn_block_triton(a, b, w0, 1e-6, layer, mine, *proj, w1, 1e-5, w_gu, b_gu, w_d, b_d, shape, sync, programs,
+                                   exchange=exchange)
         mine.copy_(state)
         for _ in range(3):
             want = gdn_block_torch(a, b, w0, 1e-6, TokenStep(layer, state, proj), w1, 1e-5, w_gu, b_gu, w_d, b_d, 1536, True)
@@ -217,18 +230,22 @@ def counted_launches(monkeypatch, name: str) -> list:
 
 @pytest.mark.skipif(not torch.cuda.is_available() or not HAS_TRITON, reason="needs CUDA and Triton")
 def test_a_cuda_decoder_with_blocks_decodes_as_without(monkeypatch):
-    """A tiny Llama hybrid captured in bf16 on CUDA, CUDA-graph steps: the kernel runs, and the greedy tokens
-    are those of SURGERY_GDN_BLOCKS=off (with the tail kernel off too: the eight kernels)."""
+    """A tiny Llama hybrid captured in bf16 on CUDA, CUDA-graph steps: the kernel runs (its phases meeting, or
+    handing flagged words over), and the greedy tokens are those of SURGERY_GDN_BLOCKS=off (with the tail kernel
+    off too: the eight kernels)."""
     graph = cuda_llama_hybrid()
     launches = counted_launches(monkeypatch, "gdn_block_triton")
     monkeypatch.setenv("SURGERY_GDN_TAIL", "off")
     runs = {}
-    for setting in ("auto", "off"):
+    for setting, flags in (("auto", "off"), ("auto", "on"), ("off", "off")):
         monkeypatch.setenv("SURGERY_GDN_BLOCKS", setting)
+        monkeypatch.setenv("SURGERY_GDN_BLOCK_FLAGS", flags)
         decoder = Decoder(graph, verify=False)
         assert blocks(decoder)
-        runs[setting] = incremental_greedy(decoder, prompt(graph), 8)
+        runs[setting, flags] = incremental_greedy(decoder, prompt(graph), 8)
         assert bool(launches) == (setting == "auto"), [m.declined for m in blocks(decoder)]
+        assert all((m.exchange is not None) == (flags == "on") for m in blocks(decoder))
         launches.clear()
-    assert runs["auto"][0] == runs["off"][0]
-    torch.testing.assert_close(runs["auto"][1].float(), runs["off"][1].float(), rtol=5e-2, atol=5e-2)
+    for key in (("auto", "off"), ("auto", "on")):
+        assert runs[key][0] == runs["off", "off"][0], key
+        torch.testing.assert_close(runs[key][1].float(), runs["off", "off"][1].float(), rtol=5e-2, atol=5e-2)

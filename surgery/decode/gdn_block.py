@@ -20,15 +20,22 @@ and the layer's outputs are (h2, d), which the next layer's residual add reads. 
 rounded to the model's dtype where the composed kernels round it, so the two differ only in the
 order of float32 sums. `gdn_block_torch` is the composition itself (the kernels the graph ran).
 
-The programs' meeting needs every program resident at once; under Triton's CPU interpreter (which
-runs programs one after another) and with `phased=True` each phase is its own launch instead, which is
-how the CPU tests check the phases' arithmetic."""
+Given an exchange buffer (as a Decoder's GDN layers are, surgery.decode.gdn_blocks) the phases do not
+meet at all: each hands its output to the next as flagged words (surgery.decode.flagged_words), so a program waits only for the values it reads, and the read that finds
+them there is the read of the data (on an H200: 15.3 us a layer in L2 against 16.6 with the four waits,
+17.2 against 18.2 with the weights read from HBM; bench/RESULTS.md, fiftieth session). Phase 4 then
+recomputes round(a + b) rather than reading phase 1's h.
+
+The programs' meeting (or waiting for each other's words) needs every program resident at once; under
+Triton's CPU interpreter (which runs programs one after another) and with `phased=True` each phase is
+its own launch instead, which is how the CPU tests check the phases' arithmetic."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
 
+from .flagged_words import HEADER_WORDS
 from .residual_norm import add_rms_norm
 from .row_linear import row_linear
 from .swiglu import silu_mul
@@ -80,10 +87,13 @@ def swiglu_mlp(n2, w_gu, b_gu, w_d, b_d, inter: int, gate_first: bool) -> torch.
 
 
 if triton is not None:
-    from tcal.token_step import token_step_tile
+    from tcal.token_step import token_step_tile, token_step_values
+
+    from .flagged_words import flag_store, flagged_head, flagged_row3, launch_number
 
     SPIN_LIMIT = tl.constexpr(MAX_SPIN)
     ERROR_WORD_ = tl.constexpr(ERROR_WORD)
+    HEADER = tl.constexpr(HEADER_WORDS)
 
     @triton.jit
     def grid_wait(sync, k, nprog):
@@ -181,15 +191,22 @@ if triton is not None:
         s0 = _sum_piece(a, b, out, store, r, 0, P0, K)
         s1 = s0
         s2 = s0
-        total = tl.sum(s0 * s0, 0)
         if P1 > 0:
             s1 = _sum_piece(a, b, out, store, r, P0, P1, K)
-            total += tl.sum(s1 * s1, 0)
         if P2 > 0:
             s2 = _sum_piece(a, b, out, store, r, P0 + P1, P2, K)
+        return _norm3(s0, s1, s2, w, eps, K, P0, P1, P2, HAS_W, out.dtype.element_ty)
+
+    @triton.jit
+    def _norm3(s0, s1, s2, w, eps, K: tl.constexpr, P0: tl.constexpr, P1: tl.constexpr, P2: tl.constexpr,
+               HAS_W: tl.constexpr, dtype: tl.constexpr):
+        """rms_norm(s) * w of a row in pieces, each rounded to `dtype`."""
+        total = tl.sum(s0 * s0, 0)
+        if P1 > 0:
+            total += tl.sum(s1 * s1, 0)
+        if P2 > 0:
             total += tl.sum(s2 * s2, 0)
         rstd = tl.rsqrt(total / K + eps)
-        dtype = out.dtype.element_ty
         x0 = _scaled(s0, rstd, w, 0, P0, K, HAS_W, dtype)
         x1 = x0
         x2 = x0
@@ -198,6 +215,31 @@ if triton is not None:
         if P2 > 0:
             x2 = _scaled(s2, rstd, w, P0 + P1, P2, K, HAS_W, dtype)
         return x0, x1, x2
+
+    @triton.jit
+    def _residual3(a, b, y0, y1, y2, out, store, r, K: tl.constexpr, P0: tl.constexpr, P1: tl.constexpr,
+                   P2: tl.constexpr):
+        """Row r of round(round(a + b) + y) in pieces (y float32 pieces, already rounded), written to out where
+        `store`: the layer's second residual add with its first one recomputed (the flagged form's phase 4)."""
+        s0 = _sum_piece(a, b, out, 0, r, 0, P0, K)
+        s0 = _put_piece(s0 + y0, out, store, r, 0, P0, K)
+        s1 = s0
+        s2 = s0
+        if P1 > 0:
+            s1 = _sum_piece(a, b, out, 0, r, P0, P1, K)
+            s1 = _put_piece(s1 + y1, out, store, r, P0, P1, K)
+        if P2 > 0:
+            s2 = _sum_piece(a, b, out, 0, r, P0 + P1, P2, K)
+            s2 = _put_piece(s2 + y2, out, store, r, P0 + P1, P2, K)
+        return s0, s1, s2
+
+    @triton.jit
+    def _put_piece(x, out, store, r, k0, P: tl.constexpr, K: tl.constexpr):
+        """round(x) on row r, columns [k0, k0 + P), written to out where `store`; float32."""
+        c = k0 + tl.arange(0, P)
+        s = x.to(out.dtype.element_ty)
+        tl.store(out + r * K + c, s, mask=(c < K) & ((c * 0 + store) != 0))
+        return s.to(tl.float32)
 
     @triton.jit
     def _store_row(out, acc, bias, r, n0, N, BN: tl.constexpr, HAS_BIAS: tl.constexpr):
@@ -219,11 +261,19 @@ if triton is not None:
         return gate * tl.sigmoid(gate) * up
 
     @triton.jit
+    def _flag_row(ex, acc, bias, r, n0, N, number, dtype: tl.constexpr, BN: tl.constexpr, HAS_BIAS: tl.constexpr):
+        """Row r, columns [n0, n0 + BN) of a [rows, N] flagged region = round(acc + bias), with this launch's number."""
+        n = n0 + tl.arange(0, BN)
+        if HAS_BIAS:
+            acc += tl.load(bias + n, mask=n < N, other=0).to(tl.float32)
+        flag_store(ex, r * N + n, acc.to(dtype), n < N, number)
+
+    @triton.jit
     def _gdn_block_kernel(a, b, w0, w_in, bias_in, proj, h,
                           A_log, dt_bias, o_norm_w, state, core,
                           w_o, bias_o, y,
                           w1, w_gu, bias_gu, h2, m,
-                          w_d, bias_d, d_out, sync,
+                          w_d, bias_d, d_out, sync, ex,
                           eps0, eps1, scale, norm_eps,
                           HID: tl.constexpr, N_IN: tl.constexpr, Q: tl.constexpr, K_: tl.constexpr, V: tl.constexpr,
                           A: tl.constexpr, B: tl.constexpr, G: tl.constexpr, H: tl.constexpr, D: tl.constexpr,
@@ -235,64 +285,110 @@ if triton is not None:
                           HAS_W0: tl.constexpr, HAS_W1: tl.constexpr, HAS_BIAS_IN: tl.constexpr,
                           HAS_BIAS_O: tl.constexpr, HAS_BIAS_GU: tl.constexpr, HAS_BIAS_D: tl.constexpr,
                           FIRST: tl.constexpr, LAST: tl.constexpr, ROWS: tl.constexpr,
-                          nprog: tl.constexpr, IT_TS: tl.constexpr):
+                          nprog: tl.constexpr, IT_TS: tl.constexpr, FLAGS: tl.constexpr):
         """Phases FIRST..LAST of the layer (module docstring), the programs meeting between phases.
         Program pid owns output tile pid of each matmul phase (the launcher sizes tiles so that every
         tile has a program), loads its weight tile once and applies it to every row, and loads the next
-        phase's tile before it waits (the weights do not depend on the phase before)."""
+        phase's tile before it waits (the weights do not depend on the phase before). FLAGS: the phases
+        hand proj, core, y and m over as flagged words in `ex` (surgery.decode.flagged_words) and never
+        meet; phase 4 recomputes the first residual add instead of reading it."""
         pid = tl.program_id(0)
         dt = proj.dtype.element_ty
+        number = 0
+        if FLAGS:
+            number = launch_number(ex, nprog, FIRST == 1)
+        ex_proj = ex + HEADER
+        ex_core = ex_proj + ROWS * N_IN
+        ex_y = ex_core + ROWS * H * D
+        ex_m = ex_y + ROWS * HID
+        error = sync + ERROR_WORD_
         if FIRST <= 1 and LAST >= 1:  # the residual add, the input norm and the fused input projection
             wi0, wi1, wi2 = _fetch(w_in, pid * BN_IN, N_IN, HID, BN_IN, HP0, HP1, HP2)
+            keeper = pid == 0  # the program that stores h (the flagged form's phase 4 recomputes it instead)
+            if FLAGS:
+                keeper = pid < 0
             for r in tl.static_range(ROWS):
-                x0, x1, x2 = _normed_row3(a, b, w0, h, pid == 0, r, eps0, HID, HP0, HP1, HP2, HAS_W0)
-                _store_row(proj, _mv3(x0, x1, x2, wi0, wi1, wi2, HP1, HP2), bias_in, r, pid * BN_IN, N_IN, BN_IN,
-                           HAS_BIAS_IN)
-            if LAST > 1:
+                x0, x1, x2 = _normed_row3(a, b, w0, h, keeper, r, eps0, HID, HP0, HP1, HP2, HAS_W0)
+                acc = _mv3(x0, x1, x2, wi0, wi1, wi2, HP1, HP2)
+                if FLAGS:
+                    _flag_row(ex_proj, acc, bias_in, r, pid * BN_IN, N_IN, number, dt, BN_IN, HAS_BIAS_IN)
+                else:
+                    _store_row(proj, acc, bias_in, r, pid * BN_IN, N_IN, BN_IN, HAS_BIAS_IN)
+            if LAST > 1 and not FLAGS:
                 proj += grid_wait(sync, 0, nprog)
         if FIRST <= 2 and LAST >= 2:  # the token step, one (row, head) at a time
             for i in tl.static_range(IT_TS):
                 item = pid + i * nprog
                 if item < ROWS * H:
-                    token_step_tile(proj + Q, proj + K_, proj + V, proj + A, proj + B, proj + G, A_log, dt_bias,
-                                    o_norm_w, state, core, item // H, item % H, N_IN, N_IN, N_IN, N_IN, N_IN, N_IN,
-                                    H * D, scale, norm_eps, H, D, BD, V_SILU, False, ".cg")
+                    if FLAGS:
+                        row = item // H
+                        hd = item % H
+                        vq, vk, vv, vg, va, vb = flagged_head(ex_proj, row, hd, number, error, N_IN, Q, K_, V, A, B, G,
+                                                              D, BD)
+                        normed = token_step_values(vq, vk, vv, vg, vb, va, A_log, dt_bias, o_norm_w, state, row, hd,
+                                                   scale, norm_eps, H, D, BD, V_SILU, False)
+                        dd = tl.arange(0, BD)
+                        flag_store(ex_core, row * H * D + hd * D + dd, normed.to(dt), dd < D, number)
+                    else:
+                        token_step_tile(proj + Q, proj + K_, proj + V, proj + A, proj + B, proj + G, A_log, dt_bias,
+                                        o_norm_w, state, core, item // H, item % H, N_IN, N_IN, N_IN, N_IN, N_IN,
+                                        N_IN, H * D, scale, norm_eps, H, D, BD, V_SILU, False, ".cg")
             if LAST > 2:
                 wo0, wo1, wo2 = _fetch(w_o, pid * BN_O, HID, H * D, BN_O, IP0, IP1, IP2)
-                core += grid_wait(sync, 1, nprog)
+                if not FLAGS:
+                    core += grid_wait(sync, 1, nprog)
         if FIRST <= 3 and LAST >= 3:  # o_proj
             if FIRST == 3:
                 wo0, wo1, wo2 = _fetch(w_o, pid * BN_O, HID, H * D, BN_O, IP0, IP1, IP2)
             for r in tl.static_range(ROWS):
-                x0, x1, x2 = _row3(core, r, H * D, IP0, IP1, IP2)
-                _store_row(y, _mv3(x0, x1, x2, wo0, wo1, wo2, IP1, IP2), bias_o, r, pid * BN_O, HID, BN_O, HAS_BIAS_O)
+                if FLAGS:
+                    x0, x1, x2 = flagged_row3(ex_core, r, number, error, H * D, IP0, IP1, IP2)
+                    _flag_row(ex_y, _mv3(x0, x1, x2, wo0, wo1, wo2, IP1, IP2), bias_o, r, pid * BN_O, HID, number, dt,
+                              BN_O, HAS_BIAS_O)
+                else:
+                    x0, x1, x2 = _row3(core, r, H * D, IP0, IP1, IP2)
+                    _store_row(y, _mv3(x0, x1, x2, wo0, wo1, wo2, IP1, IP2), bias_o, r, pid * BN_O, HID, BN_O,
+                               HAS_BIAS_O)
             if LAST > 3:
                 g0, g1, g2 = _fetch(w_gu, pid * BN_GU, INTER, HID, BN_GU, HP0, HP1, HP2)
                 u0, u1, u2 = _fetch(w_gu + INTER * HID, pid * BN_GU, INTER, HID, BN_GU, HP0, HP1, HP2)
-                after = grid_wait(sync, 2, nprog)
-                h += after
-                y += after
+                if not FLAGS:
+                    after = grid_wait(sync, 2, nprog)
+                    h += after
+                    y += after
         if FIRST <= 4 and LAST >= 4:  # the residual add, the post norm, gate/up and the SwiGLU product
             if FIRST == 4:
                 g0, g1, g2 = _fetch(w_gu, pid * BN_GU, INTER, HID, BN_GU, HP0, HP1, HP2)
                 u0, u1, u2 = _fetch(w_gu + INTER * HID, pid * BN_GU, INTER, HID, BN_GU, HP0, HP1, HP2)
             for r in tl.static_range(ROWS):
-                x0, x1, x2 = _normed_row3(h, y, w1, h2, pid == 0, r, eps1, HID, HP0, HP1, HP2, HAS_W1)
+                if FLAGS:
+                    y0, y1, y2 = flagged_row3(ex_y, r, number, error, HID, HP0, HP1, HP2)
+                    s0, s1, s2 = _residual3(a, b, y0, y1, y2, h2, pid == 0, r, HID, HP0, HP1, HP2)
+                    x0, x1, x2 = _norm3(s0, s1, s2, w1, eps1, HID, HP0, HP1, HP2, HAS_W1, dt)
+                else:
+                    x0, x1, x2 = _normed_row3(h, y, w1, h2, pid == 0, r, eps1, HID, HP0, HP1, HP2, HAS_W1)
                 first = _mv3(x0, x1, x2, g0, g1, g2, HP1, HP2)
                 second = _mv3(x0, x1, x2, u0, u1, u2, HP1, HP2)
                 if GATE_FIRST:
                     prod = _swiglu(first, second, bias_gu, bias_gu + INTER, pid * BN_GU, INTER, dt, BN_GU, HAS_BIAS_GU)
                 else:
                     prod = _swiglu(second, first, bias_gu + INTER, bias_gu, pid * BN_GU, INTER, dt, BN_GU, HAS_BIAS_GU)
-                _store_row(m, prod, bias_gu, r, pid * BN_GU, INTER, BN_GU, False)
+                if FLAGS:
+                    _flag_row(ex_m, prod, bias_gu, r, pid * BN_GU, INTER, number, dt, BN_GU, False)
+                else:
+                    _store_row(m, prod, bias_gu, r, pid * BN_GU, INTER, BN_GU, False)
             if LAST > 4:
                 d0, d1, d2 = _fetch(w_d, pid * BN_D, HID, INTER, BN_D, XP0, XP1, XP2)
-                m += grid_wait(sync, 3, nprog)
+                if not FLAGS:
+                    m += grid_wait(sync, 3, nprog)
         if FIRST <= 5 and LAST >= 5:  # down
             if FIRST == 5:
                 d0, d1, d2 = _fetch(w_d, pid * BN_D, HID, INTER, BN_D, XP0, XP1, XP2)
             for r in tl.static_range(ROWS):
-                x0, x1, x2 = _row3(m, r, INTER, XP0, XP1, XP2)
+                if FLAGS:
+                    x0, x1, x2 = flagged_row3(ex_m, r, number, error, INTER, XP0, XP1, XP2)
+                else:
+                    x0, x1, x2 = _row3(m, r, INTER, XP0, XP1, XP2)
                 _store_row(d_out, _mv3(x0, x1, x2, d0, d1, d2, XP1, XP2), bias_d, r, pid * BN_D, HID, BN_D, HAS_BIAS_D)
 
 
@@ -363,14 +459,26 @@ def shape_constants(shape: BlockShape, rows: int, limit: int) -> dict:
                 ROWS=rows, nprog=programs, IT_TS=-(-rows * shape.heads // programs))
 
 
+def exchange_words(shape: BlockShape, rows: int) -> int:
+    """Flagged words the phases hand over (proj, core, y, m) for `rows` rows: new_exchange's size."""
+    return rows * (shape.proj + shape.heads * shape.head_dim + shape.hidden + shape.inter)
+
+
 def gdn_block_triton(a, b, w0, eps0, layer, state, w_in, bias_in, w1, eps1, w_gu, b_gu, w_d, b_d,
-                     shape: BlockShape, sync: torch.Tensor, limit: int, phased: bool = False, last: int = 5):
+                     shape: BlockShape, sync: torch.Tensor, limit: int, phased: bool = False, last: int = 5,
+                     exchange: torch.Tensor | None = None):
     """The kernel: (h2, d) of rows [B, 1, hidden] (or [B, hidden]); `state` written in place. At most
     `limit` programs, all resident at once unless `phased` (block_tiles(shape, limit) must not be None).
-    `last` < 5 runs phases 1..last only (bench/kernel_floors.py times the phases that way)."""
+    `last` < 5 runs phases 1..last only (bench/kernel_floors.py times the phases that way). With `exchange`
+    (new_exchange(exchange_words(shape, rows), device), the block's own), the phases hand their outputs over
+    as flagged words instead of meeting at grid barriers."""
     if triton is None:
         raise RuntimeError("gdn_block_triton needs Triton; use gdn_block_torch.")
     rows = a.shape[0]
+    if exchange is not None and (exchange.dtype != torch.int64 or exchange.numel() < HEADER_WORDS
+                                 + exchange_words(shape, rows)):
+        raise ValueError(f"the exchange buffer holds {exchange.numel()} {exchange.dtype} words; this layer needs "
+                         f"new_exchange(exchange_words(shape, {rows}), device).")
     a2, b2 = (x.reshape(rows, shape.hidden).contiguous() for x in (a, b))
     dev, dt = a.device, a.dtype
 
@@ -384,11 +492,12 @@ def gdn_block_triton(a, b, w0, eps0, layer, state, w_in, bias_in, w1, eps1, w_gu
             layer.A_log, layer.dt_bias, layer.o_norm.weight, state, core,
             o.weight, o.bias if o.bias is not None else o.weight, y,
             w1 if w1 is not None else a2, w_gu, b_gu if b_gu is not None else w_gu, h2, m,
-            w_d, b_d if b_d is not None else w_d, d, sync,
+            w_d, b_d if b_d is not None else w_d, d, sync, exchange if exchange is not None else sync,
             float(eps0), float(eps1), float(layer.head_dim ** -0.5), float(layer.o_norm.eps))
     consts = dict(shape_constants(shape, rows, limit), num_warps=NUM_WARPS,
                   HAS_W0=w0 is not None, HAS_W1=w1 is not None, HAS_BIAS_IN=bias_in is not None,
-                  HAS_BIAS_O=o.bias is not None, HAS_BIAS_GU=b_gu is not None, HAS_BIAS_D=b_d is not None)
+                  HAS_BIAS_O=o.bias is not None, HAS_BIAS_GU=b_gu is not None, HAS_BIAS_D=b_d is not None,
+                  FLAGS=exchange is not None)
     for first, upto in ([(p, p) for p in range(1, last + 1)] if phased else [(1, last)]):
         _gdn_block_kernel[(consts["nprog"],)](*args, FIRST=first, LAST=upto, **consts)
     return h2.reshape(a.shape), d.reshape(a.shape)

@@ -17,7 +17,9 @@ tail kernel instead: the token step, o_proj and the post norm as one launch (sur
 SURGERY_GDN_TAIL=off turns it off).
 
 SURGERY_GDN_BLOCKS: "auto" (the default: at most one program per SM), "off" (not the one-launch layer),
-or the most programs the kernel may use (at most the SM count)."""
+or the most programs the kernel may use (at most the SM count). Its phases hand their outputs over as flagged
+words (surgery.decode.flagged_words; on an H200 the layer took 17.2 us from HBM against 18.2 with grid barriers,
+bench/RESULTS.md, fiftieth session); SURGERY_GDN_BLOCK_FLAGS=off makes them meet at grid barriers instead."""
 from __future__ import annotations
 
 import operator
@@ -27,14 +29,15 @@ import torch.nn as nn
 from torch.fx import GraphModule, Node
 
 from tcal.gdn import TOKEN_STEP_V_SILU, takes_token_step
-from tcal.switches import setting
+from tcal.switches import enabled, setting
 
 from ..core.rewrite import prune, set_submodule
 from ..errors import DecodeError
 from .fused_linears import LINEAR
 from .fused_norms import is_call, single_user
-from .gdn_block import (STEP_ROWS, BlockShape, block_tiles, gdn_block_torch, gdn_block_triton, new_sync, swiglu_mlp,
-                        sync_failed, triton)
+from .flagged_words import new_exchange
+from .gdn_block import (STEP_ROWS, BlockShape, block_tiles, exchange_words, gdn_block_torch, gdn_block_triton, new_sync,
+                        swiglu_mlp, sync_failed, triton)
 from .gdn_state import GDNState
 from .gdn_tail import gdn_tail_triton, new_arrivals, tail_takes
 from .residual_norm import add_rms_norm
@@ -42,6 +45,7 @@ from .row_linear import row_linear
 from .swiglu import silu_mul
 
 ENV = "SURGERY_GDN_BLOCKS"
+FLAGS_ENV = "SURGERY_GDN_BLOCK_FLAGS"
 ROLES = ("q_proj", "k_proj", "v_proj", "a_proj", "b_proj", "g_proj")
 
 
@@ -91,6 +95,7 @@ class GDNBlock(nn.Module):
         self.failed = False                     # the kernel's first launch timed out waiting (see forward)
         self.shape: BlockShape | bool | None = None  # the kernel's shape once known (False: the layer has none)
         self.arrivals: torch.Tensor | None = None  # the tail kernel's row counters (gdn_tail.new_arrivals)
+        self.exchange: torch.Tensor | None = None  # the flagged words the kernel's phases hand over (FLAGS_ENV)
 
     def forward(self, a, b, w0, w1, w_gu, b_gu, w_d, b_d):
         st = self.gdn_state
@@ -106,8 +111,14 @@ class GDNBlock(nn.Module):
         first = self.sync is None or self.sync.device != a.device
         if first:
             self.sync = new_sync(a.device)
+        exchange = None
+        if enabled(FLAGS_ENV, True):
+            words = exchange_words(shape, a.shape[0])
+            if first or self.exchange is None or self.exchange.numel() < words:
+                self.exchange = new_exchange(words, a.device)
+            exchange = self.exchange
         out = gdn_block_triton(a, b, w0, self.eps0, st.gdn, st.cache.recurrent, w_in, bias_in, w1, self.eps1, w_gu, b_gu,
-                               w_d, b_d, shape, self.sync, limit)
+                               w_d, b_d, shape, self.sync, limit, exchange=exchange)
         if first and not torch.cuda.is_current_stream_capturing() and sync_failed(self.sync):
             self.failed = True  # a wait timed out: the programs were not all resident (a GPU shared with other work?)
             raise DecodeError("The one-kernel GDN decoder layer's programs could not all run at once on this GPU; this "
