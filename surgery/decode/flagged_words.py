@@ -69,9 +69,8 @@ if triton is not None:
         return tl.load(ex + r * K + c, mask=c < K, other=0, volatile=True), c < K
 
     @triton.jit
-    def flagged_row3(ex, r, number, error, K: tl.constexpr, P0: tl.constexpr, P1: tl.constexpr, P2: tl.constexpr):
-        """Row r of a [rows, K] region in up to three pieces along K (as gdn_block's _row3), float32, zeros
-        outside: every piece read at once, again until all carry `number` (error set past MAX_POLLS)."""
+    def _row_words3(ex, r, number, K: tl.constexpr, P0: tl.constexpr, P1: tl.constexpr, P2: tl.constexpr):
+        """One read of a row's pieces (every load issued at once) and whether all carry `number`."""
         w0, m0 = _piece(ex, r, 0, P0, K)
         w1, m1 = w0, m0
         w2, m2 = w0, m0
@@ -79,52 +78,53 @@ if triton is not None:
             w1, m1 = _piece(ex, r, P0, P1, K)
         if P2 > 0:
             w2, m2 = _piece(ex, r, P0 + P1, P2, K)
-        ready = _ready(w0, m0, number) & _ready(w1, m1, number) & _ready(w2, m2, number)
+        return w0, m0, w1, m1, w2, m2, _ready(w0, m0, number) & _ready(w1, m1, number) & _ready(w2, m2, number)
+
+    @triton.jit
+    def flagged_row3(ex, r, number, error, K: tl.constexpr, P0: tl.constexpr, P1: tl.constexpr, P2: tl.constexpr):
+        """Row r of a [rows, K] region in up to three pieces along K (as gdn_block's _row3), float32, zeros
+        outside: read again until all carry `number` (error set past MAX_POLLS)."""
+        w0, m0, w1, m1, w2, m2, ready = _row_words3(ex, r, number, K, P0, P1, P2)
         polls = 0
         while (ready == 0) & (polls < POLL_LIMIT):
-            w0, m0 = _piece(ex, r, 0, P0, K)
-            ready = _ready(w0, m0, number)
-            if P1 > 0:
-                w1, m1 = _piece(ex, r, P0, P1, K)
-                ready = ready & _ready(w1, m1, number)
-            if P2 > 0:
-                w2, m2 = _piece(ex, r, P0 + P1, P2, K)
-                ready = ready & _ready(w2, m2, number)
+            w0, m0, w1, m1, w2, m2, ready = _row_words3(ex, r, number, K, P0, P1, P2)
             polls += 1
         if ready == 0:
             tl.atomic_xchg(error, 1)
         return _value(w0, m0), _value(w1, m1), _value(w2, m2)
 
     @triton.jit
-    def flagged_head(ex, r, h, number, error, N: tl.constexpr, Q: tl.constexpr, K_: tl.constexpr, V: tl.constexpr,
-                     A: tl.constexpr, B: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BD: tl.constexpr):
-        """A head's token-step inputs from row r of a [rows, N] projection region: q, k, v, gate [BD] (zeros past
-        D) and the scalars a, b, float32, all read at once until all carry `number`."""
+    def _head_words(row, h, number, Q: tl.constexpr, K_: tl.constexpr, V: tl.constexpr, A: tl.constexpr,
+                    B: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BD: tl.constexpr):
+        """One read of a head's q, k, v, gate words and its (a, b) pair (every load issued at once), and whether
+        all carry `number`."""
         d = tl.arange(0, BD)
         inside = d < D
         two = tl.arange(0, 2)
-        row = ex + r * N
-        scal = tl.where(two == 0, A + h, B + h)
         wq = tl.load(row + Q + h * D + d, mask=inside, other=0, volatile=True)
         wk = tl.load(row + K_ + h * D + d, mask=inside, other=0, volatile=True)
         wv = tl.load(row + V + h * D + d, mask=inside, other=0, volatile=True)
         wg = tl.load(row + G + h * D + d, mask=inside, other=0, volatile=True)
-        ws = tl.load(row + scal, volatile=True)
-        every = two >= 0
+        ws = tl.load(row + tl.where(two == 0, A + h, B + h), volatile=True)
         ready = _ready(wq, inside, number) & _ready(wk, inside, number) & _ready(wv, inside, number) \
-            & _ready(wg, inside, number) & _ready(ws, every, number)
+            & _ready(wg, inside, number) & _ready(ws, two >= 0, number)
+        return wq, wk, wv, wg, ws, ready
+
+    @triton.jit
+    def flagged_head(ex, r, h, number, error, N: tl.constexpr, Q: tl.constexpr, K_: tl.constexpr, V: tl.constexpr,
+                     A: tl.constexpr, B: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BD: tl.constexpr):
+        """A head's token-step inputs from row r of a [rows, N] projection region: q, k, v, gate [BD] (zeros past
+        D) and the scalars a, b, float32, read again until all carry `number`."""
+        row = ex + r * N
+        wq, wk, wv, wg, ws, ready = _head_words(row, h, number, Q, K_, V, A, B, G, D, BD)
         polls = 0
         while (ready == 0) & (polls < POLL_LIMIT):
-            wq = tl.load(row + Q + h * D + d, mask=inside, other=0, volatile=True)
-            wk = tl.load(row + K_ + h * D + d, mask=inside, other=0, volatile=True)
-            wv = tl.load(row + V + h * D + d, mask=inside, other=0, volatile=True)
-            wg = tl.load(row + G + h * D + d, mask=inside, other=0, volatile=True)
-            ws = tl.load(row + scal, volatile=True)
-            ready = _ready(wq, inside, number) & _ready(wk, inside, number) & _ready(wv, inside, number) \
-                & _ready(wg, inside, number) & _ready(ws, every, number)
+            wq, wk, wv, wg, ws, ready = _head_words(row, h, number, Q, K_, V, A, B, G, D, BD)
             polls += 1
         if ready == 0:
             tl.atomic_xchg(error, 1)
-        scalars = _value(ws, every)
+        inside = tl.arange(0, BD) < D
+        two = tl.arange(0, 2)
+        scalars = _value(ws, two >= 0)
         return (_value(wq, inside), _value(wk, inside), _value(wv, inside), _value(wg, inside),
                 tl.sum(tl.where(two == 0, scalars, 0.0), 0), tl.sum(tl.where(two == 1, scalars, 0.0), 0))

@@ -170,10 +170,7 @@ if triton is not None:
         """round(a + b) on row r, columns [k0, k0 + P), float32; written to out where `store` (a scalar
         condition, compared as a block: Triton 3.9's interpreter makes a program-id comparison int32, which a
         store's mask refuses)."""
-        c = k0 + tl.arange(0, P)
-        s = (_row_piece(a, r, k0, P, K) + _row_piece(b, r, k0, P, K)).to(out.dtype.element_ty)
-        tl.store(out + r * K + c, s, mask=(c < K) & ((c * 0 + store) != 0))
-        return s.to(tl.float32)
+        return _put_piece(_row_piece(a, r, k0, P, K) + _row_piece(b, r, k0, P, K), out, store, r, k0, P, K)
 
     @triton.jit
     def _scaled(s, rstd, w, k0, P: tl.constexpr, K: tl.constexpr, HAS_W: tl.constexpr, dtype: tl.constexpr):
@@ -485,8 +482,12 @@ def gdn_block_triton(a, b, w0, eps0, layer, state, w_in, bias_in, w1, eps1, w_gu
     def scratch(width):
         return torch.empty(rows, width, dtype=dt, device=dev)
 
-    proj, h, core, y, h2, m, d = (scratch(w) for w in (shape.proj, shape.hidden, shape.heads * shape.head_dim,
-                                                        shape.hidden, shape.hidden, shape.inter, shape.hidden))
+    h2, d = scratch(shape.hidden), scratch(shape.hidden)
+    if exchange is None:  # what the phases hand over through memory (the flagged form writes it to `exchange`)
+        proj, h, core, y, m = (scratch(w) for w in (shape.proj, shape.hidden, shape.heads * shape.head_dim, shape.hidden,
+                                                    shape.inter))
+    else:
+        proj = h = core = y = m = a2  # never written (phase 1's h stays unstored), their dtype the rows'
     o = layer.o_proj
     args = (a2, b2, w0 if w0 is not None else a2, w_in, bias_in if bias_in is not None else w_in, proj, h,
             layer.A_log, layer.dt_bias, layer.o_norm.weight, state, core,
