@@ -80,6 +80,10 @@ def row_linear_rows(rows) -> None:
                      per_call_us(lambda it=itertools.cycle(ws): row_linear_triton(a, next(it))), "us", ("cuBLAS", base))
 
 
+# the one-launch layer's forms timed: (name, flagged words); grid barriers, or flagged words handed over
+LAYER_FORMS = (("", False), (", flagged words", True))
+
+
 def gdn_layer_rows(rows) -> None:
     """A SmolLM2-shaped GDN decoder layer's decoded token (hidden 576, 9 heads of 64, intermediate 1,536):
     the composed kernels a static step ran (add_rms_norm, the fused input projection, the token step,
@@ -115,14 +119,16 @@ def gdn_layer_rows(rows) -> None:
             sync = new_sync("cuda")
             programs = block_programs(shape, sms)
             exchange = new_exchange(exchange_words(shape, m), "cuda")
-            for form, ex in (("", None), (", flagged words", exchange)):  # grid barriers, or flagged words handed over
+            for form, flagged in LAYER_FORMS:
+                ex = exchange if flagged else None
                 for last in range(1, 6):  # phases 1..last in one launch: what each phase (and its hand-over) adds
                     us = per_call_us(lambda: gdn_block_triton(a, b, w0, 1e-5, layer, cache.recurrent, w_in, b_in, w1,
                                                               1e-5, w_gu, None, w_d, None, shape, sync, sms, last=last,
                                                               exchange=ex))
                     rows.add(f"GDN layer, one kernel{form}, phases 1-{last} ({programs} programs)", f"{m} x 576", "layer",
                              us, "us", ("composed", base))
-            hbm_rows(rows, layer, w_in, b_in, a, b, w0, w1, w_gu, w_d, cache, shape, sync, sms, exchange)
+            hbm_rows(rows, layer, w_in, b_in, a, b, w0, w1, w_gu, w_d, cache, shape, sync, sms,
+                     [(form, exchange if flagged else None) for form, flagged in LAYER_FORMS])
     barrier_rows(rows, sorted({16, 32, programs, sms}))
 
 
@@ -182,36 +188,39 @@ def static_step(layer, cache, w_in, b_in):
     return lambda n: layer(n, cache=cache, projection=(w_in, b_in), linear=row_linear)
 
 
-def hbm_rows(rows, layer, w_in, b_in, a, b, w0, w1, w_gu, w_d, cache, shape, sync, sms, exchange) -> None:
-    """The layer again with a different copy of every weight for each of the CALLS layers (as a step's
-    layers: read from HBM, where the rows above read one L2-resident set), composed against the kernel (one row),
-    its phases meeting at grid barriers or handing flagged words over (`exchange`)."""
+def hbm_rows(rows, layer, w_in, b_in, a, b, w0, w1, w_gu, w_d, cache, shape, sync, sms, forms) -> None:
+    """The layer again with a different copy of every weight and its own state for each of the CALLS layers (as
+    a step's layers: read from HBM, where the rows above read one L2-resident set), composed against the kernel
+    (one row) in each of `forms` (name, exchange: grid barriers, or flagged words handed over)."""
     import copy
 
     from surgery.decode.gdn_block import gdn_block_torch, gdn_block_triton
+    from tcal.gdn import GDNCache
 
     sets = []
     for i in range(CALLS):
         twin = copy.deepcopy(layer)
-        sets.append((twin, w_in.clone(), w_gu.clone(), w_d.clone()))
+        own = GDNCache(in_place=True)
+        own.recurrent = cache.recurrent.clone()
+        sets.append((twin, w_in.clone(), w_gu.clone(), w_d.clone(), own))
 
     def composed():
-        for twin, wi, wgu, wd in sets:
-            gdn_block_torch(a, b, w0, 1e-5, static_step(twin, cache, wi, b_in), w1, 1e-5, wgu, None, wd, None, 1536, True)
+        for twin, wi, wgu, wd, own in sets:
+            gdn_block_torch(a, b, w0, 1e-5, static_step(twin, own, wi, b_in), w1, 1e-5, wgu, None, wd, None, 1536, True)
 
-    def kernel(ex=None):
-        for twin, wi, wgu, wd in sets:
-            gdn_block_triton(a, b, w0, 1e-5, twin, cache.recurrent, wi, b_in, w1, 1e-5, wgu, None, wd, None, shape, sync, sms,
+    def kernel(ex):
+        for twin, wi, wgu, wd, own in sets:
+            gdn_block_triton(a, b, w0, 1e-5, twin, own.recurrent, wi, b_in, w1, 1e-5, wgu, None, wd, None, shape, sync, sms,
                              exchange=ex)
 
     config = f"{a.shape[0]} x 576"
     base = graph_ms(composed, replays=40) * 1000 / CALLS
-    rows.add("GDN layer, composed kernels, weights from HBM (a copy per layer)", config, "layer", base, "us")
+    rows.add("GDN layer, composed kernels, weights and state from HBM (a copy per layer)", config, "layer", base, "us")
     if a.shape[0] == 1:
-        for form, ex in (("", None), (", flagged words", exchange)):
+        for form, ex in forms:
             one = graph_ms(lambda: kernel(ex), replays=40) * 1000 / CALLS
-            rows.add(f"GDN layer, one kernel{form}, weights from HBM (a copy per layer)", config, "layer", one, "us",
-                     ("composed", base))
+            rows.add(f"GDN layer, one kernel{form}, weights and state from HBM (a copy per layer)", config, "layer", one,
+                     "us", ("composed", base))
 
 
 def barrier_rows(rows, counts) -> None:

@@ -249,3 +249,28 @@ def test_a_cuda_decoder_with_blocks_decodes_as_without(monkeypatch):
     for key in (("auto", "off"), ("auto", "on")):
         assert runs[key][0] == runs["off", "off"][0], key
         torch.testing.assert_close(runs[key][1].float(), runs["off", "off"][1].float(), rtol=5e-2, atol=5e-2)
+
+
+def test_a_kernel_that_gave_up_waiting_during_replays_is_reported_not_silent():
+    """A replayed step's one-kernel layer that gave up waiting leaves only its error word: generate raises
+    (naming the layer) instead of returning the tokens, a reset warns, the layer composes its kernels from then
+    on, and a word once reported is cleared. The kernel does not run on the CPU, so the word is set by hand."""
+    from conftest import get_tiny
+
+    from surgery.decode import DecodeError, generate
+    from surgery.decode.gdn_block import ERROR_WORD, new_sync, sync_failed
+
+    graph = hybrid(get_tiny("llama").graph.branch())
+    decoder = Decoder(graph, step_mode="static", verify=False)
+    want = generate(decoder, [prompt(graph)], 3)
+    first, *others = blocks(decoder)
+    first.sync = new_sync("cpu")
+    with pytest.raises(DecodeError, match="gave up waiting") as caught:  # the word set while the steps run
+        generate(decoder, [prompt(graph)], 3, stream=lambda row, token: first.sync.__setitem__(ERROR_WORD, 1))
+    assert first.failed and not sync_failed(first.sync) and not any(m.failed for m in others)
+    assert "SURGERY_GDN_BLOCKS=off" in str(caught.value)
+    assert generate(decoder, [prompt(graph)], 3) == want  # reported once; composing changes nothing on the CPU
+    first.sync[ERROR_WORD] = 1
+    with pytest.warns(UserWarning, match="gave up waiting"):
+        decoder.reset()
+    assert not sync_failed(first.sync)

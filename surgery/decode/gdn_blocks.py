@@ -23,6 +23,7 @@ bench/RESULTS.md, fiftieth session); SURGERY_GDN_BLOCK_FLAGS=off makes them meet
 from __future__ import annotations
 
 import operator
+import warnings
 
 import torch
 import torch.nn as nn
@@ -36,8 +37,8 @@ from ..errors import DecodeError
 from .fused_linears import LINEAR
 from .fused_norms import is_call, single_user
 from .flagged_words import new_exchange
-from .gdn_block import (STEP_ROWS, BlockShape, block_tiles, exchange_words, gdn_block_torch, gdn_block_triton, new_sync,
-                        swiglu_mlp, sync_failed, triton)
+from .gdn_block import (ERROR_WORD, STEP_ROWS, BlockShape, block_tiles, exchange_words, gdn_block_torch, gdn_block_triton,
+                        new_sync, swiglu_mlp, sync_failed, triton)
 from .gdn_state import GDNState
 from .gdn_tail import gdn_tail_triton, new_arrivals, tail_takes
 from .residual_norm import add_rms_norm
@@ -121,6 +122,7 @@ class GDNBlock(nn.Module):
                                w_d, b_d, shape, self.sync, limit, exchange=exchange)
         if first and not torch.cuda.is_current_stream_capturing() and sync_failed(self.sync):
             self.failed = True  # a wait timed out: the programs were not all resident (a GPU shared with other work?)
+            self.sync[ERROR_WORD] = 0  # reported here, not again by timed_out_blocks
             raise DecodeError("The one-kernel GDN decoder layer's programs could not all run at once on this GPU; this "
                               "step's output and GDN state are not to be trusted, and later steps use the layer's "
                               "separate kernels.", f"Reset the decoder and decode again, or set {ENV}=off.")
@@ -171,6 +173,42 @@ class GDNBlock(nn.Module):
         if block_tiles(shape, limit) is None:
             return "too wide for one program's registers"
         return limit
+
+
+def timed_out_blocks(gm: GraphModule) -> list[str]:
+    """Names of gm's GDN blocks whose kernel gave up waiting (a grid barrier or a flagged word's poll) since
+    the last look, each then marked failed (the next capture composes its kernels) and its error word
+    cleared. Only the first launch is checked as it runs (GDNBlock.forward); a replayed step that gives up
+    goes on with what it read, so its outputs from there on are not to be trusted, and this word is all
+    that shows it. One read of the words per device."""
+    found = [(name, m) for name, m in gm.named_modules() if isinstance(m, GDNBlock) and m.sync is not None]
+    by_device: dict = {}
+    for name, m in found:
+        by_device.setdefault(m.sync.device, []).append((name, m))
+    bad = []
+    for pairs in by_device.values():
+        words = torch.stack([m.sync[ERROR_WORD] for _, m in pairs]).tolist()
+        for (name, m), word in zip(pairs, words):
+            if word:
+                m.failed = True
+                m.sync[ERROR_WORD] = 0
+                bad.append(name)
+    return bad
+
+
+def report_timed_out(gm: GraphModule, warn: bool = False) -> None:
+    """Raise DecodeError (or, `warn`, warn) naming gm's GDN blocks that gave up waiting during the replayed steps
+    since the last look (timed_out_blocks); nothing when none did."""
+    names = timed_out_blocks(gm)
+    if not names:
+        return
+    error = DecodeError(f"The one-kernel GDN decoder layer{'s' if len(names) > 1 else ''} {', '.join(names)} gave up waiting "
+                        "for other programs during the last decode (its programs could not all run at once on this GPU); "
+                        "the tokens decoded since are not to be trusted, and later steps use the layers' separate kernels.",
+                        f"Decode again, or set {ENV}=off.")
+    if not warn:
+        raise error
+    warnings.warn(str(error), stacklevel=3)
 
 
 def _getitems(node: Node) -> dict[int, Node] | None:

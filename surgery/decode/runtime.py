@@ -27,7 +27,7 @@ from ..errors import DecodeError
 from .caches import DecodeState, KVCacheAttention
 from .fused_linears import fuse_sibling_linears
 from .fusions import fuse_elementwise
-from .gdn_blocks import fuse_gdn_blocks
+from .gdn_blocks import fuse_gdn_blocks, report_timed_out
 from .step_tables import hoist_tables
 from .gdn_state import GDNState
 from .lengths import FIX_FULL
@@ -150,7 +150,8 @@ class Decoder:
 
     def reset(self, batch_size: int | None = None, capacity: int | None = None) -> "Decoder":
         """Empty every cache. capacity (prompt + new tokens) preallocates the KV caches; without it
-        they start at the prefill's length and double."""
+        they start at the prefill's length and double (a warning where check_kernels would raise)."""
+        report_timed_out(self.step_gm, warn=True)
         if capacity is not None and capacity > self.max_length:
             raise DecodeError(f"A capacity of {capacity} tokens exceeds this graph's position limit of {self.max_length}.", "Use a shorter prompt or fewer new tokens.")
         if capacity is not None:
@@ -226,6 +227,10 @@ class Decoder:
             self.history.add(ids)
             return logits
         return self._feed(ids)
+
+    def check_kernels(self) -> None:
+        """DecodeError naming the one-kernel GDN layers that gave up waiting since the last look (gdn_blocks)."""
+        report_timed_out(self.step_gm)
 
     def cache_bytes(self, per_layer: bool = False) -> dict:
         """Bytes held by the caches, by layer kind ({"attention", "gdn", "total"}) or by layer."""

@@ -115,5 +115,6 @@ def generate(model, prompts, max_new_tokens: int, *, temperature: float | None =
             if bool(done.all()) or t == max_new_tokens - 1:
                 break
             logits = decoder.step(nxt[:, None])[:, -1]
+        decoder.check_kernels()  # a replayed step's kernel that gave up waiting: an error, not wrong tokens
     decoder.reset()
     return results
