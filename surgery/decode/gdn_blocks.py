@@ -120,13 +120,21 @@ class GDNBlock(nn.Module):
             exchange = self.exchange
         out = gdn_block_triton(a, b, w0, self.eps0, st.gdn, st.cache.recurrent, w_in, bias_in, w1, self.eps1, w_gu, b_gu,
                                w_d, b_d, shape, self.sync, limit, exchange=exchange)
-        if first and not torch.cuda.is_current_stream_capturing() and sync_failed(self.sync):
-            self.failed = True  # a wait timed out: the programs were not all resident (a GPU shared with other work?)
-            self.sync[ERROR_WORD] = 0  # reported here, not again by timed_out_blocks
+        if first and not torch.cuda.is_current_stream_capturing() and self.take_fault():
             raise DecodeError("The one-kernel GDN decoder layer's programs could not all run at once on this GPU; this "
                               "step's output and GDN state are not to be trusted, and later steps use the layer's "
                               "separate kernels.", f"Reset the decoder and decode again, or set {ENV}=off.")
         return out
+
+    def take_fault(self) -> bool:
+        """Whether a launch's wait timed out since the last look (the programs were not all resident: a GPU
+        shared with other work?); if so the layer composes its kernels from its next capture on, and the
+        error word is cleared so that each fault is reported once."""
+        if self.sync is None or not sync_failed(self.sync):
+            return False
+        self.failed = True
+        self.sync[ERROR_WORD] = 0
+        return True
 
     def tail(self, a, b, w0, w1, w_gu, b_gu, w_d, b_d, shape, projection):
         """The layer's kernels with the token step, o_proj and the post norm as one (surgery.decode.gdn_tail)."""
@@ -177,23 +185,10 @@ class GDNBlock(nn.Module):
 
 def timed_out_blocks(gm: GraphModule) -> list[str]:
     """Names of gm's GDN blocks whose kernel gave up waiting (a grid barrier or a flagged word's poll) since
-    the last look, each then marked failed (the next capture composes its kernels) and its error word
-    cleared. Only the first launch is checked as it runs (GDNBlock.forward); a replayed step that gives up
-    goes on with what it read, so its outputs from there on are not to be trusted, and this word is all
-    that shows it. One read of the words per device."""
-    found = [(name, m) for name, m in gm.named_modules() if isinstance(m, GDNBlock) and m.sync is not None]
-    by_device: dict = {}
-    for name, m in found:
-        by_device.setdefault(m.sync.device, []).append((name, m))
-    bad = []
-    for pairs in by_device.values():
-        words = torch.stack([m.sync[ERROR_WORD] for _, m in pairs]).tolist()
-        for (name, m), word in zip(pairs, words):
-            if word:
-                m.failed = True
-                m.sync[ERROR_WORD] = 0
-                bad.append(name)
-    return bad
+    the last look (GDNBlock.take_fault). Only the first launch is checked as it runs (GDNBlock.forward); a
+    replayed step that gives up goes on with what it read, so its outputs from there on are not to be
+    trusted, and the block's error word is all that shows it."""
+    return [name for name, m in gm.named_modules() if isinstance(m, GDNBlock) and m.take_fault()]
 
 
 def report_timed_out(gm: GraphModule, warn: bool = False) -> None:
