@@ -162,21 +162,27 @@ def assert_near(got, want, state, want_state):
     torch.testing.assert_close(state, want_state, rtol=1e-3, atol=2e-3)
 
 
+def cuda_block(rows: int, flagged: bool):
+    """block_inputs at SmolLM2's widths in bf16 on CUDA, then the kernel's shape, counters, exchange buffer (where
+    `flagged`) and program limit (the SM count)."""
+    from surgery.decode.flagged_words import new_exchange
+    from surgery.decode.gdn_block import exchange_words, new_sync
+    from surgery.decode.gdn_blocks import block_shape
+
+    inputs = block_inputs(torch.bfloat16, rows, False, hidden=576, heads=9, dim=64, inter=1536, device="cuda")
+    shape = block_shape(inputs[0], inputs[1][0].shape[0], 1536, True)
+    exchange = new_exchange(exchange_words(shape, rows), "cuda") if flagged else None
+    return (*inputs, shape, new_sync("cuda"), exchange, torch.cuda.get_device_properties(0).multi_processor_count)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available() or not HAS_TRITON, reason="needs CUDA and Triton")
 @pytest.mark.parametrize("rows,flagged", [(1, False), (16, False), (1, True), (16, True)])
 def test_one_launch_matches_the_composed_kernels_on_cuda(rows, flagged):
     """The programs meeting between phases (or handing flagged words over), at SmolLM2's widths in bf16: three
     steps in a row (the counters count on for the next launch), then the same steps replayed from a CUDA graph."""
-    from surgery.decode.flagged_words import new_exchange
-    from surgery.decode.gdn_block import block_programs, exchange_words, gdn_block_triton, new_sync, sync_failed
-    from surgery.decode.gdn_blocks import block_shape
+    from surgery.decode.gdn_block import block_programs, gdn_block_triton, sync_failed
 
-    layer, proj, a, b, w0, w1, w_gu, b_gu, w_d, b_d, state = block_inputs(
-        torch.bfloat16, rows, False, hidden=576, heads=9, dim=64, inter=1536, device="cuda")
-    shape = block_shape(layer, proj[0].shape[0], 1536, True)
-    sync = new_sync("cuda")
-    exchange = new_exchange(exchange_words(shape, rows), "cuda") if flagged else None
-    programs = torch.cuda.get_device_properties(0).multi_processor_count
+    layer, proj, a, b, w0, w1, w_gu, b_gu, w_d, b_d, state, shape, sync, exchange, programs = cuda_block(rows, flagged)
     launches = 0
 
     def counted():  # each launch's programs all arrived at each of the four meetings (the flagged form: at its
@@ -204,6 +210,43 @@ def test_one_launch_matches_the_composed_kernels_on_cuda(rows, flagged):
             launches += 1
             assert_near(out, want, mine, state)
         counted()  # the capture itself launched nothing
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not HAS_TRITON, reason="needs CUDA and Triton")
+@pytest.mark.parametrize("rows,flagged", [(1, False), (1, True), (16, True)])
+def test_one_launch_is_deterministic_on_cuda(rows, flagged):
+    """The same launch from the same state, again and again, eagerly and replayed: every output and state bit-identical
+    to the first launch's. The kernel's sums have one order, and its programs' timing differs from launch to launch:
+    any difference is a program that read a value before it was there, which a comparison within a tolerance (as
+    against the composed kernels above) can pass."""
+    from surgery.decode.gdn_block import gdn_block_triton, sync_failed
+
+    layer, proj, a, b, w0, w1, w_gu, b_gu, w_d, b_d, state, shape, sync, exchange, programs = cuda_block(rows, flagged)
+    mine = state.clone()
+
+    def launch():
+        return gdn_block_triton(a, b, w0, 1e-6, layer, mine, *proj, w1, 1e-5, w_gu, b_gu, w_d, b_d, shape, sync,
+                                programs, exchange=exchange)
+
+    def outcome(out):
+        return torch.cat([out[0].flatten().float(), out[1].flatten().float(), mine.flatten()])
+
+    with torch.no_grad():
+        first = outcome(launch())
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            replayed = launch()
+        differ = []
+        for i in range(60):
+            mine.copy_(state)
+            if i % 2:
+                graph.replay()
+                got = outcome(replayed)
+            else:
+                got = outcome(launch())
+            if not torch.equal(got, first):
+                differ.append((i, (got - first).abs().max().item()))
+    assert not differ and not sync_failed(sync), (differ, sync)
 
 
 def cuda_llama_hybrid():

@@ -239,12 +239,17 @@ if triton is not None:
         return s.to(tl.float32)
 
     @triton.jit
-    def _store_row(out, acc, bias, r, n0, N, BN: tl.constexpr, HAS_BIAS: tl.constexpr):
-        """out[r, n0:n0 + BN] = round(acc + bias) (out [rows, N])."""
+    def _write_row(out, acc, bias, r, n0, N, number, dtype: tl.constexpr, BN: tl.constexpr, HAS_BIAS: tl.constexpr,
+                   FLAGGED: tl.constexpr):
+        """Row r, columns [n0, n0 + BN) of a [rows, N] output = round(acc + bias): stored, or (FLAGGED) written to a
+        flagged region with this launch's number."""
         n = n0 + tl.arange(0, BN)
         if HAS_BIAS:
             acc += tl.load(bias + n, mask=n < N, other=0).to(tl.float32)
-        tl.store(out + r * N + n, acc.to(out.dtype.element_ty), mask=n < N)
+        if FLAGGED:
+            flag_store(out, r * N + n, acc.to(dtype), n < N, number)
+        else:
+            tl.store(out + r * N + n, acc.to(dtype), mask=n < N)
 
     @triton.jit
     def _swiglu(gate, up, gate_bias, up_bias, n0, N, dtype: tl.constexpr, BN: tl.constexpr, HAS_BIAS: tl.constexpr):
@@ -256,14 +261,6 @@ if triton is not None:
         gate = gate.to(dtype).to(tl.float32)
         up = up.to(dtype).to(tl.float32)
         return gate * tl.sigmoid(gate) * up
-
-    @triton.jit
-    def _flag_row(ex, acc, bias, r, n0, N, number, dtype: tl.constexpr, BN: tl.constexpr, HAS_BIAS: tl.constexpr):
-        """Row r, columns [n0, n0 + BN) of a [rows, N] flagged region = round(acc + bias), with this launch's number."""
-        n = n0 + tl.arange(0, BN)
-        if HAS_BIAS:
-            acc += tl.load(bias + n, mask=n < N, other=0).to(tl.float32)
-        flag_store(ex, r * N + n, acc.to(dtype), n < N, number)
 
     @triton.jit
     def _gdn_block_kernel(a, b, w0, w_in, bias_in, proj, h,
@@ -308,9 +305,9 @@ if triton is not None:
                 x0, x1, x2 = _normed_row3(a, b, w0, h, keeper, r, eps0, HID, HP0, HP1, HP2, HAS_W0)
                 acc = _mv3(x0, x1, x2, wi0, wi1, wi2, HP1, HP2)
                 if FLAGS:
-                    _flag_row(ex_proj, acc, bias_in, r, pid * BN_IN, N_IN, number, dt, BN_IN, HAS_BIAS_IN)
+                    _write_row(ex_proj, acc, bias_in, r, pid * BN_IN, N_IN, number, dt, BN_IN, HAS_BIAS_IN, True)
                 else:
-                    _store_row(proj, acc, bias_in, r, pid * BN_IN, N_IN, BN_IN, HAS_BIAS_IN)
+                    _write_row(proj, acc, bias_in, r, pid * BN_IN, N_IN, number, dt, BN_IN, HAS_BIAS_IN, False)
             if LAST > 1 and not FLAGS:
                 proj += grid_wait(sync, 0, nprog)
         if FIRST <= 2 and LAST >= 2:  # the token step, one (row, head) at a time
@@ -340,12 +337,12 @@ if triton is not None:
             for r in tl.static_range(ROWS):
                 if FLAGS:
                     x0, x1, x2 = flagged_row3(ex_core, r, number, error, H * D, IP0, IP1, IP2)
-                    _flag_row(ex_y, _mv3(x0, x1, x2, wo0, wo1, wo2, IP1, IP2), bias_o, r, pid * BN_O, HID, number, dt,
-                              BN_O, HAS_BIAS_O)
+                    _write_row(ex_y, _mv3(x0, x1, x2, wo0, wo1, wo2, IP1, IP2), bias_o, r, pid * BN_O, HID, number, dt,
+                               BN_O, HAS_BIAS_O, True)
                 else:
                     x0, x1, x2 = _row3(core, r, H * D, IP0, IP1, IP2)
-                    _store_row(y, _mv3(x0, x1, x2, wo0, wo1, wo2, IP1, IP2), bias_o, r, pid * BN_O, HID, BN_O,
-                               HAS_BIAS_O)
+                    _write_row(y, _mv3(x0, x1, x2, wo0, wo1, wo2, IP1, IP2), bias_o, r, pid * BN_O, HID, number, dt,
+                               BN_O, HAS_BIAS_O, False)
             if LAST > 3:
                 g0, g1, g2 = _fetch(w_gu, pid * BN_GU, INTER, HID, BN_GU, HP0, HP1, HP2)
                 u0, u1, u2 = _fetch(w_gu + INTER * HID, pid * BN_GU, INTER, HID, BN_GU, HP0, HP1, HP2)
@@ -371,9 +368,9 @@ if triton is not None:
                 else:
                     prod = _swiglu(second, first, bias_gu + INTER, bias_gu, pid * BN_GU, INTER, dt, BN_GU, HAS_BIAS_GU)
                 if FLAGS:
-                    _flag_row(ex_m, prod, bias_gu, r, pid * BN_GU, INTER, number, dt, BN_GU, False)
+                    _write_row(ex_m, prod, bias_gu, r, pid * BN_GU, INTER, number, dt, BN_GU, False, True)
                 else:
-                    _store_row(m, prod, bias_gu, r, pid * BN_GU, INTER, BN_GU, False)
+                    _write_row(m, prod, bias_gu, r, pid * BN_GU, INTER, number, dt, BN_GU, False, False)
             if LAST > 4:
                 d0, d1, d2 = _fetch(w_d, pid * BN_D, HID, INTER, BN_D, XP0, XP1, XP2)
                 if not FLAGS:
@@ -386,7 +383,8 @@ if triton is not None:
                     x0, x1, x2 = flagged_row3(ex_m, r, number, error, INTER, XP0, XP1, XP2)
                 else:
                     x0, x1, x2 = _row3(m, r, INTER, XP0, XP1, XP2)
-                _store_row(d_out, _mv3(x0, x1, x2, d0, d1, d2, XP1, XP2), bias_d, r, pid * BN_D, HID, BN_D, HAS_BIAS_D)
+                _write_row(d_out, _mv3(x0, x1, x2, d0, d1, d2, XP1, XP2), bias_d, r, pid * BN_D, HID, number, dt, BN_D,
+                           HAS_BIAS_D, False)
 
 
 def new_sync(device) -> torch.Tensor:
