@@ -304,10 +304,8 @@ if triton is not None:
             for r in tl.static_range(ROWS):
                 x0, x1, x2 = _normed_row3(a, b, w0, h, keeper, r, eps0, HID, HP0, HP1, HP2, HAS_W0)
                 acc = _mv3(x0, x1, x2, wi0, wi1, wi2, HP1, HP2)
-                if FLAGS:
-                    _write_row(ex_proj, acc, bias_in, r, pid * BN_IN, N_IN, number, dt, BN_IN, HAS_BIAS_IN, True)
-                else:
-                    _write_row(proj, acc, bias_in, r, pid * BN_IN, N_IN, number, dt, BN_IN, HAS_BIAS_IN, False)
+                _write_row(ex_proj if FLAGS else proj, acc, bias_in, r, pid * BN_IN, N_IN, number, dt, BN_IN,
+                           HAS_BIAS_IN, FLAGS)
             if LAST > 1 and not FLAGS:
                 proj += grid_wait(sync, 0, nprog)
         if FIRST <= 2 and LAST >= 2:  # the token step, one (row, head) at a time
@@ -337,12 +335,10 @@ if triton is not None:
             for r in tl.static_range(ROWS):
                 if FLAGS:
                     x0, x1, x2 = flagged_row3(ex_core, r, number, error, H * D, IP0, IP1, IP2)
-                    _write_row(ex_y, _mv3(x0, x1, x2, wo0, wo1, wo2, IP1, IP2), bias_o, r, pid * BN_O, HID, number, dt,
-                               BN_O, HAS_BIAS_O, True)
                 else:
                     x0, x1, x2 = _row3(core, r, H * D, IP0, IP1, IP2)
-                    _write_row(y, _mv3(x0, x1, x2, wo0, wo1, wo2, IP1, IP2), bias_o, r, pid * BN_O, HID, number, dt,
-                               BN_O, HAS_BIAS_O, False)
+                _write_row(ex_y if FLAGS else y, _mv3(x0, x1, x2, wo0, wo1, wo2, IP1, IP2), bias_o, r, pid * BN_O, HID,
+                           number, dt, BN_O, HAS_BIAS_O, FLAGS)
             if LAST > 3:
                 g0, g1, g2 = _fetch(w_gu, pid * BN_GU, INTER, HID, BN_GU, HP0, HP1, HP2)
                 u0, u1, u2 = _fetch(w_gu + INTER * HID, pid * BN_GU, INTER, HID, BN_GU, HP0, HP1, HP2)
@@ -367,10 +363,7 @@ if triton is not None:
                     prod = _swiglu(first, second, bias_gu, bias_gu + INTER, pid * BN_GU, INTER, dt, BN_GU, HAS_BIAS_GU)
                 else:
                     prod = _swiglu(second, first, bias_gu + INTER, bias_gu, pid * BN_GU, INTER, dt, BN_GU, HAS_BIAS_GU)
-                if FLAGS:
-                    _write_row(ex_m, prod, bias_gu, r, pid * BN_GU, INTER, number, dt, BN_GU, False, True)
-                else:
-                    _write_row(m, prod, bias_gu, r, pid * BN_GU, INTER, number, dt, BN_GU, False, False)
+                _write_row(ex_m if FLAGS else m, prod, bias_gu, r, pid * BN_GU, INTER, number, dt, BN_GU, False, FLAGS)
             if LAST > 4:
                 d0, d1, d2 = _fetch(w_d, pid * BN_D, HID, INTER, BN_D, XP0, XP1, XP2)
                 if not FLAGS:
