@@ -9,7 +9,8 @@ one 64-bit word whose high half is the launch's number and whose low half the va
 (already rounded to the model's dtype, as the composed kernels round it): one aligned 8-byte store,
 which the GPU makes visible whole, says both what the value is and that it is there. A reader loads
 its words until every one carries its launch's number (the idea of NCCL's LL protocol), so the read
-that finds them ready is the read of the data. A launch's number comes from a counter that only
+that finds them ready is the read of the data (and where Triton holds a word in several threads, each
+copy is checked again after the test: `_again`). A launch's number comes from a counter that only
 grows (the arrivals of all launches before it, as gdn_block's grid_wait counts): words that earlier
 launches left are never taken for this one's, and nothing is reset.
 
@@ -69,6 +70,21 @@ if triton is not None:
         return tl.load(ex + r * K + c, mask=c < K, other=0, volatile=True), c < K
 
     @triton.jit
+    def _again(address, words, mask, number):
+        """`words` once more where this thread's copy does not carry `number`. Triton holds a small tensor in
+        several threads at once (replicas), each loading it itself, and the ready test reduces over one
+        replica: another may still hold words it read before they arrived (seen on an H100: whole rows of
+        the step before, or of the zeros a fresh buffer starts with). The test's reduction meets at a
+        barrier after a thread found every word there, so this read, issued after it, finds them too; a
+        thread whose copy is current issues nothing."""
+        return tl.load(address, mask=mask & ((words >> 32) != number), other=words, volatile=True)
+
+    @triton.jit
+    def _piece_again(ex, r, k0, words, number, P: tl.constexpr, K: tl.constexpr):
+        c = k0 + tl.arange(0, P)
+        return _value(_again(ex + r * K + c, words, c < K, number), c < K)
+
+    @triton.jit
     def _row_words3(ex, r, number, K: tl.constexpr, P0: tl.constexpr, P1: tl.constexpr, P2: tl.constexpr):
         """One read of a row's pieces (every load issued at once) and whether all carry `number`."""
         w0, m0 = _piece(ex, r, 0, P0, K)
@@ -91,7 +107,14 @@ if triton is not None:
             polls += 1
         if ready == 0:
             tl.atomic_xchg(error, 1)
-        return _value(w0, m0), _value(w1, m1), _value(w2, m2)
+        x0 = _piece_again(ex, r, 0, w0, number, P0, K)
+        x1 = x0
+        x2 = x0
+        if P1 > 0:
+            x1 = _piece_again(ex, r, P0, w1, number, P1, K)
+        if P2 > 0:
+            x2 = _piece_again(ex, r, P0 + P1, w2, number, P2, K)
+        return x0, x1, x2
 
     @triton.jit
     def _head_words(row, h, number, Q: tl.constexpr, K_: tl.constexpr, V: tl.constexpr, A: tl.constexpr,
@@ -123,8 +146,13 @@ if triton is not None:
             polls += 1
         if ready == 0:
             tl.atomic_xchg(error, 1)
-        inside = tl.arange(0, BD) < D
+        d = tl.arange(0, BD)
+        inside = d < D
         two = tl.arange(0, 2)
-        scalars = _value(ws, two >= 0)
+        wq = _again(row + Q + h * D + d, wq, inside, number)
+        wk = _again(row + K_ + h * D + d, wk, inside, number)
+        wv = _again(row + V + h * D + d, wv, inside, number)
+        wg = _again(row + G + h * D + d, wg, inside, number)
+        scalars = _value(_again(row + tl.where(two == 0, A + h, B + h), ws, two >= 0, number), two >= 0)
         return (_value(wq, inside), _value(wk, inside), _value(wv, inside), _value(wg, inside),
                 tl.sum(tl.where(two == 0, scalars, 0.0), 0), tl.sum(tl.where(two == 1, scalars, 0.0), 0))
