@@ -38,6 +38,7 @@ def new_exchange(words: int, device) -> torch.Tensor:
 
 if triton is not None:
     POLL_LIMIT = tl.constexpr(MAX_POLLS)
+    THREADS_MAX = tl.constexpr(1024)
 
     @triton.jit
     def launch_number(ex, nprog, first: tl.constexpr):
@@ -59,6 +60,15 @@ if triton is not None:
     def _ready(words, mask, number):
         """1 where every masked word carries `number`, else 0 (a scalar)."""
         return tl.min(((words >> 32) == number) | (mask == 0), 0).to(tl.int32)
+
+    @triton.jit
+    def _everywhere(ready):
+        """1 only where every thread's `ready` is 1. A test over a tensor that fits in one warp is reduced
+        within each warp, from that warp's own copy, so warps can disagree; a poll loop whose threads leave
+        it at different rounds would then meet the other tests' barriers out of step. Each thread's own
+        value goes into a tensor that holds one element per thread or more (THREADS_MAX covers 32 warps),
+        whose reduction crosses warps."""
+        return tl.min(tl.full([THREADS_MAX], 1, tl.int32) * ready, 0)
 
     @triton.jit
     def _value(words, mask):
@@ -94,7 +104,8 @@ if triton is not None:
             w1, m1 = _piece(ex, r, P0, P1, K)
         if P2 > 0:
             w2, m2 = _piece(ex, r, P0 + P1, P2, K)
-        return w0, m0, w1, m1, w2, m2, _ready(w0, m0, number) & _ready(w1, m1, number) & _ready(w2, m2, number)
+        return w0, m0, w1, m1, w2, m2, _everywhere(_ready(w0, m0, number) & _ready(w1, m1, number)
+                                                   & _ready(w2, m2, number))
 
     @triton.jit
     def flagged_row3(ex, r, number, error, K: tl.constexpr, P0: tl.constexpr, P1: tl.constexpr, P2: tl.constexpr):
@@ -131,7 +142,7 @@ if triton is not None:
         ws = tl.load(row + tl.where(two == 0, A + h, B + h), volatile=True)
         ready = _ready(wq, inside, number) & _ready(wk, inside, number) & _ready(wv, inside, number) \
             & _ready(wg, inside, number) & _ready(ws, two >= 0, number)
-        return wq, wk, wv, wg, ws, ready
+        return wq, wk, wv, wg, ws, _everywhere(ready)
 
     @triton.jit
     def flagged_head(ex, r, h, number, error, N: tl.constexpr, Q: tl.constexpr, K_: tl.constexpr, V: tl.constexpr,
