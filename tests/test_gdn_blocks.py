@@ -245,10 +245,10 @@ def test_one_launch_is_deterministic_on_cuda(rows, flagged, poison):
         with torch.cuda.graph(graph):
             replayed = launch()
         differ = []
+        body = exchange[HEADER_WORDS:] if poison else None  # the flagged words
         for i in range(200 if poison else 60):
             mine.copy_(state)
             if poison:
-                body = exchange[HEADER_WORDS:]
                 body.copy_((body & -(1 << 32)) | 0x7FC00000)  # the old launch numbers, NaN values
             if i % 2:
                 graph.replay()

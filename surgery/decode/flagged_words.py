@@ -75,9 +75,15 @@ if triton is not None:
         return tl.where(mask, words.to(tl.uint32).to(tl.float32, bitcast=True), 0.0)
 
     @triton.jit
-    def _piece(ex, r, k0, P: tl.constexpr, K: tl.constexpr):
+    def _piece_words(ex, r, k0, P: tl.constexpr, K: tl.constexpr):
+        """The addresses of a row's piece [k0, k0 + P) and which lie inside the row."""
         c = k0 + tl.arange(0, P)
-        return tl.load(ex + r * K + c, mask=c < K, other=0, volatile=True), c < K
+        return ex + r * K + c, c < K
+
+    @triton.jit
+    def _piece(ex, r, k0, P: tl.constexpr, K: tl.constexpr):
+        address, mask = _piece_words(ex, r, k0, P, K)
+        return tl.load(address, mask=mask, other=0, volatile=True), mask
 
     @triton.jit
     def _again(address, words, mask, number):
@@ -91,8 +97,8 @@ if triton is not None:
 
     @triton.jit
     def _piece_again(ex, r, k0, words, number, P: tl.constexpr, K: tl.constexpr):
-        c = k0 + tl.arange(0, P)
-        return _value(_again(ex + r * K + c, words, c < K, number), c < K)
+        address, mask = _piece_words(ex, r, k0, P, K)
+        return _value(_again(address, words, mask, number), mask)
 
     @triton.jit
     def _row_words3(ex, r, number, K: tl.constexpr, P0: tl.constexpr, P1: tl.constexpr, P2: tl.constexpr):
@@ -128,18 +134,27 @@ if triton is not None:
         return x0, x1, x2
 
     @triton.jit
+    def _head_addresses(row, h, Q: tl.constexpr, K_: tl.constexpr, V: tl.constexpr, A: tl.constexpr,
+                        B: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BD: tl.constexpr):
+        """Where a head's q, k, v and gate words [BD] and its (a, b) pair [2] lie in a projection row."""
+        d = tl.arange(0, BD)
+        two = tl.arange(0, 2)
+        return (row + Q + h * D + d, row + K_ + h * D + d, row + V + h * D + d, row + G + h * D + d,
+                row + tl.where(two == 0, A + h, B + h))
+
+    @triton.jit
     def _head_words(row, h, number, Q: tl.constexpr, K_: tl.constexpr, V: tl.constexpr, A: tl.constexpr,
                     B: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BD: tl.constexpr):
         """One read of a head's q, k, v, gate words and its (a, b) pair (every load issued at once), and whether
         all carry `number`."""
-        d = tl.arange(0, BD)
-        inside = d < D
+        inside = tl.arange(0, BD) < D
         two = tl.arange(0, 2)
-        wq = tl.load(row + Q + h * D + d, mask=inside, other=0, volatile=True)
-        wk = tl.load(row + K_ + h * D + d, mask=inside, other=0, volatile=True)
-        wv = tl.load(row + V + h * D + d, mask=inside, other=0, volatile=True)
-        wg = tl.load(row + G + h * D + d, mask=inside, other=0, volatile=True)
-        ws = tl.load(row + tl.where(two == 0, A + h, B + h), volatile=True)
+        pq, pk, pv, pg, ps = _head_addresses(row, h, Q, K_, V, A, B, G, D, BD)
+        wq = tl.load(pq, mask=inside, other=0, volatile=True)
+        wk = tl.load(pk, mask=inside, other=0, volatile=True)
+        wv = tl.load(pv, mask=inside, other=0, volatile=True)
+        wg = tl.load(pg, mask=inside, other=0, volatile=True)
+        ws = tl.load(ps, volatile=True)
         ready = _ready(wq, inside, number) & _ready(wk, inside, number) & _ready(wv, inside, number) \
             & _ready(wg, inside, number) & _ready(ws, two >= 0, number)
         return wq, wk, wv, wg, ws, _everywhere(ready)
@@ -157,13 +172,13 @@ if triton is not None:
             polls += 1
         if ready == 0:
             tl.atomic_xchg(error, 1)
-        d = tl.arange(0, BD)
-        inside = d < D
+        inside = tl.arange(0, BD) < D
         two = tl.arange(0, 2)
-        wq = _again(row + Q + h * D + d, wq, inside, number)
-        wk = _again(row + K_ + h * D + d, wk, inside, number)
-        wv = _again(row + V + h * D + d, wv, inside, number)
-        wg = _again(row + G + h * D + d, wg, inside, number)
-        scalars = _value(_again(row + tl.where(two == 0, A + h, B + h), ws, two >= 0, number), two >= 0)
+        pq, pk, pv, pg, ps = _head_addresses(row, h, Q, K_, V, A, B, G, D, BD)
+        wq = _again(pq, wq, inside, number)
+        wk = _again(pk, wk, inside, number)
+        wv = _again(pv, wv, inside, number)
+        wg = _again(pg, wg, inside, number)
+        scalars = _value(_again(ps, ws, two >= 0, number), two >= 0)
         return (_value(wq, inside), _value(wk, inside), _value(wv, inside), _value(wg, inside),
                 tl.sum(tl.where(two == 0, scalars, 0.0), 0), tl.sum(tl.where(two == 1, scalars, 0.0), 0))
