@@ -117,7 +117,7 @@ def gdn_layer_rows(rows) -> None:
             rows.add("GDN layer, composed kernels", f"{m} x 576", "layer", base, "us")
             shape = block_shape(layer, w_in.shape[0], 1536, True)
             sync = new_sync("cuda")
-            programs = block_programs(shape, sms)
+            programs = block_programs(shape, sms, m)
             exchange = new_exchange(exchange_words(shape, m), "cuda")
             for form, flagged in LAYER_FORMS:
                 ex = exchange if flagged else None

@@ -84,6 +84,7 @@ if triton is not None:
         """Row n, head h: its [D, D] state tile in registers, read once, written once; returns the
         gated-normed output, float32 [BD] (zeros past D), for the caller to store or use (inputs that
         other programs of the same launch wrote: CACHE ".cg" reads them from L2, past this SM's L1)."""
+        held_s, bias, a_log, weight = token_step_held(A_log, dt_bias, norm_weight, state, n, h, H, D, BD, CHANNEL_DECAY)
         d = tl.arange(0, BD)
         inside = d < D
         vec = h * D + d
@@ -96,32 +97,42 @@ if triton is not None:
             a_raw = tl.load(a + n * stride_a + vec, mask=inside, other=0, cache_modifier=CACHE).to(tl.float32)
         else:
             a_raw = tl.load(a + n * stride_a + h, cache_modifier=CACHE).to(tl.float32)
-        return token_step_values(b_q, b_k, b_v, b_gate, b_raw, a_raw, A_log, dt_bias, norm_weight, state, n, h, scale,
-                                 norm_eps, H, D, BD, V_SILU, CHANNEL_DECAY)
+        return token_step_from_held(b_q, b_k, b_v, b_gate, b_raw, a_raw, held_s, bias, a_log, weight, state, n, h,
+                                    scale, norm_eps, H, D, BD, V_SILU, CHANNEL_DECAY)
 
     @triton.jit
-    def token_step_values(b_q, b_k, b_v, b_gate, b_raw, a_raw, A_log, dt_bias, norm_weight, state, n, h, scale,
-                          norm_eps, H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, V_SILU: tl.constexpr,
-                          CHANNEL_DECAY: tl.constexpr):
-        """token_step_normed from its inputs already read, float32: q, k, v and gate [BD] (zeros past D), b_raw a
-        scalar, a_raw a scalar or (CHANNEL_DECAY) [BD] (for a caller that reads them its own way)."""
+    def token_step_held(A_log, dt_bias, norm_weight, state, n, h, H: tl.constexpr, D: tl.constexpr,
+                        BD: tl.constexpr, CHANNEL_DECAY: tl.constexpr):
+        """What row n, head h's step reads besides its projections: the state tile [BD, BD], dt_bias (a scalar, or
+        [BD] per channel), A_log and the output norm's weight [BD], float32. A caller that waits for the
+        projections loads these first, so their latency (the state comes from HBM) passes during the wait."""
         d = tl.arange(0, BD)
         inside = d < D
-        vec = h * D + d
+        tile = state + (n * H + h) * D * D + d[:, None] * D + d[None, :]
+        s = tl.load(tile, mask=inside[:, None] & inside[None, :], other=0)
+        if CHANNEL_DECAY:
+            bias = tl.load(dt_bias + h * D + d, mask=inside, other=0).to(tl.float32)
+        else:
+            bias = tl.load(dt_bias + h).to(tl.float32)
+        a_log = tl.load(A_log + h).to(tl.float32)
+        weight = tl.load(norm_weight + d, mask=inside, other=0).to(tl.float32)
+        return s, bias, a_log, weight
+
+    @triton.jit
+    def token_step_from_held(b_q, b_k, b_v, b_gate, b_raw, a_raw, s, bias, a_log, weight, state, n, h, scale,
+                             norm_eps, H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, V_SILU: tl.constexpr,
+                             CHANNEL_DECAY: tl.constexpr):
+        """The step from its projections and token_step_held's values; the new state tile is stored in place."""
+        d = tl.arange(0, BD)
+        inside = d < D
         b_q = b_q * tl.sigmoid(b_q)
         b_k = b_k * tl.sigmoid(b_k)
         if V_SILU:
             b_v = b_v * tl.sigmoid(b_v)
         b_beta = tl.sigmoid(b_raw)
-        if CHANNEL_DECAY:
-            x = a_raw + tl.load(dt_bias + vec, mask=inside, other=0).to(tl.float32)
-        else:
-            x = a_raw + tl.load(dt_bias + h).to(tl.float32)
+        x = a_raw + bias
         softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
-        decay = tl.exp(-tl.exp(tl.load(A_log + h).to(tl.float32)) * softplus)
-        tile = state + (n * H + h) * D * D + d[:, None] * D + d[None, :]
-        both = inside[:, None] & inside[None, :]
-        s = tl.load(tile, mask=both, other=0)
+        decay = tl.exp(-tl.exp(a_log) * softplus)
         # Every reduction the output needs, at one level (they read only the loads): with the decayed state
         # S' = decay S, delta = beta (v - S'^T k) and o = (S' + k delta^T)^T q = S'^T q + (k.q) delta, so
         # the output waits for one round of sums, not three (S'^T k, then the update, then the new S'^T q);
@@ -138,9 +149,8 @@ if triton is not None:
         else:
             s = s * decay
         s += (b_k * rk)[:, None] * delta[None, :]
-        tl.store(tile, s, mask=both)
+        tl.store(state + (n * H + h) * D * D + d[:, None] * D + d[None, :], s, mask=inside[:, None] & inside[None, :])
         rms = tl.sqrt(tl.sum(o * o) / D + norm_eps)
-        weight = tl.load(norm_weight + d, mask=inside, other=0).to(tl.float32)
         return o / rms * weight * (b_gate * tl.sigmoid(b_gate))
 
     @triton.jit

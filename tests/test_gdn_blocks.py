@@ -154,6 +154,33 @@ def test_kernel_phases_match_the_composed_kernels_in_the_interpreter():
     assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-3000:]
 
 
+@pytest.mark.skipif(not HAS_TRITON, reason="needs Triton (the kernel's constants)")
+@pytest.mark.parametrize("rows,limit", [(1, 132), (1, 96), (16, 132)])
+def test_each_phase_takes_programs_idle_in_the_phase_before(rows, limit):
+    """Every tile of every matmul phase has one program; at one row on 132 SMs (SmolLM2's widths on an H100 or H200)
+    the input projection and o_proj leave the token step's programs free, gate/up starts past o_proj's and down is
+    not on gate/up's, so a phase's programs hold their weights when its inputs arrive (with fewer programs the phases
+    share, each tile still once)."""
+    from surgery.decode.gdn_block import shape_constants
+    from surgery.decode.gdn_blocks import block_shape
+
+    layer, proj = block_inputs(torch.bfloat16, rows, False, hidden=576, heads=9, dim=64, inter=1536)[:2]
+    c = shape_constants(block_shape(layer, proj[0].shape[0], 1536, True), rows, limit)
+    n = c["nprog"]
+
+    def programs(key, columns, offset):
+        owners = [(t + offset) % n for t in range(-(-columns // c[f"BN_{key}"]))]
+        assert len(set(owners)) == len(owners) and max(owners) < n
+        return set(owners)
+
+    tiles = dict(IN=programs("IN", c["N_IN"], c["OFF_IN"]), O=programs("O", c["HID"], c["OFF_O"]),
+                 GU=programs("GU", c["INTER"], c["OFF_GU"]), D=programs("D", c["HID"], c["OFF_D"]))
+    token = {item % n for item in range(rows * c["H"])}
+    if (rows, limit) == (1, 132):
+        assert n == 132 and not (tiles["IN"] | tiles["O"]) & token and not tiles["GU"] & tiles["O"]
+        assert not tiles["D"] & tiles["GU"]
+
+
 def assert_near(got, want, state, want_state):
     """bf16 outputs of sums over 576-1,536 terms: the kernel and cuBLAS add in different orders, so they
     differ by about one bf16 step at each output's own scale (|d| reaches ~600 here: a step of 4), and
@@ -187,7 +214,7 @@ def test_one_launch_matches_the_composed_kernels_on_cuda(rows, flagged):
     launches = 0
 
     def counted():  # each launch's programs all arrived at each of the four meetings (the flagged form: at its
-        count = launches * block_programs(shape, programs)  # launch counter, never meeting), and none timed out
+        count = launches * block_programs(shape, programs, rows)  # launch counter, never meeting), and none timed out
         assert sync[:4].tolist() == [0 if flagged else count] * 4 and not sync_failed(sync), sync
         assert not flagged or exchange[0].item() == count, exchange[:1]
 

@@ -87,7 +87,7 @@ def swiglu_mlp(n2, w_gu, b_gu, w_d, b_d, inter: int, gate_first: bool) -> torch.
 
 
 if triton is not None:
-    from tcal.token_step import token_step_tile, token_step_values
+    from tcal.token_step import token_step_from_held, token_step_held, token_step_tile
 
     from .flagged_words import flag_store, flagged_head, flagged_row3, launch_number
 
@@ -173,18 +173,31 @@ if triton is not None:
         return _put_piece(_row_piece(a, r, k0, P, K) + _row_piece(b, r, k0, P, K), out, store, r, k0, P, K)
 
     @triton.jit
-    def _scaled(s, rstd, w, k0, P: tl.constexpr, K: tl.constexpr, HAS_W: tl.constexpr, dtype: tl.constexpr):
-        x = s * rstd
+    def _weight_piece(w, k0, P: tl.constexpr, K: tl.constexpr, HAS_W: tl.constexpr):
+        c = k0 + tl.arange(0, P)
         if HAS_W:
-            c = k0 + tl.arange(0, P)
-            x = x * tl.load(w + c, mask=c < K, other=0).to(tl.float32)
-        return x.to(dtype).to(tl.float32)
+            return tl.load(w + c, mask=c < K, other=0).to(tl.float32)
+        return tl.full([P], 1.0, tl.float32)
 
     @triton.jit
-    def _normed_row3(a, b, w, out, store, r, eps, K: tl.constexpr, P0: tl.constexpr, P1: tl.constexpr,
-                     P2: tl.constexpr, HAS_W: tl.constexpr):
-        """Row r of rms_norm(h) * w in pieces (rounded to the model's dtype), h = round(a + b) written to
-        out where `store`: the residual add and the norm as the add_rms_norm kernel computes them."""
+    def _weight3(w, K: tl.constexpr, P0: tl.constexpr, P1: tl.constexpr, P2: tl.constexpr, HAS_W: tl.constexpr):
+        """A norm's weight in pieces, float32 (ones where the norm has none): loaded before a phase waits, as its
+        matmul's tile is, since no phase writes it."""
+        v0 = _weight_piece(w, 0, P0, K, HAS_W)
+        v1 = v0
+        v2 = v0
+        if P1 > 0:
+            v1 = _weight_piece(w, P0, P1, K, HAS_W)
+        if P2 > 0:
+            v2 = _weight_piece(w, P0 + P1, P2, K, HAS_W)
+        return v0, v1, v2
+
+    @triton.jit
+    def _normed_row3(a, b, v0, v1, v2, out, store, r, eps, K: tl.constexpr, P0: tl.constexpr, P1: tl.constexpr,
+                     P2: tl.constexpr):
+        """Row r of rms_norm(h) * w in pieces (w as _weight3's pieces v; rounded to the model's dtype), h =
+        round(a + b) written to out where `store`: the residual add and the norm as the add_rms_norm kernel
+        computes them."""
         s0 = _sum_piece(a, b, out, store, r, 0, P0, K)
         s1 = s0
         s2 = s0
@@ -192,42 +205,44 @@ if triton is not None:
             s1 = _sum_piece(a, b, out, store, r, P0, P1, K)
         if P2 > 0:
             s2 = _sum_piece(a, b, out, store, r, P0 + P1, P2, K)
-        return _norm3(s0, s1, s2, w, eps, K, P0, P1, P2, HAS_W, out.dtype.element_ty)
+        return _norm3(s0, s1, s2, v0, v1, v2, eps, K, P1, P2, out.dtype.element_ty)
 
     @triton.jit
-    def _norm3(s0, s1, s2, w, eps, K: tl.constexpr, P0: tl.constexpr, P1: tl.constexpr, P2: tl.constexpr,
-               HAS_W: tl.constexpr, dtype: tl.constexpr):
-        """rms_norm(s) * w of a row in pieces, each rounded to `dtype`."""
+    def _norm3(s0, s1, s2, v0, v1, v2, eps, K: tl.constexpr, P1: tl.constexpr, P2: tl.constexpr, dtype: tl.constexpr):
+        """rms_norm(s) * w of a row in pieces (w as _weight3's pieces v), each rounded to `dtype`."""
         total = tl.sum(s0 * s0, 0)
         if P1 > 0:
             total += tl.sum(s1 * s1, 0)
         if P2 > 0:
             total += tl.sum(s2 * s2, 0)
         rstd = tl.rsqrt(total / K + eps)
-        x0 = _scaled(s0, rstd, w, 0, P0, K, HAS_W, dtype)
+        x0 = (s0 * rstd * v0).to(dtype).to(tl.float32)
         x1 = x0
         x2 = x0
         if P1 > 0:
-            x1 = _scaled(s1, rstd, w, P0, P1, K, HAS_W, dtype)
+            x1 = (s1 * rstd * v1).to(dtype).to(tl.float32)
         if P2 > 0:
-            x2 = _scaled(s2, rstd, w, P0 + P1, P2, K, HAS_W, dtype)
+            x2 = (s2 * rstd * v2).to(dtype).to(tl.float32)
         return x0, x1, x2
 
     @triton.jit
-    def _residual3(a, b, y0, y1, y2, out, store, r, K: tl.constexpr, P0: tl.constexpr, P1: tl.constexpr,
-                   P2: tl.constexpr):
-        """Row r of round(round(a + b) + y) in pieces (y float32 pieces, already rounded), written to out where
-        `store`: the layer's second residual add with its first one recomputed (the flagged form's phase 4)."""
-        s0 = _sum_piece(a, b, out, 0, r, 0, P0, K)
-        s0 = _put_piece(s0 + y0, out, store, r, 0, P0, K)
+    def _residual_piece(a, b, y, out, store, r, k0, P: tl.constexpr, K: tl.constexpr):
+        """round(round(a + b) + y) on row r's piece from its pieces already read, written to out where `store`."""
+        return _put_piece((a + b).to(out.dtype.element_ty).to(tl.float32) + y, out, store, r, k0, P, K)
+
+    @triton.jit
+    def _residual3(a0, a1, a2, b0, b1, b2, y0, y1, y2, out, store, r, K: tl.constexpr, P0: tl.constexpr,
+                   P1: tl.constexpr, P2: tl.constexpr):
+        """Row r of round(round(a + b) + y) in pieces (a, b as _row3 read them before the wait for y; y float32,
+        already rounded), written to out where `store`: the layer's second residual add with its first one
+        recomputed (the flagged form's phase 4)."""
+        s0 = _residual_piece(a0, b0, y0, out, store, r, 0, P0, K)
         s1 = s0
         s2 = s0
         if P1 > 0:
-            s1 = _sum_piece(a, b, out, 0, r, P0, P1, K)
-            s1 = _put_piece(s1 + y1, out, store, r, P0, P1, K)
+            s1 = _residual_piece(a1, b1, y1, out, store, r, P0, P1, K)
         if P2 > 0:
-            s2 = _sum_piece(a, b, out, 0, r, P0 + P1, P2, K)
-            s2 = _put_piece(s2 + y2, out, store, r, P0 + P1, P2, K)
+            s2 = _residual_piece(a2, b2, y2, out, store, r, P0 + P1, P2, K)
         return s0, s1, s2
 
     @triton.jit
@@ -279,13 +294,19 @@ if triton is not None:
                           HAS_W0: tl.constexpr, HAS_W1: tl.constexpr, HAS_BIAS_IN: tl.constexpr,
                           HAS_BIAS_O: tl.constexpr, HAS_BIAS_GU: tl.constexpr, HAS_BIAS_D: tl.constexpr,
                           FIRST: tl.constexpr, LAST: tl.constexpr, ROWS: tl.constexpr,
-                          nprog: tl.constexpr, IT_TS: tl.constexpr, FLAGS: tl.constexpr):
+                          nprog: tl.constexpr, IT_TS: tl.constexpr, FLAGS: tl.constexpr,
+                          OFF_IN: tl.constexpr, OFF_O: tl.constexpr, OFF_GU: tl.constexpr, OFF_D: tl.constexpr):
         """Phases FIRST..LAST of the layer (module docstring), the programs meeting between phases.
-        Program pid owns output tile pid of each matmul phase (the launcher sizes tiles so that every
+        Each program owns at most one output tile of each matmul phase (the launcher sizes tiles so that every
         tile has a program), loads its weight tile once and applies it to every row, and loads the next
-        phase's tile before it waits (the weights do not depend on the phase before). FLAGS: the phases
-        hand proj, core, y and m over as flagged words in `ex` (surgery.decode.flagged_words) and never
-        meet; phase 4 recomputes the first residual add instead of reading it."""
+        phase's tile (and what else no phase writes: a norm's weight, the state tile, the layer's inputs)
+        before it waits. The phases' tiles are dealt out from different programs (OFF_*, shape_constants):
+        the input projection, o_proj and down start past the token step's programs and gate/up past o_proj's
+        (block_programs launches enough programs for that where the SMs allow), so a phase's programs were
+        idle in the phase before and hold their weights when its inputs arrive, rather than fetching them
+        only after finishing that phase's work. FLAGS: the phases hand proj, core, y and m over as flagged
+        words in `ex` (surgery.decode.flagged_words) and never meet; phase 4 recomputes the first residual
+        add instead of reading it."""
         pid = tl.program_id(0)
         dt = proj.dtype.element_ty
         number = 0
@@ -296,16 +317,23 @@ if triton is not None:
         ex_y = ex_core + ROWS * H * D
         ex_m = ex_y + ROWS * HID
         error = sync + ERROR_WORD_
+        # each matmul phase's tile of this program (shape_constants' offsets: module docstring)
+        t_in = (pid + nprog - OFF_IN) % nprog
+        t_o = (pid + nprog - OFF_O) % nprog
+        t_gu = (pid + nprog - OFF_GU) % nprog
+        t_d = (pid + nprog - OFF_D) % nprog
         if FIRST <= 1 and LAST >= 1:  # the residual add, the input norm and the fused input projection
-            wi0, wi1, wi2 = _fetch(w_in, pid * BN_IN, N_IN, HID, BN_IN, HP0, HP1, HP2)
-            keeper = pid == 0  # the program that stores h (the flagged form's phase 4 recomputes it instead)
+            wi0, wi1, wi2 = _fetch(w_in, t_in * BN_IN, N_IN, HID, BN_IN, HP0, HP1, HP2)
+            v0, v1, v2 = _weight3(w0, HID, HP0, HP1, HP2, HAS_W0)
+            keeper = t_in == 0  # the program that stores h (the flagged form's phase 4 recomputes it instead)
             if FLAGS:
                 keeper = pid < 0
-            for r in tl.static_range(ROWS):
-                x0, x1, x2 = _normed_row3(a, b, w0, h, keeper, r, eps0, HID, HP0, HP1, HP2, HAS_W0)
-                acc = _mv3(x0, x1, x2, wi0, wi1, wi2, HP1, HP2)
-                _write_row(ex_proj if FLAGS else proj, acc, bias_in, r, pid * BN_IN, N_IN, number, dt, BN_IN,
-                           HAS_BIAS_IN, FLAGS)
+            if t_in * BN_IN < N_IN:
+                for r in tl.static_range(ROWS):
+                    x0, x1, x2 = _normed_row3(a, b, v0, v1, v2, h, keeper, r, eps0, HID, HP0, HP1, HP2)
+                    acc = _mv3(x0, x1, x2, wi0, wi1, wi2, HP1, HP2)
+                    _write_row(ex_proj if FLAGS else proj, acc, bias_in, r, t_in * BN_IN, N_IN, number, dt, BN_IN,
+                               HAS_BIAS_IN, FLAGS)
             if LAST > 1 and not FLAGS:
                 proj += grid_wait(sync, 0, nprog)
         if FIRST <= 2 and LAST >= 2:  # the token step, one (row, head) at a time
@@ -315,10 +343,13 @@ if triton is not None:
                     if FLAGS:
                         row = item // H
                         hd = item % H
+                        # the state tile and the head's constants are read before the wait for the projections
+                        held, bias, a_log, weight = token_step_held(A_log, dt_bias, o_norm_w, state, row, hd, H, D, BD,
+                                                                    False)
                         vq, vk, vv, vg, va, vb = flagged_head(ex_proj, row, hd, number, error, N_IN, Q, K_, V, A, B, G,
                                                               D, BD)
-                        normed = token_step_values(vq, vk, vv, vg, vb, va, A_log, dt_bias, o_norm_w, state, row, hd,
-                                                   scale, norm_eps, H, D, BD, V_SILU, False)
+                        normed = token_step_from_held(vq, vk, vv, vg, vb, va, held, bias, a_log, weight, state, row, hd,
+                                                      scale, norm_eps, H, D, BD, V_SILU, False)
                         dd = tl.arange(0, BD)
                         flag_store(ex_core, row * H * D + hd * D + dd, normed.to(dt), dd < D, number)
                     else:
@@ -326,58 +357,67 @@ if triton is not None:
                                         o_norm_w, state, core, item // H, item % H, N_IN, N_IN, N_IN, N_IN, N_IN,
                                         N_IN, H * D, scale, norm_eps, H, D, BD, V_SILU, False, ".cg")
             if LAST > 2:
-                wo0, wo1, wo2 = _fetch(w_o, pid * BN_O, HID, H * D, BN_O, IP0, IP1, IP2)
+                wo0, wo1, wo2 = _fetch(w_o, t_o * BN_O, HID, H * D, BN_O, IP0, IP1, IP2)
                 if not FLAGS:
                     core += grid_wait(sync, 1, nprog)
         if FIRST <= 3 and LAST >= 3:  # o_proj
             if FIRST == 3:
-                wo0, wo1, wo2 = _fetch(w_o, pid * BN_O, HID, H * D, BN_O, IP0, IP1, IP2)
-            for r in tl.static_range(ROWS):
-                if FLAGS:
-                    x0, x1, x2 = flagged_row3(ex_core, r, number, error, H * D, IP0, IP1, IP2)
-                else:
-                    x0, x1, x2 = _row3(core, r, H * D, IP0, IP1, IP2)
-                _write_row(ex_y if FLAGS else y, _mv3(x0, x1, x2, wo0, wo1, wo2, IP1, IP2), bias_o, r, pid * BN_O, HID,
-                           number, dt, BN_O, HAS_BIAS_O, FLAGS)
+                wo0, wo1, wo2 = _fetch(w_o, t_o * BN_O, HID, H * D, BN_O, IP0, IP1, IP2)
+            if t_o * BN_O < HID:
+                for r in tl.static_range(ROWS):
+                    if FLAGS:
+                        x0, x1, x2 = flagged_row3(ex_core, r, number, error, H * D, IP0, IP1, IP2)
+                    else:
+                        x0, x1, x2 = _row3(core, r, H * D, IP0, IP1, IP2)
+                    _write_row(ex_y if FLAGS else y, _mv3(x0, x1, x2, wo0, wo1, wo2, IP1, IP2), bias_o, r, t_o * BN_O,
+                               HID, number, dt, BN_O, HAS_BIAS_O, FLAGS)
             if LAST > 3:
-                g0, g1, g2 = _fetch(w_gu, pid * BN_GU, INTER, HID, BN_GU, HP0, HP1, HP2)
-                u0, u1, u2 = _fetch(w_gu + INTER * HID, pid * BN_GU, INTER, HID, BN_GU, HP0, HP1, HP2)
+                g0, g1, g2 = _fetch(w_gu, t_gu * BN_GU, INTER, HID, BN_GU, HP0, HP1, HP2)
+                u0, u1, u2 = _fetch(w_gu + INTER * HID, t_gu * BN_GU, INTER, HID, BN_GU, HP0, HP1, HP2)
                 if not FLAGS:
                     after = grid_wait(sync, 2, nprog)
                     h += after
                     y += after
         if FIRST <= 4 and LAST >= 4:  # the residual add, the post norm, gate/up and the SwiGLU product
             if FIRST == 4:
-                g0, g1, g2 = _fetch(w_gu, pid * BN_GU, INTER, HID, BN_GU, HP0, HP1, HP2)
-                u0, u1, u2 = _fetch(w_gu + INTER * HID, pid * BN_GU, INTER, HID, BN_GU, HP0, HP1, HP2)
-            for r in tl.static_range(ROWS):
-                if FLAGS:
-                    y0, y1, y2 = flagged_row3(ex_y, r, number, error, HID, HP0, HP1, HP2)
-                    s0, s1, s2 = _residual3(a, b, y0, y1, y2, h2, pid == 0, r, HID, HP0, HP1, HP2)
-                    x0, x1, x2 = _norm3(s0, s1, s2, w1, eps1, HID, HP0, HP1, HP2, HAS_W1, dt)
-                else:
-                    x0, x1, x2 = _normed_row3(h, y, w1, h2, pid == 0, r, eps1, HID, HP0, HP1, HP2, HAS_W1)
-                first = _mv3(x0, x1, x2, g0, g1, g2, HP1, HP2)
-                second = _mv3(x0, x1, x2, u0, u1, u2, HP1, HP2)
-                if GATE_FIRST:
-                    prod = _swiglu(first, second, bias_gu, bias_gu + INTER, pid * BN_GU, INTER, dt, BN_GU, HAS_BIAS_GU)
-                else:
-                    prod = _swiglu(second, first, bias_gu + INTER, bias_gu, pid * BN_GU, INTER, dt, BN_GU, HAS_BIAS_GU)
-                _write_row(ex_m if FLAGS else m, prod, bias_gu, r, pid * BN_GU, INTER, number, dt, BN_GU, False, FLAGS)
+                g0, g1, g2 = _fetch(w_gu, t_gu * BN_GU, INTER, HID, BN_GU, HP0, HP1, HP2)
+                u0, u1, u2 = _fetch(w_gu + INTER * HID, t_gu * BN_GU, INTER, HID, BN_GU, HP0, HP1, HP2)
+            v0, v1, v2 = _weight3(w1, HID, HP0, HP1, HP2, HAS_W1)
+            if t_gu * BN_GU < INTER:
+                for r in tl.static_range(ROWS):
+                    if FLAGS:
+                        a0, a1, a2 = _row3(a, r, HID, HP0, HP1, HP2)  # the layer's inputs: read before the wait for y
+                        b0, b1, b2 = _row3(b, r, HID, HP0, HP1, HP2)
+                        y0, y1, y2 = flagged_row3(ex_y, r, number, error, HID, HP0, HP1, HP2)
+                        s0, s1, s2 = _residual3(a0, a1, a2, b0, b1, b2, y0, y1, y2, h2, t_gu == 0, r, HID, HP0, HP1, HP2)
+                        x0, x1, x2 = _norm3(s0, s1, s2, v0, v1, v2, eps1, HID, HP1, HP2, dt)
+                    else:
+                        x0, x1, x2 = _normed_row3(h, y, v0, v1, v2, h2, t_gu == 0, r, eps1, HID, HP0, HP1, HP2)
+                    first = _mv3(x0, x1, x2, g0, g1, g2, HP1, HP2)
+                    second = _mv3(x0, x1, x2, u0, u1, u2, HP1, HP2)
+                    if GATE_FIRST:
+                        prod = _swiglu(first, second, bias_gu, bias_gu + INTER, t_gu * BN_GU, INTER, dt, BN_GU,
+                                       HAS_BIAS_GU)
+                    else:
+                        prod = _swiglu(second, first, bias_gu + INTER, bias_gu, t_gu * BN_GU, INTER, dt, BN_GU,
+                                       HAS_BIAS_GU)
+                    _write_row(ex_m if FLAGS else m, prod, bias_gu, r, t_gu * BN_GU, INTER, number, dt, BN_GU, False,
+                               FLAGS)
             if LAST > 4:
-                d0, d1, d2 = _fetch(w_d, pid * BN_D, HID, INTER, BN_D, XP0, XP1, XP2)
+                d0, d1, d2 = _fetch(w_d, t_d * BN_D, HID, INTER, BN_D, XP0, XP1, XP2)
                 if not FLAGS:
                     m += grid_wait(sync, 3, nprog)
         if FIRST <= 5 and LAST >= 5:  # down
             if FIRST == 5:
-                d0, d1, d2 = _fetch(w_d, pid * BN_D, HID, INTER, BN_D, XP0, XP1, XP2)
-            for r in tl.static_range(ROWS):
-                if FLAGS:
-                    x0, x1, x2 = flagged_row3(ex_m, r, number, error, INTER, XP0, XP1, XP2)
-                else:
-                    x0, x1, x2 = _row3(m, r, INTER, XP0, XP1, XP2)
-                _write_row(d_out, _mv3(x0, x1, x2, d0, d1, d2, XP1, XP2), bias_d, r, pid * BN_D, HID, number, dt, BN_D,
-                           HAS_BIAS_D, False)
+                d0, d1, d2 = _fetch(w_d, t_d * BN_D, HID, INTER, BN_D, XP0, XP1, XP2)
+            if t_d * BN_D < HID:
+                for r in tl.static_range(ROWS):
+                    if FLAGS:
+                        x0, x1, x2 = flagged_row3(ex_m, r, number, error, INTER, XP0, XP1, XP2)
+                    else:
+                        x0, x1, x2 = _row3(m, r, INTER, XP0, XP1, XP2)
+                    _write_row(d_out, _mv3(x0, x1, x2, d0, d1, d2, XP1, XP2), bias_d, r, t_d * BN_D, HID, number, dt,
+                               BN_D, HAS_BIAS_D, False)
 
 
 def new_sync(device) -> torch.Tensor:
@@ -429,22 +469,31 @@ def block_tiles(shape: BlockShape, limit: int) -> dict | None:
     return tiles
 
 
-def block_programs(shape: BlockShape, limit: int) -> int:
-    """Programs of a launch: one per tile of the widest phase (block_tiles(shape, limit) must not be None)."""
-    return max(-(-n // bn) for n, bn in block_tiles(shape, limit).values())
+def block_programs(shape: BlockShape, limit: int, rows: int) -> int:
+    """Programs of a launch (block_tiles(shape, limit) must not be None): one per tile of the widest phase, and
+    more up to `limit` where the token step's items, o_proj's tiles and gate/up's can then each have programs of
+    their own (shape_constants' offsets)."""
+    count = {key: -(-n // bn) for key, (n, bn) in block_tiles(shape, limit).items()}
+    return max(max(count.values()), min(limit, rows * shape.heads + count["O"] + count["GU"]))
 
 
 def shape_constants(shape: BlockShape, rows: int, limit: int) -> dict:
     """The kernel's constants that follow from the layer's shape, the rows and the program limit (the launcher adds
     which weights and biases there are): widths, offsets, tiles, reduction pieces and programs."""
     q, k, v, a, b, g = shape.offsets
-    programs = block_programs(shape, limit)
+    programs = block_programs(shape, limit, rows)
     widths = dict(H=shape.hidden, I=shape.heads * shape.head_dim, X=shape.inter)
+    tiles = block_tiles(shape, limit)
+    # the token step's (row, head) items run on programs 0, 1, ...; the input projection, o_proj and down start past
+    # them, gate/up past o_proj (down's programs, idle in gate/up, fetch its weights while it runs)
+    items = rows * shape.heads
+    after_o = items + -(-tiles["O"][0] // tiles["O"][1])
     return dict(HID=shape.hidden, N_IN=shape.proj, Q=q, K_=k, V=v, A=a, B=b, G=g, H=shape.heads, D=shape.head_dim,
                 BD=triton.next_power_of_2(shape.head_dim), V_SILU=shape.v_silu, INTER=shape.inter,
-                GATE_FIRST=shape.gate_first, **{f"BN_{key}": bn for key, (_, bn) in block_tiles(shape, limit).items()},
+                GATE_FIRST=shape.gate_first, **{f"BN_{key}": bn for key, (_, bn) in tiles.items()},
                 **{f"{key}P{i}": p for key, width in widths.items() for i, p in enumerate(pieces(width))},
-                ROWS=rows, nprog=programs, IT_TS=-(-rows * shape.heads // programs))
+                ROWS=rows, nprog=programs, IT_TS=-(-items // programs),
+                OFF_IN=items % programs, OFF_O=items % programs, OFF_GU=after_o % programs, OFF_D=items % programs)
 
 
 def exchange_words(shape: BlockShape, rows: int) -> int:
