@@ -17,11 +17,12 @@ tail kernel instead: the token step, o_proj and the post norm as one launch (sur
 SURGERY_GDN_TAIL=off turns it off).
 
 SURGERY_GDN_BLOCKS: "auto" (the default: at most one program per SM), "off" (not the one-launch layer),
-or the most programs the kernel may use (at most the SM count). Its phases meet at grid barriers;
-SURGERY_GDN_BLOCK_FLAGS=on makes them hand their outputs over as flagged words instead (surgery.decode.flagged_words;
-on an H200 the layer took 17.2 us from HBM against 18.2 with grid barriers, bench/RESULTS.md, fiftieth session). That
-form was the default until an H100 showed its readers taking words a launch had not written yet (fifty-fourth
-session); it stays opt-in until its fix has passed the poisoned cases of test_one_launch_is_deterministic_on_cuda on a GPU."""
+or the most programs the kernel may use (at most the SM count). Its phases hand their outputs over as flagged
+words (surgery.decode.flagged_words); SURGERY_GDN_BLOCK_FLAGS=off makes them meet at grid barriers instead. On an
+H100 the 64k batch-1 step took 0.834-0.844 ms with flagged words against 0.879-0.886 with barriers, rows interleaved
+in one process (bench/RESULTS.md, fifty-fifth session); the flagged form passes the CUDA tests' poisoned launches
+(words left from an earlier launch with NaN values), which an H100 failed before flagged_words re-read each thread's
+own copy (fifty-fourth session)."""
 from __future__ import annotations
 
 import operator
@@ -115,7 +116,7 @@ class GDNBlock(nn.Module):
         if first:
             self.sync = new_sync(a.device)
         exchange = None
-        if enabled(FLAGS_ENV, False):
+        if enabled(FLAGS_ENV, True):
             words = exchange_words(shape, a.shape[0])
             if first or self.exchange is None or self.exchange.numel() < words:
                 self.exchange = new_exchange(words, a.device)
