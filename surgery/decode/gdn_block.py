@@ -24,7 +24,10 @@ Given an exchange buffer (as a Decoder's GDN layers are, surgery.decode.gdn_bloc
 meet at all: each hands its output to the next as flagged words (surgery.decode.flagged_words), so a program waits only for the values it reads, and the read that finds
 them there is the read of the data (on an H200: 15.3 us a layer in L2 against 16.6 with the four waits,
 17.2 against 18.2 with the weights read from HBM; bench/RESULTS.md, fiftieth session). Phase 4 then
-recomputes round(a + b) rather than reading phase 1's h.
+recomputes round(a + b) rather than reading phase 1's h. Each phase's tiles go to programs the phase before
+left idle (shape_constants' OFF_*; block_programs launches up to one program per SM for it), so they hold
+their weights when the inputs arrive (on an H100 with flagged words: 14.3 us a layer in L2 against 15.7,
+15.6 against 18.0 from HBM; bench/RESULTS.md, fifty-fifth session).
 
 The programs' meeting (or waiting for each other's words) needs every program resident at once; under
 Triton's CPU interpreter (which runs programs one after another) and with `phased=True` each phase is
