@@ -90,7 +90,8 @@ def gdn_layer_rows(rows) -> None:
     o_proj, add_rms_norm, gate/up, silu_mul, down) against surgery.decode.gdn_block's one kernel, at each
     program count; us per layer, CALLS layers in one graph."""
     from surgery.decode.flagged_words import new_exchange
-    from surgery.decode.gdn_block import block_programs, exchange_words, gdn_block_torch, gdn_block_triton
+    from surgery.decode.block_layout import block_programs, exchange_words
+    from surgery.decode.gdn_block import gdn_block_torch, gdn_block_triton
     from surgery.decode.gdn_blocks import block_shape
     from surgery.decode.fused_linears import FusedWeight
     from tcal.gdn import GatedDeltaNet, GDNCache

@@ -125,7 +125,8 @@ def test_kernel_phases_match_the_composed_kernels_in_the_interpreter():
     script = textwrap.dedent("""
         import torch
         from surgery.decode.flagged_words import new_exchange
-        from surgery.decode.gdn_block import exchange_words, gdn_block_torch, gdn_block_triton
+        from surgery.decode.block_layout import exchange_words
+        from surgery.decode.gdn_block import gdn_block_torch, gdn_block_triton
         from surgery.decode.gdn_blocks import block_shape
         import tests.test_gdn_blocks as t
         for dtype, tol in ((torch.float32, 1e-4), (torch.float16, 1e-2)):
@@ -154,14 +155,13 @@ def test_kernel_phases_match_the_composed_kernels_in_the_interpreter():
     assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-3000:]
 
 
-@pytest.mark.skipif(not HAS_TRITON, reason="needs Triton (the kernel's constants)")
 @pytest.mark.parametrize("rows,limit", [(1, 132), (1, 96), (16, 132)])
 def test_each_phase_takes_programs_idle_in_the_phase_before(rows, limit):
     """Every tile of every matmul phase has one program; at one row on 132 SMs (SmolLM2's widths on an H100 or H200)
     the input projection and o_proj leave the token step's programs free, gate/up starts past o_proj's and down is
     not on gate/up's, so a phase's programs hold their weights when its inputs arrive (with fewer programs the phases
     share, each tile still once)."""
-    from surgery.decode.gdn_block import shape_constants
+    from surgery.decode.block_layout import shape_constants
     from surgery.decode.gdn_blocks import block_shape
 
     layer, proj = block_inputs(torch.bfloat16, rows, False, hidden=576, heads=9, dim=64, inter=1536)[:2]
@@ -194,7 +194,8 @@ def cuda_block(rows: int, flagged: bool):
     """block_inputs at SmolLM2's widths in bf16 on CUDA, then the kernel's shape, counters, exchange buffer (where
     `flagged`) and program limit (the SM count)."""
     from surgery.decode.flagged_words import new_exchange
-    from surgery.decode.gdn_block import exchange_words, new_sync
+    from surgery.decode.block_layout import exchange_words
+    from surgery.decode.gdn_block import new_sync
     from surgery.decode.gdn_blocks import block_shape
 
     inputs = block_inputs(torch.bfloat16, rows, False, hidden=576, heads=9, dim=64, inter=1536, device="cuda")
@@ -208,7 +209,8 @@ def cuda_block(rows: int, flagged: bool):
 def test_one_launch_matches_the_composed_kernels_on_cuda(rows, flagged):
     """The programs meeting between phases (or handing flagged words over), at SmolLM2's widths in bf16: three
     steps in a row (the counters count on for the next launch), then the same steps replayed from a CUDA graph."""
-    from surgery.decode.gdn_block import block_programs, gdn_block_triton, sync_failed
+    from surgery.decode.block_layout import block_programs
+    from surgery.decode.gdn_block import gdn_block_triton, sync_failed
 
     layer, proj, a, b, w0, w1, w_gu, b_gu, w_d, b_d, state, shape, sync, exchange, programs = cuda_block(rows, flagged)
     launches = 0

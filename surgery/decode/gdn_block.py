@@ -25,19 +25,17 @@ meet at all: each hands its output to the next as flagged words (surgery.decode.
 them there is the read of the data (on an H200: 15.3 us a layer in L2 against 16.6 with the four waits,
 17.2 against 18.2 with the weights read from HBM; bench/RESULTS.md, fiftieth session). Phase 4 then
 recomputes round(a + b) rather than reading phase 1's h. Each phase's tiles go to programs the phase before
-left idle (shape_constants' OFF_*; block_programs launches up to one program per SM for it), so they hold
-their weights when the inputs arrive (on an H100 with flagged words: 14.3 us a layer in L2 against 15.7,
-15.6 against 18.0 from HBM; bench/RESULTS.md, fifty-fifth session).
+left idle (surgery.decode.block_layout deals them and counts the programs), so they hold their weights
+when the inputs arrive.
 
 The programs' meeting (or waiting for each other's words) needs every program resident at once; under
 Triton's CPU interpreter (which runs programs one after another) and with `phased=True` each phase is
 its own launch instead, which is how the CPU tests check the phases' arithmetic."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
+from .block_layout import BlockShape, exchange_words, shape_constants
 from .flagged_words import HEADER_WORDS
 from .residual_norm import add_rms_norm
 from .row_linear import row_linear
@@ -53,27 +51,10 @@ except Exception:  # a broken install raises more than ImportError
 # H200 one row took 16.5 us a layer against 21.5 for the composed kernels, 16 rows 120.7 against 22.4 (a row at a
 # time, no tensor cores; bench/RESULTS.md, thirty-third session)
 STEP_ROWS = 1
-MAX_TILE = 64        # output columns of one program's tile
-MIN_PIECE = 16       # the narrowest piece of a reduction
 NUM_WARPS = 8
-MAX_TILE_ELEMENTS = 32768  # weight elements one program holds for a phase (64 KB of bf16: 64 registers a thread)
 MAX_SPIN = 1 << 22   # polls of a phase counter before a program gives up (a non-resident grid): flags an error
 SYNC_WORDS = 8       # per block, int64: four phase counters (words 0-3), the error flag (ERROR_WORD)
 ERROR_WORD = 5
-
-
-@dataclass(frozen=True)
-class BlockShape:
-    """What the kernel is specialised on: widths, the projection's column offsets, heads."""
-
-    hidden: int
-    proj: int             # columns of the fused input projection (its aligned rows included)
-    offsets: tuple        # q, k, v, a (decay input, one per head), b, g column offsets into proj
-    heads: int
-    head_dim: int
-    inter: int            # the MLP's intermediate width
-    gate_first: bool      # SiLU applies to the first half of gate/up's output
-    v_silu: bool
 
 
 def gdn_block_torch(a, b, w0, eps0, gdn_state, w1, eps1, w_gu, b_gu, w_d, b_d, inter: int, gate_first: bool):
@@ -303,9 +284,9 @@ if triton is not None:
         Each program owns at most one output tile of each matmul phase (the launcher sizes tiles so that every
         tile has a program), loads its weight tile once and applies it to every row, and loads the next
         phase's tile (and what else no phase writes: a norm's weight, the state tile, the layer's inputs)
-        before it waits. The phases' tiles are dealt out from different programs (OFF_*, shape_constants):
+        before it waits. The phases' tiles are dealt out from different programs (OFF_*, block_layout.shape_constants):
         the input projection, o_proj and down start past the token step's programs and gate/up past o_proj's
-        (block_programs launches enough programs for that where the SMs allow), so a phase's programs were
+        (block_layout.block_programs launches enough programs for that where the SMs allow), so a phase's programs were
         idle in the phase before and hold their weights when its inputs arrive, rather than fetching them
         only after finishing that phase's work. FLAGS: the phases hand proj, core, y and m over as flagged
         words in `ex` (surgery.decode.flagged_words) and never meet; phase 4 recomputes the first residual
@@ -320,7 +301,7 @@ if triton is not None:
         ex_y = ex_core + ROWS * H * D
         ex_m = ex_y + ROWS * HID
         error = sync + ERROR_WORD_
-        # each matmul phase's tile of this program (shape_constants' offsets: module docstring)
+        # each matmul phase's tile of this program (block_layout.shape_constants' offsets)
         t_in = (pid + nprog - OFF_IN) % nprog
         t_o = (pid + nprog - OFF_O) % nprog
         t_gu = (pid + nprog - OFF_GU) % nprog
@@ -432,76 +413,6 @@ def new_sync(device) -> torch.Tensor:
 def sync_failed(sync: torch.Tensor) -> bool:
     """Whether a wait of some launch on `sync` timed out (its programs were not all resident)."""
     return bool(sync[ERROR_WORD].item())
-
-
-def pieces(width: int) -> tuple[int, int, int]:
-    """A reduction of `width` as up to three power-of-two pieces (0: none), the last one padded: 576 ->
-    (512, 64, 0), 1,536 -> (1024, 512, 0); Triton's blocks are powers of two, and one padded block
-    would spend registers on up to twice the width."""
-    out, left = [], width
-    while left >= MIN_PIECE and len(out) < 2:
-        out.append(1 << (left.bit_length() - 1))
-        left -= out[-1]
-    if left > 0:
-        out.append(max(MIN_PIECE, 1 << (left - 1).bit_length()))
-    return tuple(out + [0] * (3 - len(out)))
-
-
-def tile_width(columns: int, limit: int) -> int | None:
-    """Output columns per tile: the fewest (16 up) that give at most `limit` tiles, or None past MAX_TILE."""
-    width = 16
-    while -(-columns // width) > limit:
-        width *= 2
-        if width > MAX_TILE:
-            return None
-    return width
-
-
-def block_tiles(shape: BlockShape, limit: int) -> dict | None:
-    """Each matmul phase's (columns, tile width), every phase within `limit` tiles and each tile within
-    MAX_TILE_ELEMENTS of weights; None where a layer is too wide for that."""
-    inner = shape.heads * shape.head_dim
-    phases = dict(IN=(shape.proj, shape.hidden, 1), O=(shape.hidden, inner, 1), GU=(shape.inter, shape.hidden, 2),
-                  D=(shape.hidden, shape.inter, 1))
-    tiles = {}
-    for key, (n, k, count) in phases.items():
-        bn = tile_width(n, limit)
-        if bn is None or bn * sum(pieces(k)) * count > MAX_TILE_ELEMENTS:
-            return None
-        tiles[key] = (n, bn)
-    return tiles
-
-
-def block_programs(shape: BlockShape, limit: int, rows: int) -> int:
-    """Programs of a launch (block_tiles(shape, limit) must not be None): one per tile of the widest phase, and
-    more up to `limit` where the token step's items, o_proj's tiles and gate/up's can then each have programs of
-    their own (shape_constants' offsets)."""
-    count = {key: -(-n // bn) for key, (n, bn) in block_tiles(shape, limit).items()}
-    return max(max(count.values()), min(limit, rows * shape.heads + count["O"] + count["GU"]))
-
-
-def shape_constants(shape: BlockShape, rows: int, limit: int) -> dict:
-    """The kernel's constants that follow from the layer's shape, the rows and the program limit (the launcher adds
-    which weights and biases there are): widths, offsets, tiles, reduction pieces and programs."""
-    q, k, v, a, b, g = shape.offsets
-    programs = block_programs(shape, limit, rows)
-    widths = dict(H=shape.hidden, I=shape.heads * shape.head_dim, X=shape.inter)
-    tiles = block_tiles(shape, limit)
-    # the token step's (row, head) items run on programs 0, 1, ...; the input projection, o_proj and down start past
-    # them, gate/up past o_proj (down's programs, idle in gate/up, fetch its weights while it runs)
-    items = rows * shape.heads
-    after_o = items + -(-tiles["O"][0] // tiles["O"][1])
-    return dict(HID=shape.hidden, N_IN=shape.proj, Q=q, K_=k, V=v, A=a, B=b, G=g, H=shape.heads, D=shape.head_dim,
-                BD=triton.next_power_of_2(shape.head_dim), V_SILU=shape.v_silu, INTER=shape.inter,
-                GATE_FIRST=shape.gate_first, **{f"BN_{key}": bn for key, (_, bn) in tiles.items()},
-                **{f"{key}P{i}": p for key, width in widths.items() for i, p in enumerate(pieces(width))},
-                ROWS=rows, nprog=programs, IT_TS=-(-items // programs),
-                OFF_IN=items % programs, OFF_O=items % programs, OFF_GU=after_o % programs, OFF_D=items % programs)
-
-
-def exchange_words(shape: BlockShape, rows: int) -> int:
-    """Flagged words the phases hand over (proj, core, y, m) for `rows` rows: new_exchange's size."""
-    return rows * (shape.proj + shape.heads * shape.head_dim + shape.hidden + shape.inter)
 
 
 def gdn_block_triton(a, b, w0, eps0, layer, state, w_in, bias_in, w1, eps1, w_gu, b_gu, w_d, b_d,

@@ -40,8 +40,8 @@ from ..errors import DecodeError
 from .fused_linears import LINEAR
 from .fused_norms import is_call, single_user
 from .flagged_words import new_exchange
-from .gdn_block import (ERROR_WORD, STEP_ROWS, BlockShape, block_tiles, exchange_words, gdn_block_torch, gdn_block_triton,
-                        new_sync, swiglu_mlp, sync_failed, triton)
+from .block_layout import BlockShape, block_tiles, exchange_words
+from .gdn_block import ERROR_WORD, STEP_ROWS, gdn_block_torch, gdn_block_triton, new_sync, swiglu_mlp, sync_failed, triton
 from .gdn_state import GDNState
 from .gdn_tail import gdn_tail_triton, new_arrivals, tail_takes
 from .residual_norm import add_rms_norm

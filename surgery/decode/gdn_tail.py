@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from tcal.switches import enabled
 from tcal.token_step import token_step_torch
 
-from .gdn_block import BlockShape, pieces
+from .block_layout import BlockShape, pieces
 from .residual_norm import add_rms_norm_torch
 
 try:  # Triton is a CUDA-side extra: CPU installs do not have it
