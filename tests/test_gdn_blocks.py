@@ -173,8 +173,8 @@ def test_each_phase_takes_programs_idle_in_the_phase_before(rows, limit):
         assert len(set(owners)) == len(owners) and max(owners) < n
         return set(owners)
 
-    tiles = dict(IN=programs("IN", c["N_IN"], c["OFF_IN"]), O=programs("O", c["HID"], c["OFF_O"]),
-                 GU=programs("GU", c["INTER"], c["OFF_GU"]), D=programs("D", c["HID"], c["OFF_D"]))
+    tiles = dict(IN=programs("IN", c["N_IN"], c["OFF_PAST"]), O=programs("O", c["HID"], c["OFF_PAST"]),
+                 GU=programs("GU", c["INTER"], c["OFF_GU"]), D=programs("D", c["HID"], c["OFF_PAST"]))
     token = {item % n for item in range(rows * c["H"])}
     if (rows, limit) == (1, 132):
         assert n == 132 and not (tiles["IN"] | tiles["O"]) & token and not tiles["GU"] & tiles["O"]

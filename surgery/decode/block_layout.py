@@ -84,7 +84,7 @@ def shape_constants(shape: BlockShape, rows: int, limit: int) -> dict:
     widths = dict(H=shape.hidden, I=shape.heads * shape.head_dim, X=shape.inter)
     tiles = block_tiles(shape, limit)
     # the token step's (row, head) items run on programs 0, 1, ...; the input projection, o_proj and down start past
-    # them, gate/up past o_proj (down's programs, idle in gate/up, fetch its weights while it runs)
+    # them (OFF_PAST), gate/up past o_proj (OFF_GU; down's programs, idle in gate/up, fetch its weights while it runs)
     items = rows * shape.heads
     after_o = items + -(-tiles["O"][0] // tiles["O"][1])
     return dict(HID=shape.hidden, N_IN=shape.proj, Q=q, K_=k, V=v, A=a, B=b, G=g, H=shape.heads, D=shape.head_dim,
@@ -92,7 +92,7 @@ def shape_constants(shape: BlockShape, rows: int, limit: int) -> dict:
                 GATE_FIRST=shape.gate_first, **{f"BN_{key}": bn for key, (_, bn) in tiles.items()},
                 **{f"{key}P{i}": p for key, width in widths.items() for i, p in enumerate(pieces(width))},
                 ROWS=rows, nprog=programs, IT_TS=-(-items // programs),
-                OFF_IN=items % programs, OFF_O=items % programs, OFF_GU=after_o % programs, OFF_D=items % programs)
+                OFF_PAST=items % programs, OFF_GU=after_o % programs)
 
 
 def exchange_words(shape: BlockShape, rows: int) -> int:

@@ -279,16 +279,16 @@ if triton is not None:
                           HAS_BIAS_O: tl.constexpr, HAS_BIAS_GU: tl.constexpr, HAS_BIAS_D: tl.constexpr,
                           FIRST: tl.constexpr, LAST: tl.constexpr, ROWS: tl.constexpr,
                           nprog: tl.constexpr, IT_TS: tl.constexpr, FLAGS: tl.constexpr,
-                          OFF_IN: tl.constexpr, OFF_O: tl.constexpr, OFF_GU: tl.constexpr, OFF_D: tl.constexpr):
+                          OFF_PAST: tl.constexpr, OFF_GU: tl.constexpr):
         """Phases FIRST..LAST of the layer (module docstring), the programs meeting between phases.
         Each program owns at most one output tile of each matmul phase (the launcher sizes tiles so that every
         tile has a program), loads its weight tile once and applies it to every row, and loads the next
         phase's tile (and what else no phase writes: a norm's weight, the state tile, the layer's inputs)
-        before it waits. The phases' tiles are dealt out from different programs (OFF_*, block_layout.shape_constants):
-        the input projection, o_proj and down start past the token step's programs and gate/up past o_proj's
-        (block_layout.block_programs launches enough programs for that where the SMs allow), so a phase's programs were
-        idle in the phase before and hold their weights when its inputs arrive, rather than fetching them
-        only after finishing that phase's work. FLAGS: the phases hand proj, core, y and m over as flagged
+        before it waits. The phases' tiles are dealt out from different programs (OFF_PAST, OFF_GU:
+        block_layout.shape_constants): the input projection, o_proj and down start past the token step's
+        programs and gate/up past o_proj's (block_layout.block_programs launches enough programs for that
+        where the SMs allow), so a phase's programs were idle in the phase before and hold their weights when
+        its inputs arrive, rather than fetching them only after finishing that phase's work. FLAGS: the phases hand proj, core, y and m over as flagged
         words in `ex` (surgery.decode.flagged_words) and never meet; phase 4 recomputes the first residual
         add instead of reading it."""
         pid = tl.program_id(0)
@@ -302,21 +302,19 @@ if triton is not None:
         ex_m = ex_y + ROWS * HID
         error = sync + ERROR_WORD_
         # each matmul phase's tile of this program (block_layout.shape_constants' offsets)
-        t_in = (pid + nprog - OFF_IN) % nprog
-        t_o = (pid + nprog - OFF_O) % nprog
+        t_past = (pid + nprog - OFF_PAST) % nprog  # the input projection's, o_proj's and down's tile
         t_gu = (pid + nprog - OFF_GU) % nprog
-        t_d = (pid + nprog - OFF_D) % nprog
         if FIRST <= 1 and LAST >= 1:  # the residual add, the input norm and the fused input projection
-            wi0, wi1, wi2 = _fetch(w_in, t_in * BN_IN, N_IN, HID, BN_IN, HP0, HP1, HP2)
+            wi0, wi1, wi2 = _fetch(w_in, t_past * BN_IN, N_IN, HID, BN_IN, HP0, HP1, HP2)
             v0, v1, v2 = _weight3(w0, HID, HP0, HP1, HP2, HAS_W0)
-            keeper = t_in == 0  # the program that stores h (the flagged form's phase 4 recomputes it instead)
+            keeper = t_past == 0  # the program that stores h (the flagged form's phase 4 recomputes it instead)
             if FLAGS:
                 keeper = pid < 0
-            if t_in * BN_IN < N_IN:
+            if t_past * BN_IN < N_IN:
                 for r in tl.static_range(ROWS):
                     x0, x1, x2 = _normed_row3(a, b, v0, v1, v2, h, keeper, r, eps0, HID, HP0, HP1, HP2)
                     acc = _mv3(x0, x1, x2, wi0, wi1, wi2, HP1, HP2)
-                    _write_row(ex_proj if FLAGS else proj, acc, bias_in, r, t_in * BN_IN, N_IN, number, dt, BN_IN,
+                    _write_row(ex_proj if FLAGS else proj, acc, bias_in, r, t_past * BN_IN, N_IN, number, dt, BN_IN,
                                HAS_BIAS_IN, FLAGS)
             if LAST > 1 and not FLAGS:
                 proj += grid_wait(sync, 0, nprog)
@@ -341,19 +339,19 @@ if triton is not None:
                                         o_norm_w, state, core, item // H, item % H, N_IN, N_IN, N_IN, N_IN, N_IN,
                                         N_IN, H * D, scale, norm_eps, H, D, BD, V_SILU, False, ".cg")
             if LAST > 2:
-                wo0, wo1, wo2 = _fetch(w_o, t_o * BN_O, HID, H * D, BN_O, IP0, IP1, IP2)
+                wo0, wo1, wo2 = _fetch(w_o, t_past * BN_O, HID, H * D, BN_O, IP0, IP1, IP2)
                 if not FLAGS:
                     core += grid_wait(sync, 1, nprog)
         if FIRST <= 3 and LAST >= 3:  # o_proj
             if FIRST == 3:
-                wo0, wo1, wo2 = _fetch(w_o, t_o * BN_O, HID, H * D, BN_O, IP0, IP1, IP2)
-            if t_o * BN_O < HID:
+                wo0, wo1, wo2 = _fetch(w_o, t_past * BN_O, HID, H * D, BN_O, IP0, IP1, IP2)
+            if t_past * BN_O < HID:
                 for r in tl.static_range(ROWS):
                     if FLAGS:
                         x0, x1, x2 = flagged_row3(ex_core, r, number, error, H * D, IP0, IP1, IP2)
                     else:
                         x0, x1, x2 = _row3(core, r, H * D, IP0, IP1, IP2)
-                    _write_row(ex_y if FLAGS else y, _mv3(x0, x1, x2, wo0, wo1, wo2, IP1, IP2), bias_o, r, t_o * BN_O,
+                    _write_row(ex_y if FLAGS else y, _mv3(x0, x1, x2, wo0, wo1, wo2, IP1, IP2), bias_o, r, t_past * BN_O,
                                HID, number, dt, BN_O, HAS_BIAS_O, FLAGS)
             if LAST > 3:
                 g0, g1, g2 = _fetch(w_gu, t_gu * BN_GU, INTER, HID, BN_GU, HP0, HP1, HP2)
@@ -388,19 +386,19 @@ if triton is not None:
                     _write_row(ex_m if FLAGS else m, prod, bias_gu, r, t_gu * BN_GU, INTER, number, dt, BN_GU, False,
                                FLAGS)
             if LAST > 4:
-                d0, d1, d2 = _fetch(w_d, t_d * BN_D, HID, INTER, BN_D, XP0, XP1, XP2)
+                d0, d1, d2 = _fetch(w_d, t_past * BN_D, HID, INTER, BN_D, XP0, XP1, XP2)
                 if not FLAGS:
                     m += grid_wait(sync, 3, nprog)
         if FIRST <= 5 and LAST >= 5:  # down
             if FIRST == 5:
-                d0, d1, d2 = _fetch(w_d, t_d * BN_D, HID, INTER, BN_D, XP0, XP1, XP2)
-            if t_d * BN_D < HID:
+                d0, d1, d2 = _fetch(w_d, t_past * BN_D, HID, INTER, BN_D, XP0, XP1, XP2)
+            if t_past * BN_D < HID:
                 for r in tl.static_range(ROWS):
                     if FLAGS:
                         x0, x1, x2 = flagged_row3(ex_m, r, number, error, INTER, XP0, XP1, XP2)
                     else:
                         x0, x1, x2 = _row3(m, r, INTER, XP0, XP1, XP2)
-                    _write_row(d_out, _mv3(x0, x1, x2, d0, d1, d2, XP1, XP2), bias_d, r, t_d * BN_D, HID, number, dt,
+                    _write_row(d_out, _mv3(x0, x1, x2, d0, d1, d2, XP1, XP2), bias_d, r, t_past * BN_D, HID, number, dt,
                                BN_D, HAS_BIAS_D, False)
 
 

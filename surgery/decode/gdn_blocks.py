@@ -20,9 +20,9 @@ SURGERY_GDN_BLOCKS: "auto" (the default: at most one program per SM), "off" (not
 or the most programs the kernel may use (at most the SM count). Its phases hand their outputs over as flagged
 words (surgery.decode.flagged_words); SURGERY_GDN_BLOCK_FLAGS=off makes them meet at grid barriers instead. On an
 H100 the 64k batch-1 step took 0.834-0.844 ms with flagged words against 0.879-0.886 with barriers, rows interleaved
-in one process, and 0.827-0.832 against 0.878 on another (bench/RESULTS.md, fifty-fifth session); the flagged form passes the CUDA tests' poisoned launches
-(words left from an earlier launch with NaN values), which an H100 failed before flagged_words re-read each thread's
-own copy (fifty-fourth session)."""
+in one process, and 0.827-0.832 against 0.878 on another (bench/RESULTS.md, fifty-fifth session); the flagged form
+passes the CUDA tests' poisoned launches (words left from an earlier launch with NaN values), which an H100 failed
+before flagged_words re-read each thread's own copy (fifty-fourth session)."""
 from __future__ import annotations
 
 import operator
