@@ -8,8 +8,11 @@ on a GPU (`python -m tcal.kernel_configs record OUT.json -m surgery.cli.app appl
 kernel_configs/<GPU>.json (NVIDIA_H200.json: SmolLM2's 20 keys of 13 kernels, recorded from a cold `surgery apply`
 of SmolLM2; with it the same cold run took 55.4 s against 201-216 s, bench/RESULTS.md, sixteenth session),
 they are put into each autotuner's cache when fla is first imported, so a
-kernel whose key was recorded compiles one config and runs it. Anything else (another GPU, another
-Triton or fla, a key not recorded) autotunes as before. SURGERY_KERNEL_CONFIGS=off turns this off.
+kernel whose key was recorded compiles one config and runs it. A GPU with no table of its own takes the
+winners recorded on another GPU of the same compute capability (an H100 the H200's: the same instructions and
+shared memory the configs were chosen within), its own table first where both hold a key. Anything else (another
+architecture, another Triton or fla, a key not recorded) autotunes as before. SURGERY_KERNEL_CONFIGS=off turns
+this off.
 The keys hold head counts and sizes, so each teacher shape is recorded once: `record` into the shipped
 file adds that run's keys to the ones there. NVIDIA_H200.json also holds Gemma-3-270M's (4 heads of 256,
 27 keys recorded from a Taylor-Calibrate init and its distillation): its `surgery apply` with empty Triton
@@ -43,6 +46,12 @@ PREFIX = "fla."
 def gpu_label() -> str:
     """The GPU's name as a file name (fla's own sanitising: 'NVIDIA H200' -> 'NVIDIA_H200')."""
     return re.sub(r"[^0-9A-Za-z]+", "_", torch.cuda.get_device_name(0)).strip("_") or "unknown_gpu"
+
+
+def capability() -> str:
+    """The GPU's compute capability, '9.0' for an H100 or H200: what decides whether a config compiles and fits."""
+    major, minor = torch.cuda.get_device_capability(0)
+    return f"{major}.{minor}"
 
 
 def versions() -> dict:
@@ -92,7 +101,7 @@ def write(path: Path) -> int:
     the same GPU, Triton and fla holds (a table grows one teacher's shapes at a time: SmolLM2's
     head size 64, Gemma-3's 256); returns how many (kernel, key) pairs this process recorded."""
     kernels = recorded()
-    table = {"gpu": gpu_label(), **versions(), "kernels": {}}
+    table = {"gpu": gpu_label(), "capability": capability(), **versions(), "kernels": {}}
     path = Path(path)
     if path.exists():
         old = json.loads(path.read_text())
@@ -107,15 +116,18 @@ def write(path: Path) -> int:
     return sum(len(entries) for entries in kernels.values())
 
 
-def shipped_table() -> dict | None:
-    """The shipped table for this GPU, Triton and fla, or None."""
+def shipped_tables() -> list[dict]:
+    """The shipped tables for this GPU's architecture, Triton and fla, this GPU's own first, then those recorded
+    on other GPUs of the same compute capability (by name); none where the switch is off or there is no GPU."""
     if not enabled(SWITCH, True) or not torch.cuda.is_available():
-        return None
-    path = DIRECTORY / f"{gpu_label()}.json"
-    if not path.exists():
-        return None
-    table = json.loads(path.read_text())
-    return table if all(table.get(k) == v for k, v in versions().items()) else None
+        return []
+    label, wanted = gpu_label(), dict(versions(), capability=capability())
+    tables = []
+    for path in sorted(sorted(DIRECTORY.glob("*.json")), key=lambda p: p.stem != label):
+        table = json.loads(path.read_text())
+        if all(table.get(k) == v for k, v in wanted.items()):
+            tables.append(table)
+    return tables
 
 
 def as_key(value):
@@ -124,15 +136,16 @@ def as_key(value):
 
 
 def pin_tuned_configs() -> int:
-    """Put the shipped winners into fla's autotuner caches (idempotent). Returns how many were pinned."""
-    table = shipped_table()
-    if table is None:
+    """Put the shipped winners into fla's autotuner caches (idempotent; a key already there, or pinned from a
+    table earlier in shipped_tables' order, stays). Returns how many were pinned."""
+    tables = shipped_tables()
+    if not tables:
         return 0
     import triton
 
     pinned = 0
     for name, tuner in autotuners():
-        for entry in table["kernels"].get(name, []):
+        for entry in (e for table in tables for e in table["kernels"].get(name, [])):
             c = entry["config"]
             extra = {"maxnreg": c["maxnreg"]} if c.get("maxnreg") is not None else {}
             config = triton.Config(c["kwargs"], num_warps=c["num_warps"], num_stages=c["num_stages"],

@@ -1,4 +1,5 @@
-"""Shipped autotune winners (tcal/kernel_configs.py): pinned only where GPU, Triton and fla match."""
+"""Shipped autotune winners (tcal/kernel_configs.py): pinned only where the GPU (or its compute capability), Triton
+and fla match."""
 import json
 import sys
 import types
@@ -22,12 +23,13 @@ class FakeTuner:
 def shipped(tmp_path, monkeypatch):
     """A table for a fake GPU, two kernels loaded in fake fla modules, CUDA pretended."""
     tuners = {"fla.ops.x.kernel_a": FakeTuner(), "fla.ops.y.kernel_b": FakeTuner()}
-    table = {"gpu": "Fake_GPU", "triton": "3.7.1", "fla": "0.6.0", "kernels": {
+    table = {"gpu": "Fake_GPU", "capability": "9.0", "triton": "3.7.1", "fla": "0.6.0", "kernels": {
         "fla.ops.x.kernel_a": [{"key": [9, 64, True, "torch.bfloat16"], "config": {"kwargs": {"BT": 64}, "num_warps": 4, "num_stages": 2}}],
         "fla.ops.z.not_loaded": [{"key": [1], "config": {"kwargs": {}, "num_warps": 1, "num_stages": 1}}]}}
     (tmp_path / "Fake_GPU.json").write_text(json.dumps(table))
     monkeypatch.setattr(kernel_configs, "DIRECTORY", tmp_path)
     monkeypatch.setattr(kernel_configs, "gpu_label", lambda: "Fake_GPU")
+    monkeypatch.setattr(kernel_configs, "capability", lambda: "9.0")
     monkeypatch.setattr(kernel_configs, "versions", lambda: {"triton": "3.7.1", "fla": "0.6.0"})
     monkeypatch.setattr(kernel_configs, "autotuners", lambda: iter(tuners.items()))
     monkeypatch.setattr(kernel_configs.torch.cuda, "is_available", lambda: True)
@@ -51,18 +53,38 @@ def test_an_autotuned_choice_is_never_replaced(shipped):
     assert shipped["fla.ops.x.kernel_a"].cache[(9, 64, True, "torch.bfloat16")] is mine
 
 
-@pytest.mark.parametrize("change", ["triton", "fla", "gpu", "switch", "no_cuda"])
+@pytest.mark.parametrize("change", ["triton", "fla", "architecture", "switch", "no_cuda"])
 def test_nothing_pinned_when_anything_differs(shipped, monkeypatch, change):
     if change in ("triton", "fla"):
         monkeypatch.setattr(kernel_configs, "versions", lambda: {"triton": "3.7.1", "fla": "0.6.0", change: "9.9.9"})
-    elif change == "gpu":
+    elif change == "architecture":  # another GPU of another compute capability
         monkeypatch.setattr(kernel_configs, "gpu_label", lambda: "Other_GPU")
+        monkeypatch.setattr(kernel_configs, "capability", lambda: "8.0")
     elif change == "switch":
         monkeypatch.setenv(kernel_configs.SWITCH, "off")
     else:
         monkeypatch.setattr(kernel_configs.torch.cuda, "is_available", lambda: False)
     assert kernel_configs.pin_tuned_configs() == 0
     assert all(t.cache == {} for t in shipped.values())
+
+
+def test_a_gpu_without_a_table_takes_one_of_its_architecture(shipped, monkeypatch):
+    monkeypatch.setattr(kernel_configs, "gpu_label", lambda: "Other_GPU")  # same capability, no table of its own
+    assert kernel_configs.pin_tuned_configs() == 1
+    assert shipped["fla.ops.x.kernel_a"].cache[(9, 64, True, "torch.bfloat16")].kwargs == {"BT": 64}
+
+
+def test_a_gpus_own_table_comes_before_its_architectures(shipped, tmp_path, monkeypatch):
+    key = [9, 64, True, "torch.bfloat16"]
+    for name, bt in (("A_GPU", 16), ("Other_GPU", 32), ("Z_GPU", 128)):  # before and after the GPU's own by name
+        table = {"gpu": name, "capability": "9.0", "triton": "3.7.1", "fla": "0.6.0", "kernels": {
+            "fla.ops.x.kernel_a": [{"key": key, "config": {"kwargs": {"BT": bt}, "num_warps": 4, "num_stages": 2}}],
+            "fla.ops.y.kernel_b": [{"key": [bt], "config": {"kwargs": {}, "num_warps": 1, "num_stages": 1}}]}}
+        (tmp_path / f"{name}.json").write_text(json.dumps(table))
+    monkeypatch.setattr(kernel_configs, "gpu_label", lambda: "Other_GPU")
+    assert kernel_configs.pin_tuned_configs() == 4  # kernel_a's one key, kernel_b's three
+    assert shipped["fla.ops.x.kernel_a"].cache[tuple(key)].kwargs == {"BT": 32}
+    assert sorted(shipped["fla.ops.y.kernel_b"].cache) == [(16,), (32,), (128,)]
 
 
 def test_record_round_trips_through_pin(shipped, tmp_path, monkeypatch):
@@ -95,3 +117,4 @@ def test_shipped_tables_name_their_versions():
     for path in kernel_configs.DIRECTORY.glob("*.json"):
         table = json.loads(path.read_text())
         assert table["gpu"] == path.stem and table["triton"] and table["fla"] and table["kernels"], path
+        assert table["capability"].count(".") == 1, path  # e.g. "9.0": what lets another GPU of it take the table
