@@ -2,7 +2,7 @@
 # Everything a GPU run needs, carried to the device machine in as few calls as its 64 MiB limit per
 # call allows (../shared/GPU.md): teacher GGUFs, the wheels in .whl/ (fla, fla-core, gguf), optionally
 # Triton 3.7.1 (pruned of what an H200 never loads), transformers wheels and the evaluation texts,
-# as one xz stream cut into 57 MB parts under .gpu/ (ignored by git). Then runs that outlive one call.
+# as one xz stream cut into 48 MB parts under .gpu/ (ignored by git). Then runs that outlive one call.
 #
 #   here:  bash bench/gpu.sh pack [--triton WHEEL] [--tf WHEEL]... [--data] GGUF...     # .gpu/q0 .. .gpu/qN
 #   there: one call per part, right after each other (the machine stays warm; $BUNDLE_ROOT stays):
@@ -21,7 +21,7 @@ set -euo pipefail
 root=${BUNDLE_ROOT:-/root}
 bg=${BG_DIR:-$root/bg}
 data=${DATA:-/work/shared/data}  # pack --data: the corpus and WikiText-2 test
-part_bytes=57000000
+part_bytes=${PART_BYTES:-48000000}  # with the ~10 MB checkout each call sends, under the 64 MiB a call carries (57 MB parts stopped fitting in the fifty-sixth session)
 usage="usage: $0 pack [--triton WHEEL] [--tf WHEEL]... [--data] GGUF... | append .gpu/qK | setup | env [TF_VERSION] | start NAME COMMAND... | wait NAME SECONDS [FILE...]"
 
 pack() {

@@ -6,7 +6,9 @@ candidate config. On a fresh H200 that is most of the first `surgery apply`'s ti
 fifteenth session). The winners depend on the GPU, Triton and fla, not on the weights: recorded once
 on a GPU (`python -m tcal.kernel_configs record OUT.json -m surgery.cli.app apply ...`) and shipped in
 kernel_configs/<GPU>.json (NVIDIA_H200.json: SmolLM2's 20 keys of 13 kernels, recorded from a cold `surgery apply`
-of SmolLM2; with it the same cold run took 55.4 s against 201-216 s, bench/RESULTS.md, sixteenth session),
+of SmolLM2; with it the same cold run took 55.4 s against 201-216 s, bench/RESULTS.md, sixteenth session;
+NVIDIA_H100_80GB_HBM3.json: the same run's 18 keys recorded on an H100, whose first `surgery apply` took 41.3 s with
+it, 46.0 s with the H200's table and 164.2 s autotuning, bench/RESULTS.md, fifty-sixth session),
 they are put into each autotuner's cache when fla is first imported, so a
 kernel whose key was recorded compiles one config and runs it. A GPU with no table of its own takes the
 winners recorded on another GPU of the same compute capability (an H100 the H200's: the same instructions and
