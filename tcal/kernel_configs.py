@@ -5,9 +5,9 @@ key (head counts, head sizes, chunk size, dtypes; not the sequence length) compi
 candidate config. On a fresh H200 that is most of the first `surgery apply`'s time (bench/RESULTS.md,
 fifteenth session). The winners depend on the GPU, Triton and fla, not on the weights: recorded once
 on a GPU (`python -m tcal.kernel_configs record OUT.json -m surgery.cli.app apply ...`) and shipped in
-kernel_configs/<GPU>.json (NVIDIA_H200.json: SmolLM2's 20 keys of 13 kernels, recorded from a cold `surgery apply`
+kernel_configs/<GPU>-triton-<version>.json (table_name; NVIDIA_H200's for Triton 3.7.1: SmolLM2's 20 keys of 13 kernels, recorded from a cold `surgery apply`
 of SmolLM2; with it the same cold run took 55.4 s against 201-216 s, bench/RESULTS.md, sixteenth session;
-NVIDIA_H100_80GB_HBM3.json: the same run's 18 keys recorded on an H100, whose first `surgery apply` took 41.3 s with
+NVIDIA_H100_80GB_HBM3's for 3.7.1: the same run's 18 keys recorded on an H100, whose first `surgery apply` took 41.3 s with
 it, 46.0 s with the H200's table and 164.2 s autotuning, bench/RESULTS.md, fifty-sixth session),
 they are put into each autotuner's cache when fla is first imported, so a
 kernel whose key was recorded compiles one config and runs it. A GPU with no table of its own takes the
@@ -16,7 +16,7 @@ shared memory the configs were chosen within), its own table first where both ho
 architecture, another Triton or fla, a key not recorded) autotunes as before. SURGERY_KERNEL_CONFIGS=off turns
 this off.
 The keys hold head counts and sizes, so each teacher shape is recorded once: `record` into the shipped
-file adds that run's keys to the ones there. NVIDIA_H200.json also holds Gemma-3-270M's (4 heads of 256,
+file adds that run's keys to the ones there. NVIDIA_H200's 3.7.1 table also holds Gemma-3-270M's (4 heads of 256,
 27 keys recorded from a Taylor-Calibrate init and its distillation): its `surgery apply` with empty Triton
 and Inductor caches took 97.0 s where building the same init while autotuning took 393.5 s
 (bench/RESULTS.md, twenty-fourth session), and the kda, mamba2 and gla mixers' kernels at SmolLM2's
@@ -118,18 +118,20 @@ def write(path: Path) -> int:
     return sum(len(entries) for entries in kernels.values())
 
 
+def table_name(table: dict) -> str:
+    """A shipped table's file name: one per GPU and Triton version (fla's is pinned by pyproject)."""
+    return f"{table['gpu']}-triton-{table['triton']}.json"
+
+
 def shipped_tables() -> list[dict]:
     """The shipped tables for this GPU's architecture, Triton and fla, this GPU's own first, then those recorded
     on other GPUs of the same compute capability (by name); none where the switch is off or there is no GPU."""
     if not enabled(SWITCH, True) or not torch.cuda.is_available():
         return []
     label, wanted = gpu_label(), dict(versions(), capability=capability())
-    tables = []
-    for path in sorted(sorted(DIRECTORY.glob("*.json")), key=lambda p: p.stem != label):
-        table = json.loads(path.read_text())
-        if all(table.get(k) == v for k, v in wanted.items()):
-            tables.append(table)
-    return tables
+    tables = [json.loads(path.read_text()) for path in sorted(DIRECTORY.glob("*.json"))]
+    tables = [t for t in tables if all(t.get(k) == v for k, v in wanted.items())]
+    return sorted(tables, key=lambda t: t.get("gpu") != label)
 
 
 def as_key(value):

@@ -26,7 +26,7 @@ def shipped(tmp_path, monkeypatch):
     table = {"gpu": "Fake_GPU", "capability": "9.0", "triton": "3.7.1", "fla": "0.6.0", "kernels": {
         "fla.ops.x.kernel_a": [{"key": [9, 64, True, "torch.bfloat16"], "config": {"kwargs": {"BT": 64}, "num_warps": 4, "num_stages": 2}}],
         "fla.ops.z.not_loaded": [{"key": [1], "config": {"kwargs": {}, "num_warps": 1, "num_stages": 1}}]}}
-    (tmp_path / "Fake_GPU.json").write_text(json.dumps(table))
+    (tmp_path / kernel_configs.table_name(table)).write_text(json.dumps(table))
     monkeypatch.setattr(kernel_configs, "DIRECTORY", tmp_path)
     monkeypatch.setattr(kernel_configs, "gpu_label", lambda: "Fake_GPU")
     monkeypatch.setattr(kernel_configs, "capability", lambda: "9.0")
@@ -80,7 +80,7 @@ def test_a_gpus_own_table_comes_before_its_architectures(shipped, tmp_path, monk
         table = {"gpu": name, "capability": "9.0", "triton": "3.7.1", "fla": "0.6.0", "kernels": {
             "fla.ops.x.kernel_a": [{"key": key, "config": {"kwargs": {"BT": bt}, "num_warps": 4, "num_stages": 2}}],
             "fla.ops.y.kernel_b": [{"key": [bt], "config": {"kwargs": {}, "num_warps": 1, "num_stages": 1}}]}}
-        (tmp_path / f"{name}.json").write_text(json.dumps(table))
+        (tmp_path / kernel_configs.table_name(table)).write_text(json.dumps(table))
     monkeypatch.setattr(kernel_configs, "gpu_label", lambda: "Other_GPU")
     assert kernel_configs.pin_tuned_configs() == 4  # kernel_a's one key, kernel_b's three
     assert shipped["fla.ops.x.kernel_a"].cache[tuple(key)].kwargs == {"BT": 32}
@@ -89,7 +89,7 @@ def test_a_gpus_own_table_comes_before_its_architectures(shipped, tmp_path, monk
 
 def test_record_round_trips_through_pin(shipped, tmp_path, monkeypatch):
     shipped["fla.ops.y.kernel_b"].cache[(4, "torch.float32")] = FakeConfig({"BK": 32}, 2, 1, 1, None)
-    out = tmp_path / "Fake_GPU.json"
+    out = tmp_path / "Fake_GPU-triton-3.7.1.json"  # the shipped file
     assert kernel_configs.write(out) == 1
     shipped["fla.ops.y.kernel_b"].cache.clear()
     assert kernel_configs.pin_tuned_configs() == 2  # the recorded key and the table's own (kept by write)
@@ -97,7 +97,7 @@ def test_record_round_trips_through_pin(shipped, tmp_path, monkeypatch):
 
 
 def test_record_adds_to_a_table_of_the_same_versions_and_replaces_one_of_others(shipped, tmp_path, monkeypatch):
-    out = tmp_path / "Fake_GPU.json"
+    out = tmp_path / "Fake_GPU-triton-3.7.1.json"  # the shipped file
     shipped["fla.ops.x.kernel_a"].cache[(4, 256, True, "torch.bfloat16")] = FakeConfig({"BT": 16}, 8, 3)
     assert kernel_configs.write(out) == 1
     keys = {k: [e["key"] for e in v] for k, v in json.loads(out.read_text())["kernels"].items()}
@@ -116,5 +116,5 @@ def test_record_adds_to_a_table_of_the_same_versions_and_replaces_one_of_others(
 def test_shipped_tables_name_their_versions():
     for path in kernel_configs.DIRECTORY.glob("*.json"):
         table = json.loads(path.read_text())
-        assert table["gpu"] == path.stem and table["triton"] and table["fla"] and table["kernels"], path
+        assert path.name == kernel_configs.table_name(table) and table["fla"] and table["kernels"], path
         assert table["capability"].count(".") == 1, path  # e.g. "9.0": what lets another GPU of it take the table
