@@ -1,20 +1,19 @@
 """Tuned launch configs for fla's Triton kernels, shipped per GPU, so a fresh machine does not autotune.
 
-fla decorates most of its kernels with Triton's autotuner: the first call of each kernel for a new
-key (head counts, head sizes, chunk size, dtypes; not the sequence length) compiles and times every
-candidate config. On a fresh H200 that is most of the first `surgery apply`'s time (bench/RESULTS.md,
-fifteenth session). The winners depend on the GPU, Triton and fla, not on the weights: recorded once
-on a GPU (`python -m tcal.kernel_configs record OUT.json -m surgery.cli.app apply ...`) and shipped in
-kernel_configs/<GPU>-triton-<version>.json (table_name; NVIDIA_H200's for Triton 3.7.1: SmolLM2's 20 keys of 13 kernels, recorded from a cold `surgery apply`
-of SmolLM2; with it the same cold run took 55.4 s against 201-216 s, bench/RESULTS.md, sixteenth session;
-NVIDIA_H100_80GB_HBM3's for 3.7.1: the same run's 18 keys recorded on an H100, whose first `surgery apply` took 41.3 s with
-it, 46.0 s with the H200's table and 164.2 s autotuning, bench/RESULTS.md, fifty-sixth session),
-they are put into each autotuner's cache when fla is first imported, so a
-kernel whose key was recorded compiles one config and runs it. A GPU with no table of its own takes the
-winners recorded on another GPU of the same compute capability (an H100 the H200's: the same instructions and
-shared memory the configs were chosen within), its own table first where both hold a key. Anything else (another
-architecture, another Triton or fla, a key not recorded) autotunes as before. SURGERY_KERNEL_CONFIGS=off turns
-this off.
+fla decorates most of its kernels with Triton's autotuner: the first call of each kernel for a new key (head counts,
+head sizes, chunk size, dtypes; not the sequence length) compiles and times every candidate config. On a fresh H200
+that is most of the first `surgery apply`'s time (bench/RESULTS.md, fifteenth session). The winners depend on the
+GPU, Triton and fla, not on the weights: recorded once on a GPU (`python -m tcal.kernel_configs record OUT.json -m
+surgery.cli.app apply ...`) and shipped in kernel_configs/<GPU>-triton-<version>.json (table_name; NVIDIA_H200's for
+Triton 3.7.1: SmolLM2's 20 keys of 13 kernels, recorded from a cold `surgery apply` of SmolLM2; with it the same
+cold run took 55.4 s against 201-216 s, bench/RESULTS.md, sixteenth session; NVIDIA_H100_80GB_HBM3's for 3.7.1: the
+same run's 18 keys recorded on an H100, whose first `surgery apply` took 41.3 s with it, 46.0 s with the H200's
+table and 164.2 s autotuning, bench/RESULTS.md, fifty-sixth session), they are put into each autotuner's cache when
+fla is first imported, so a kernel whose key was recorded compiles one config and runs it. A GPU with no table of
+its own takes the winners recorded on another GPU of the same compute capability (an H100 the H200's: the same
+instructions and shared memory the configs were chosen within), its own table first where both hold a key. Anything
+else (another architecture, another Triton or fla, a key not recorded) autotunes as before.
+SURGERY_KERNEL_CONFIGS=off turns this off.
 The keys hold head counts and sizes, so each teacher shape is recorded once: `record` into the shipped
 file adds that run's keys to the ones there. NVIDIA_H200's 3.7.1 table also holds Gemma-3-270M's (4 heads of 256,
 27 keys recorded from a Taylor-Calibrate init and its distillation): its `surgery apply` with empty Triton
