@@ -219,6 +219,11 @@ def apply(
         dev, dt = placement(device, dtype)
         offload = choose_offload(paths[0], dev, dt, offload_layers)  # else the teacher must fit the device (checked)
         err.print(f"{'capturing on the meta device' if offload else 'loading and capturing'} {model} {'for' if offload else 'on'} {dev} ({str(dt).removeprefix('torch.')})")
+        if dev.type == "cuda" and any(p.name in ("calibrate", "align") for p in manager.passes):
+            from tcal.kernel_configs import missing_note
+
+            if (note := missing_note()) is not None:  # a first run autotunes fla's kernels for minutes: say why
+                err.print(note)
         with kernel_warmup(dev, [] if offload else manager.layer_runs()) as warmup:  # compiles while we load
             graph = capture(model, device=dev, dtype=dt, debug=debug, offload=offload)
             err.print(f"found {graph.num_layers} attention layers")

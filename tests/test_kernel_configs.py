@@ -1,5 +1,6 @@
 """Shipped autotune winners (tcal/kernel_configs.py): pinned only where the GPU (or its compute capability), Triton
 and fla match."""
+import importlib.metadata
 import json
 import sys
 import types
@@ -118,3 +119,19 @@ def test_shipped_tables_name_their_versions():
         table = json.loads(path.read_text())
         assert path.name == kernel_configs.table_name(table) and table["fla"] and table["kernels"], path
         assert table["capability"].count(".") == 1, path  # e.g. "9.0": what lets another GPU of it take the table
+
+
+def test_a_run_that_will_autotune_is_told_so(shipped, monkeypatch):
+    assert kernel_configs.missing_note() is None  # a table serves this GPU
+    monkeypatch.setattr(kernel_configs, "gpu_label", lambda: "Other_GPU")
+    monkeypatch.setattr(kernel_configs, "capability", lambda: "8.0")
+    note = kernel_configs.missing_note()
+    assert "Other_GPU" in note and "8.0" in note and "Triton 3.7.1" in note and "autotunes" in note
+    monkeypatch.setenv(kernel_configs.SWITCH, "off")  # autotuning asked for: nothing to say
+    assert kernel_configs.missing_note() is None
+    monkeypatch.delenv(kernel_configs.SWITCH)
+
+    def absent():
+        raise importlib.metadata.PackageNotFoundError("fla-core")
+    monkeypatch.setattr(kernel_configs, "versions", absent)
+    assert kernel_configs.missing_note() is None  # no fla: no fla kernels to tune
