@@ -219,7 +219,8 @@ def apply(
         dev, dt = placement(device, dtype)
         offload = choose_offload(paths[0], dev, dt, offload_layers)  # else the teacher must fit the device (checked)
         err.print(f"{'capturing on the meta device' if offload else 'loading and capturing'} {model} {'for' if offload else 'on'} {dev} ({str(dt).removeprefix('torch.')})")
-        if dev.type == "cuda" and any(p.name in ("calibrate", "align") for p in manager.passes):
+        reads_text = any(p.name in ("calibrate", "align") for p in manager.passes)  # run the converted layers on text
+        if dev.type == "cuda" and reads_text:
             from tcal.kernel_configs import missing_note
 
             if (note := missing_note()) is not None:  # a first run autotunes fla's kernels for minutes: say why
@@ -227,7 +228,7 @@ def apply(
         with kernel_warmup(dev, [] if offload else manager.layer_runs()) as warmup:  # compiles while we load
             graph = capture(model, device=dev, dtype=dt, debug=debug, offload=offload)
             err.print(f"found {graph.num_layers} attention layers")
-            if any(p.name in ("calibrate", "align") for p in manager.passes) and not calibration:
+            if reads_text and not calibration:
                 err.print("no --calibration given: using the built-in calibration sample")
 
             def report(name, result):
