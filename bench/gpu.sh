@@ -73,6 +73,9 @@ setup() {
   if [ -d "$root/x/site2/triton" ]; then
     rm -rf /tmp/site2 && mv "$root/x/site2" /tmp/site2
     chmod +x /tmp/site2/triton/backends/nvidia/bin/*  # zipfile -e at pack time drops the exec bits (ptxas: PermissionError)
+    # pack drops ptxas-blackwell (~30 MB), but Triton 3.9.0 looks it up on Hopper too ("Cannot find ptxas-blackwell",
+    # fifty-seventh session); with ptxas in its place the H100 run compiled and passed
+    [ -e /tmp/site2/triton/backends/nvidia/bin/ptxas-blackwell ] || ln -s ptxas /tmp/site2/triton/backends/nvidia/bin/ptxas-blackwell
   fi
   for w in "$root"/x/tf/transformers-*.whl; do
     [ -f "$w" ] || continue

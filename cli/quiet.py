@@ -2,7 +2,8 @@
 
 Filtered: deprecation notices (FutureWarning, DeprecationWarning, PendingDeprecationWarning, from
 wherever they are attributed: torch's pytree notice points into the standard library's copyreg),
-every warning raised inside torch, transformers, gguf, tqdm or accelerate, transformers' own
+every warning raised inside torch, transformers, gguf, tqdm, accelerate or Triton (3.9's notice that its
+FP-fusion default will change, once a process that compiles a kernel), transformers' own
 logging below errors, and tqdm bars (transformers' GGUF conversion draws one on every load).
 Surgery's own warnings (a compile that fell back to eager, a BOS mismatch) are UserWarnings raised
 from surgery's modules and still show."""
@@ -11,7 +12,7 @@ from __future__ import annotations
 import logging
 import warnings
 
-LIBRARIES = r"(torch|transformers|gguf|tqdm|accelerate|huggingface_hub|safetensors)(\.|$)"
+LIBRARIES = r"(torch|transformers|gguf|tqdm|accelerate|huggingface_hub|safetensors|triton)(\.|$)"
 DEPRECATIONS = (FutureWarning, DeprecationWarning, PendingDeprecationWarning)
 
 

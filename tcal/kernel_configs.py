@@ -8,7 +8,9 @@ surgery.cli.app apply ...`) and shipped in kernel_configs/<GPU>-triton-<version>
 Triton 3.7.1: SmolLM2's 20 keys of 13 kernels, recorded from a cold `surgery apply` of SmolLM2; with it the same
 cold run took 55.4 s against 201-216 s, bench/RESULTS.md, sixteenth session; NVIDIA_H100_80GB_HBM3's for 3.7.1: the
 same run's 18 keys recorded on an H100, whose first `surgery apply` took 41.3 s with it, 46.0 s with the H200's
-table and 164.2 s autotuning, bench/RESULTS.md, fifty-sixth session), they are put into each autotuner's cache when
+table and 164.2 s autotuning, bench/RESULTS.md, fifty-sixth session; and its table for Triton 3.9.0, what `pip install
+torch` 2.15 brings, whose winners differ from 3.7.1's for 11 of the 18 keys: 48.5 s against 227.4 s, fifty-seventh
+session), they are put into each autotuner's cache when
 fla is first imported, so a kernel whose key was recorded compiles one config and runs it. A GPU with no table of
 its own takes the winners recorded on another GPU of the same compute capability (an H100 the H200's: the same
 instructions and shared memory the configs were chosen within), its own table first where both hold a key. Anything

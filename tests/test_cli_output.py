@@ -302,6 +302,7 @@ def test_quiet_hides_library_warnings_not_ours():
         warnings.simplefilter("always")
         quiet.quiet_libraries(verbose=False)
         warnings.warn_explicit("TF32 is off", UserWarning, "functional.py", 1, module="torch.nn.functional")
+        warnings.warn_explicit("TRITON_DEFAULT_FP_FUSION is unset", UserWarning, "knobs.py", 504, module="triton.knobs")
         warnings.warn_explicit("Compiling the align failed; running it eagerly.", UserWarning, "compiled.py", 1, module="surgery.core.compiled")
         warnings.warn_explicit("use the new API", DeprecationWarning, "copyreg.py", 1, module="copyreg")
     assert [str(w.message) for w in caught] == ["Compiling the align failed; running it eagerly."]
