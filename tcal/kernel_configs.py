@@ -13,8 +13,12 @@ torch` 2.15 brings, whose winners differ from 3.7.1's for 11 of the 18 keys: 48.
 session), they are put into each autotuner's cache when
 fla is first imported, so a kernel whose key was recorded compiles one config and runs it. A GPU with no table of
 its own takes the winners recorded on another GPU of the same compute capability (an H100 the H200's: the same
-instructions and shared memory the configs were chosen within), its own table first where both hold a key. Anything
-else (another architecture, another Triton or fla, a key not recorded) autotunes as before.
+instructions and shared memory the configs were chosen within), its own table first where both hold a key. A Triton
+no table was recorded with (`pip install torch` 2.14 brings 3.8, 2.12 3.7.0, 2.11 3.6) borrows the winners recorded
+with the nearest one, where fla offers that config under this Triton too; a borrowed config this Triton cannot build
+(a compile error, before anything runs) makes that kernel autotune instead of failing (borrow_guard). Not yet timed on a
+GPU: how far a borrowed winner is from this Triton's own. Anything else (another architecture or fla, a key not
+recorded) autotunes as before.
 SURGERY_KERNEL_CONFIGS=off turns this off.
 The keys hold head counts and sizes, so each teacher shape is recorded once: `record` into the shipped
 file adds that run's keys to the ones there. NVIDIA_H200's 3.7.1 table also holds Gemma-3-270M's (4 heads of 256,
@@ -124,20 +128,45 @@ def table_name(table: dict) -> str:
     return f"{table['gpu']}-triton-{table['triton']}.json"
 
 
+def all_tables() -> list[dict]:
+    """Every shipped table of this GPU's compute capability and this fla (any GPU name, any Triton version); none
+    where the switch is off or there is no GPU."""
+    if not enabled(SWITCH, True) or not torch.cuda.is_available():
+        return []
+    wanted = {"fla": versions()["fla"], "capability": capability()}
+    tables = [json.loads(path.read_text()) for path in sorted(DIRECTORY.glob("*.json"))]
+    return [t for t in tables if all(t.get(k) == v for k, v in wanted.items())]
+
+
 def shipped_tables() -> list[dict]:
     """The shipped tables for this GPU's architecture, Triton and fla, this GPU's own first, then those recorded
     on other GPUs of the same compute capability (by name); none where the switch is off or there is no GPU."""
-    if not enabled(SWITCH, True) or not torch.cuda.is_available():
-        return []
-    label, wanted = gpu_label(), dict(versions(), capability=capability())
-    tables = [json.loads(path.read_text()) for path in sorted(DIRECTORY.glob("*.json"))]
-    tables = [t for t in tables if all(t.get(k) == v for k, v in wanted.items())]
-    return sorted(tables, key=lambda t: t.get("gpu") != label)
+    here = versions()["triton"]
+    return sorted((t for t in all_tables() if t.get("triton") == here), key=lambda t: t.get("gpu") != gpu_label())
+
+
+def release(version: str) -> tuple[int, ...]:
+    """'3.9.0' -> (3, 9, 0): Triton versions compared as numbers ('3.10' follows '3.9')."""
+    return tuple(int(part) for part in re.findall(r"\d+", version.split("+")[0])[:3])
+
+
+def borrowed_tables() -> list[dict]:
+    """Tables of this compute capability and fla recorded under other Triton versions, the nearest release first
+    (this GPU's own first within one): what serves a Triton no table was recorded with (pin_tuned_configs)."""
+    here = versions()["triton"]
+    mine = release(here) + (0, 0, 0)
+
+    def nearness(table):  # the distance in major, then minor, then patch release; this GPU's own table first
+        there = release(table["triton"]) + (0, 0, 0)
+        return [abs(a - b) for a, b in zip(mine[:3], there[:3])], table.get("gpu") != gpu_label()
+
+    return sorted((t for t in all_tables() if t.get("triton") != here), key=nearness)
 
 
 def missing_note() -> str | None:
-    """A line for the user whose run is about to autotune: fla and a GPU are here but no shipped table serves them
-    (None where one does, the switch is off, or there is no GPU, Triton or fla)."""
+    """A line for the user whose run will not take the shipped launch configs as recorded: fla and a GPU are here
+    but no table serves this Triton (the configs of the nearest one serve, or every kernel autotunes); None where
+    one does, the switch is off, or there is no GPU, Triton or fla."""
     if not enabled(SWITCH, True) or not torch.cuda.is_available():
         return None
     try:
@@ -146,9 +175,13 @@ def missing_note() -> str | None:
         return None
     if shipped_tables():
         return None
-    return (f"no launch configs for fla's kernels ship for {gpu_label()} (compute capability {capability()}) with Triton "
-            f"{found['triton']} and fla {found['fla']}: each kernel autotunes on its first use (a first `surgery apply` of "
-            "SmolLM2 took 164 s on an H100 so, 41 s with a table); fla keeps the winners for later runs")
+    where = f"{gpu_label()} (compute capability {capability()}) with Triton {found['triton']} and fla {found['fla']}"
+    if borrowed := borrowed_tables():
+        nearest = ", ".join(dict.fromkeys(t["triton"] for t in borrowed))
+        return (f"no launch configs for fla's kernels were recorded on {where}: the winners recorded with the nearest "
+                f"Triton serve instead ({nearest}, in that order; a kernel whose config this Triton cannot build autotunes)")
+    return (f"no launch configs for fla's kernels ship for {where}: each kernel autotunes on its first use (a first "
+            "`surgery apply` of SmolLM2 took 164 s on an H100 so, 41 s with a table); fla keeps the winners for later runs")
 
 
 def as_key(value):
@@ -156,24 +189,72 @@ def as_key(value):
     return tuple(as_key(v) for v in value) if isinstance(value, list) else value
 
 
-def pin_tuned_configs() -> int:
-    """Put the shipped winners into fla's autotuner caches (idempotent; a key already there, or pinned from a
-    table earlier in shipped_tables' order, stays). Returns how many were pinned."""
-    tables = shipped_tables()
-    if not tables:
-        return 0
+def as_config(record: dict):
+    """A recorded config back as a triton.Config."""
     import triton
 
+    extra = {"maxnreg": record["maxnreg"]} if record.get("maxnreg") is not None else {}
+    return triton.Config(record["kwargs"], num_warps=record["num_warps"], num_stages=record["num_stages"],
+                         num_ctas=record.get("num_ctas", 1), **extra)
+
+
+def same_config(record: dict, config) -> bool:
+    """Whether a recorded config is `config` (a record may leave num_ctas and maxnreg at their defaults)."""
+    mine = config_record(config)
+    return all(record.get(k, {"num_ctas": 1}.get(k)) == v for k, v in mine.items())
+
+
+def pin_tuned_configs() -> int:
+    """Put the shipped winners into fla's autotuner caches (idempotent; a key already there, or pinned from a
+    table earlier in shipped_tables' order, stays). Where no table holds a key for this Triton, the winner
+    recorded under the nearest Triton (borrowed_tables) is pinned if it is one of this kernel's candidates here
+    (fla leaves a config out of a Triton it miscompiles under), guarded: a borrowed config this Triton cannot
+    build (shared memory, registers) drops the kernel's borrowed keys and the call autotunes (borrow_guard).
+    Returns how many were pinned."""
+    tables, borrowed = shipped_tables(), borrowed_tables()
+    if not tables and not borrowed:
+        return 0
     pinned = 0
     for name, tuner in autotuners():
         for entry in (e for table in tables for e in table["kernels"].get(name, [])):
-            c = entry["config"]
-            extra = {"maxnreg": c["maxnreg"]} if c.get("maxnreg") is not None else {}
-            config = triton.Config(c["kwargs"], num_warps=c["num_warps"], num_stages=c["num_stages"],
-                                   num_ctas=c.get("num_ctas", 1), **extra)
+            config = as_config(entry["config"])
             if tuner.cache.setdefault(as_key(entry["key"]), config) is config:
                 pinned += 1
+        lent = {}
+        candidates = list(getattr(tuner, "configs", []))
+        for entry in (e for table in borrowed for e in table["kernels"].get(name, [])):
+            if not any(same_config(entry["config"], c) for c in candidates):
+                continue
+            config = as_config(entry["config"])
+            if tuner.cache.setdefault(as_key(entry["key"]), config) is config:
+                lent[as_key(entry["key"])] = config
+        if lent:
+            borrow_guard(tuner, lent)
+            pinned += len(lent)
     return pinned
+
+
+def borrow_guard(tuner, lent: dict) -> None:
+    """Make `tuner` survive a borrowed config (key -> config in its cache) that this Triton cannot build: Triton
+    raises before anything runs, so the borrowed keys still in the cache are dropped and the call repeated, which
+    autotunes as a kernel without a table does."""
+    from triton.errors import TritonError
+
+    run = tuner.run
+
+    def guarded(*args, **kwargs):
+        try:
+            return run(*args, **kwargs)
+        except TritonError:
+            if not lent:
+                raise
+            for key, config in lent.items():
+                if tuner.cache.get(key) is config:
+                    del tuner.cache[key]
+            lent.clear()
+            return run(*args, **kwargs)
+
+    tuner.run = guarded
 
 
 def main(argv: list[str]) -> None:

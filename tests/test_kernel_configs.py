@@ -15,9 +15,27 @@ class FakeConfig:
         self.kwargs, self.num_warps, self.num_stages, self.num_ctas, self.maxnreg = kwargs, num_warps, num_stages, num_ctas, maxnreg
 
 
+class FakeBuildError(Exception):
+    """Stands for triton.errors.TritonError: what Triton raises for a config it cannot build."""
+
+
 class FakeTuner:
+    """An autotuner: its candidates, its cache, and a run that autotunes a key it has not cached (the second
+    candidate wins) and fails to build the configs in `unbuildable`."""
+
     def __init__(self):
         self.cache = {}
+        self.configs = [FakeConfig({"BT": 64}, 4, 2), FakeConfig({"BT": 32}, 4, 2)]
+        self.unbuildable = []
+        self.tuned = 0
+
+    def run(self, key):
+        if key not in self.cache:
+            self.cache[key] = self.configs[1]
+            self.tuned += 1
+        if self.cache[key].kwargs in self.unbuildable:
+            raise FakeBuildError(f"out of shared memory: {self.cache[key].kwargs}")
+        return self.cache[key].kwargs
 
 
 @pytest.fixture
@@ -35,6 +53,7 @@ def shipped(tmp_path, monkeypatch):
     monkeypatch.setattr(kernel_configs, "autotuners", lambda: iter(tuners.items()))
     monkeypatch.setattr(kernel_configs.torch.cuda, "is_available", lambda: True)
     monkeypatch.setitem(sys.modules, "triton", types.SimpleNamespace(Config=FakeConfig))
+    monkeypatch.setitem(sys.modules, "triton.errors", types.SimpleNamespace(TritonError=FakeBuildError))
     monkeypatch.delenv(kernel_configs.SWITCH, raising=False)
     return tuners
 
@@ -54,9 +73,9 @@ def test_an_autotuned_choice_is_never_replaced(shipped):
     assert shipped["fla.ops.x.kernel_a"].cache[(9, 64, True, "torch.bfloat16")] is mine
 
 
-@pytest.mark.parametrize("change", ["triton", "fla", "architecture", "switch", "no_cuda"])
+@pytest.mark.parametrize("change", ["fla", "architecture", "switch", "no_cuda"])
 def test_nothing_pinned_when_anything_differs(shipped, monkeypatch, change):
-    if change in ("triton", "fla"):
+    if change == "fla":
         monkeypatch.setattr(kernel_configs, "versions", lambda: {"triton": "3.7.1", "fla": "0.6.0", change: "9.9.9"})
     elif change == "architecture":  # another GPU of another compute capability
         monkeypatch.setattr(kernel_configs, "gpu_label", lambda: "Other_GPU")
@@ -135,3 +154,83 @@ def test_a_run_that_will_autotune_is_told_so(shipped, monkeypatch):
         raise importlib.metadata.PackageNotFoundError("fla-core")
     monkeypatch.setattr(kernel_configs, "versions", absent)
     assert kernel_configs.missing_note() is None  # no fla: no fla kernels to tune
+
+
+def borrowing(tmp_path, monkeypatch, here: str, tables: dict) -> None:
+    """Tables of Fake_GPU recorded under other Triton versions (version -> kernel_a's BT for the fixture's key),
+    beside the fixture's 3.7.1 one (BT 64); this process runs Triton `here`."""
+    for version, bt in tables.items():
+        table = {"gpu": "Fake_GPU", "capability": "9.0", "triton": version, "fla": "0.6.0", "kernels": {
+            "fla.ops.x.kernel_a": [{"key": [9, 64, True, "torch.bfloat16"], "config": {"kwargs": {"BT": bt}, "num_warps": 4, "num_stages": 2}}]}}
+        (tmp_path / kernel_configs.table_name(table)).write_text(json.dumps(table))
+    monkeypatch.setattr(kernel_configs, "versions", lambda: {"triton": here, "fla": "0.6.0"})
+
+
+@pytest.mark.parametrize("here, tables, taken, order", [
+    ("3.8.1", {"3.9.0": 32}, {"BT": 64}, "3.7.1, 3.9.0"),  # 3.7.1 is a minor release away and a patch nearer
+    ("3.10.2", {"3.9.0": 32, "3.10.0": 128}, {"BT": 32}, "3.10.0, 3.9.0, 3.7.1"),  # 3.10.0's BT 128 is no candidate here
+])
+def test_a_triton_without_a_table_borrows_the_nearest_releases_winner(shipped, tmp_path, monkeypatch, here, tables, taken, order):
+    borrowing(tmp_path, monkeypatch, here, tables)
+    assert kernel_configs.shipped_tables() == []
+    assert kernel_configs.pin_tuned_configs() == 1
+    assert shipped["fla.ops.x.kernel_a"].cache[(9, 64, True, "torch.bfloat16")].kwargs == taken
+    note = kernel_configs.missing_note()
+    assert f"Triton {here}" in note and f"({order}, in that order" in note
+
+
+def test_a_borrowed_config_this_triton_cannot_build_autotunes_instead(shipped, tmp_path, monkeypatch):
+    borrowing(tmp_path, monkeypatch, "3.8.0", {})
+    tuner, key = shipped["fla.ops.x.kernel_a"], (9, 64, True, "torch.bfloat16")
+    tuner.unbuildable = [{"BT": 64}]
+    assert kernel_configs.pin_tuned_configs() == 1
+    assert tuner.run(key) == {"BT": 32} and tuner.tuned == 1  # the borrowed config failed; the call autotuned
+    assert tuner.run(key) == {"BT": 32} and tuner.tuned == 1
+    tuner.unbuildable = [{"BT": 32}]  # a kernel that does not build whatever its config: the error is the caller's
+    with pytest.raises(FakeBuildError):
+        tuner.run(key)
+
+
+def test_a_pin_for_this_triton_is_never_dropped(shipped, tmp_path, monkeypatch):
+    """Only borrowed pins are guarded: a table recorded with this Triton is pinned as it was."""
+    tuner = shipped["fla.ops.x.kernel_a"]
+    tuner.unbuildable = [{"BT": 64}]
+    assert kernel_configs.pin_tuned_configs() == 1
+    with pytest.raises(FakeBuildError):
+        tuner.run((9, 64, True, "torch.bfloat16"))
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed (a CUDA-side extra)")
+def test_triton_autotunes_a_kernel_whose_borrowed_config_does_not_build():
+    """Triton's own Autotuner, under its CPU interpreter: a borrowed tile wider than the row fails its compile-time
+    assertion, and the guarded call autotunes over the kernel's candidates (a benchmark stands in for the GPU's)."""
+    from interpreted import run_interpreted
+
+    script = """
+import torch, triton, triton.language as tl
+from tcal.kernel_configs import borrow_guard
+
+def bench(fn, quantiles):  # Triton's benchmark on a GPU gives a config that does not build an infinite time
+    try:
+        fn()
+    except Exception:
+        return [float("inf")] * 3
+    return [1.0] * 3
+
+@triton.autotune(configs=[triton.Config({"B": 16}, num_warps=1), triton.Config({"B": 32}, num_warps=1)], key=["N"], do_bench=bench)
+@triton.jit
+def double(x, y, N: tl.constexpr, B: tl.constexpr):
+    tl.static_assert(B <= N, "a tile wider than the row")
+    i = tl.arange(0, B)
+    tl.store(y + i, tl.load(x + i, mask=i < N) * 2, mask=i < N)
+
+x, y = torch.arange(16.0), torch.zeros(16)
+key, lent = (16, "torch.float32", "torch.float32"), triton.Config({"B": 32}, num_warps=1)
+double.cache[key] = lent
+borrow_guard(double, {key: lent})
+double[(1,)](x, y, 16)
+assert torch.equal(y, 2 * x) and double.cache[key].kwargs == {"B": 16}, double.cache
+print("ok")
+"""
+    done = run_interpreted(script, timeout=120)
+    assert done.returncode == 0 and "ok" in done.stdout, done.stdout + done.stderr
