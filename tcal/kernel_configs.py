@@ -208,12 +208,14 @@ def pin_tuned_configs() -> int:
     """Put the shipped winners into fla's autotuner caches (idempotent; a key already there, or pinned from a
     table earlier in shipped_tables' order, stays). Where no table holds a key for this Triton, the winner
     recorded under the nearest Triton (borrowed_tables) is pinned if it is one of this kernel's candidates here
-    (fla leaves a config out of a Triton it miscompiles under), guarded: a borrowed config this Triton cannot
+    (a config fla does not offer under this Triton is never launched), guarded: a borrowed config this Triton cannot
     build (shared memory, registers) drops the kernel's borrowed keys and the call autotunes (borrow_guard).
     Returns how many were pinned."""
     tables, borrowed = shipped_tables(), borrowed_tables()
     if not tables and not borrowed:
         return 0
+    if borrowed:
+        import triton.errors  # noqa: F401  (borrow_guard's; a Triton without it fails here, before any cache changes)
     pinned = 0
     for name, tuner in autotuners():
         for entry in (e for table in tables for e in table["kernels"].get(name, [])):
