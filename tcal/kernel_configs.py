@@ -208,7 +208,7 @@ def pin_tuned_configs() -> int:
     """Put the shipped winners into fla's autotuner caches (idempotent; a key already there, or pinned from a
     table earlier in shipped_tables' order, stays). Where no table holds a key for this Triton, the winner
     recorded under the nearest Triton (borrowed_tables) is pinned if it is one of this kernel's candidates here
-    (a config fla does not offer under this Triton is never launched), guarded: a borrowed config this Triton cannot
+    (a config fla does not offer under this Triton is never pinned), guarded: a borrowed config this Triton cannot
     build (shared memory, registers) drops the kernel's borrowed keys and the call autotunes (borrow_guard).
     Returns how many were pinned."""
     tables, borrowed = shipped_tables(), borrowed_tables()
