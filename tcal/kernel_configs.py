@@ -43,6 +43,7 @@ from pathlib import Path
 
 import torch
 
+from .kernels import version_tuple
 from .switches import enabled
 
 DIRECTORY = Path(__file__).with_name("kernel_configs")
@@ -145,19 +146,14 @@ def shipped_tables() -> list[dict]:
     return sorted((t for t in all_tables() if t.get("triton") == here), key=lambda t: t.get("gpu") != gpu_label())
 
 
-def release(version: str) -> tuple[int, ...]:
-    """'3.9.0' -> (3, 9, 0): Triton versions compared as numbers ('3.10' follows '3.9')."""
-    return tuple(int(part) for part in re.findall(r"\d+", version.split("+")[0])[:3])
-
-
 def borrowed_tables() -> list[dict]:
     """Tables of this compute capability and fla recorded under other Triton versions, the nearest release first
     (this GPU's own first within one): what serves a Triton no table was recorded with (pin_tuned_configs)."""
     here = versions()["triton"]
-    mine = release(here) + (0, 0, 0)
+    mine = version_tuple(here) + (0, 0, 0)
 
     def nearness(table):  # the distance in major, then minor, then patch release; this GPU's own table first
-        there = release(table["triton"]) + (0, 0, 0)
+        there = version_tuple(table["triton"]) + (0, 0, 0)
         return [abs(a - b) for a, b in zip(mine[:3], there[:3])], table.get("gpu") != gpu_label()
 
     return sorted((t for t in all_tables() if t.get("triton") != here), key=nearness)
@@ -198,12 +194,6 @@ def as_config(record: dict):
                          num_ctas=record.get("num_ctas", 1), **extra)
 
 
-def same_config(record: dict, config) -> bool:
-    """Whether a recorded config is `config` (a record may leave num_ctas and maxnreg at their defaults)."""
-    mine = config_record(config)
-    return all(record.get(k, {"num_ctas": 1}.get(k)) == v for k, v in mine.items())
-
-
 def pin_tuned_configs() -> int:
     """Put the shipped winners into fla's autotuner caches (idempotent; a key already there, or pinned from a
     table earlier in shipped_tables' order, stays). Where no table holds a key for this Triton, the winner
@@ -223,12 +213,10 @@ def pin_tuned_configs() -> int:
             if tuner.cache.setdefault(as_key(entry["key"]), config) is config:
                 pinned += 1
         lent = {}
-        candidates = list(getattr(tuner, "configs", []))
+        candidates = [config_record(c) for c in getattr(tuner, "configs", [])]
         for entry in (e for table in borrowed for e in table["kernels"].get(name, [])):
-            if not any(same_config(entry["config"], c) for c in candidates):
-                continue
             config = as_config(entry["config"])
-            if tuner.cache.setdefault(as_key(entry["key"]), config) is config:
+            if config_record(config) in candidates and tuner.cache.setdefault(as_key(entry["key"]), config) is config:
                 lent[as_key(entry["key"])] = config
         if lent:
             borrow_guard(tuner, lent)

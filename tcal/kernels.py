@@ -205,14 +205,15 @@ def fla_available() -> bool:
     return True
 
 
-def _version_tuple(version: str) -> tuple[int, ...]:
+def version_tuple(version: str) -> tuple[int, ...]:
+    """'3.9.0' -> (3, 9, 0), '2.11.0+cu130' -> (2, 11, 0): versions compared as numbers ('3.10' follows '3.9')."""
     return tuple(int(part) for part in re.findall(r"\d+", version.split("+")[0])[:3])
 
 
 @functools.lru_cache(maxsize=None)
 def fla_backward_supported() -> bool:
     try:
-        return _version_tuple(importlib.metadata.version("triton")) >= FLA_BACKWARD_MIN_TRITON
+        return version_tuple(importlib.metadata.version("triton")) >= FLA_BACKWARD_MIN_TRITON
     except importlib.metadata.PackageNotFoundError:
         return False
 
